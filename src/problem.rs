@@ -1,0 +1,104 @@
+//! The responses the layer itself sends: `application/problem+json` (RFC 9457).
+
+use axum::body::Body;
+use http::{HeaderValue, Response, StatusCode, header};
+use serde::Serialize;
+
+/// The `type` URIs of the layer's problems. They are stable: clients may match on them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProblemType {
+    KeyMissing,
+    KeyMalformed,
+    ScopeMissing,
+    BodyTooLarge,
+    BodyUnreadable,
+    InProgress,
+    Mismatch,
+    StoreUnavailable,
+    CorruptRecord,
+    HandlerFailed,
+}
+
+impl ProblemType {
+    fn uri_and_title(self) -> (&'static str, &'static str) {
+        match self {
+            Self::KeyMissing => {
+                ("urn:axum-idempotency:problem:key-missing", "Idempotency-Key header is required")
+            }
+            Self::KeyMalformed => (
+                "urn:axum-idempotency:problem:key-malformed",
+                "Idempotency-Key header is malformed",
+            ),
+            Self::ScopeMissing => (
+                "urn:axum-idempotency:problem:scope-missing",
+                "The request has no idempotency scope",
+            ),
+            Self::BodyTooLarge => (
+                "urn:axum-idempotency:problem:body-too-large",
+                "Request body is larger than the idempotency limit",
+            ),
+            Self::BodyUnreadable => {
+                ("urn:axum-idempotency:problem:body-unreadable", "Request body could not be read")
+            }
+            Self::InProgress => (
+                "urn:axum-idempotency:problem:in-progress",
+                "A request with this Idempotency-Key is still being processed",
+            ),
+            Self::Mismatch => (
+                "urn:axum-idempotency:problem:key-reused",
+                "This Idempotency-Key was used with a different request",
+            ),
+            Self::StoreUnavailable => (
+                "urn:axum-idempotency:problem:store-unavailable",
+                "The idempotency store is unavailable",
+            ),
+            Self::CorruptRecord => (
+                "urn:axum-idempotency:problem:corrupt-record",
+                "The stored idempotency record could not be read",
+            ),
+            Self::HandlerFailed => {
+                ("urn:axum-idempotency:problem:handler-failed", "The request handler failed")
+            }
+        }
+    }
+}
+
+#[derive(Serialize)]
+struct ProblemBody<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    title: &'a str,
+    status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<&'a str>,
+}
+
+/// Builds a problem+json response.
+pub(crate) fn problem(
+    status: StatusCode,
+    kind: ProblemType,
+    detail: Option<&str>,
+) -> Response<Body> {
+    let (uri, title) = kind.uri_and_title();
+    let body = ProblemBody { kind: uri, title, status: status.as_u16(), detail };
+    // Serializing a struct of strings and an integer cannot fail.
+    let json = serde_json::to_vec(&body).unwrap_or_default();
+    let mut response = Response::new(Body::from(json));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+    response
+}
+
+/// Builds a problem+json response with a `Retry-After` of `seconds`.
+pub(crate) fn problem_retry_after(
+    status: StatusCode,
+    kind: ProblemType,
+    detail: Option<&str>,
+    seconds: u64,
+) -> Response<Body> {
+    let mut response = problem(status, kind, detail);
+    response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+    response
+}

@@ -1,0 +1,195 @@
+//! The stored response: a compact, versioned, binary-safe blob, and which headers go into it.
+//!
+//! Layout (all integers big-endian):
+//!
+//! ```text
+//! u8 format (1) | u16 status | u16 header count | { u16 name len, name, u32 value len, value }* | body
+//! ```
+//!
+//! One blob in one hash field keeps a completed record small (see `BENCHMARKS.md`).
+
+use bytes::{Buf, Bytes};
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+
+const FORMAT: u8 = 1;
+
+/// A response as stored for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StoredResponse {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+}
+
+/// Why a stored blob could not be read back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DecodeError(pub(crate) &'static str);
+
+/// Encodes `status`, the headers that `filter` lets through, and `body`.
+pub(crate) fn encode(
+    status: StatusCode,
+    headers: &HeaderMap,
+    filter: &HeaderFilter,
+    body: &[u8],
+) -> Bytes {
+    let kept: Vec<(&HeaderName, &HeaderValue)> =
+        headers.iter().filter(|(name, _)| filter.keeps(name, headers)).collect();
+    let size =
+        5 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
+    let mut out = Vec::with_capacity(size);
+    out.push(FORMAT);
+    out.extend_from_slice(&status.as_u16().to_be_bytes());
+    // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the casts
+    // cannot truncate.
+    out.extend_from_slice(&(kept.len() as u16).to_be_bytes());
+    for (name, value) in kept {
+        out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
+        out.extend_from_slice(value.as_bytes());
+    }
+    out.extend_from_slice(body);
+    Bytes::from(out)
+}
+
+/// Decodes a blob written by [`encode`]. Never panics; the body shares `blob`'s memory.
+pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
+    if blob.remaining() < 5 {
+        return Err(DecodeError("truncated header"));
+    }
+    if blob.get_u8() != FORMAT {
+        return Err(DecodeError("unknown response format"));
+    }
+    let status = StatusCode::from_u16(blob.get_u16()).map_err(|_| DecodeError("invalid status"))?;
+    let count = blob.get_u16();
+    let mut headers = HeaderMap::with_capacity(usize::from(count));
+    for _ in 0..count {
+        let name = take(&mut blob, 2)?;
+        let name = HeaderName::from_bytes(&name).map_err(|_| DecodeError("invalid header name"))?;
+        let value = take(&mut blob, 4)?;
+        let value = HeaderValue::from_maybe_shared(value)
+            .map_err(|_| DecodeError("invalid header value"))?;
+        headers.append(name, value);
+    }
+    Ok(StoredResponse { status, headers, body: blob })
+}
+
+/// Takes one length-prefixed field whose length is `width` bytes wide.
+fn take(blob: &mut Bytes, width: usize) -> Result<Bytes, DecodeError> {
+    if blob.remaining() < width {
+        return Err(DecodeError("truncated length"));
+    }
+    let len = if width == 2 { usize::from(blob.get_u16()) } else { blob.get_u32() as usize };
+    if blob.remaining() < len {
+        return Err(DecodeError("truncated field"));
+    }
+    Ok(blob.split_to(len))
+}
+
+/// Which response headers are stored for replay.
+///
+/// Defaults to every header except the hop-by-hop headers (and any header that `Connection`
+/// names), `Date`, `Set-Cookie` and `Content-Length` (the replay computes its own).
+#[derive(Debug, Clone)]
+pub(crate) struct HeaderFilter {
+    excluded: Vec<HeaderName>,
+}
+
+impl Default for HeaderFilter {
+    fn default() -> Self {
+        Self {
+            excluded: vec![
+                header::CONNECTION,
+                HeaderName::from_static("keep-alive"),
+                HeaderName::from_static("proxy-connection"),
+                header::PROXY_AUTHENTICATE,
+                header::PROXY_AUTHORIZATION,
+                header::TE,
+                header::TRAILER,
+                header::TRANSFER_ENCODING,
+                header::UPGRADE,
+                header::DATE,
+                header::SET_COOKIE,
+                header::CONTENT_LENGTH,
+            ],
+        }
+    }
+}
+
+impl HeaderFilter {
+    pub(crate) fn exclude(&mut self, name: HeaderName) {
+        if !self.excluded.contains(&name) {
+            self.excluded.push(name);
+        }
+    }
+
+    pub(crate) fn include(&mut self, name: &HeaderName) {
+        self.excluded.retain(|n| n != name);
+    }
+
+    fn keeps(&self, name: &HeaderName, headers: &HeaderMap) -> bool {
+        if self.excluded.contains(name) {
+            return false;
+        }
+        // Headers named in `Connection` are hop-by-hop for this response.
+        !headers.get_all(header::CONNECTION).iter().any(|listed| {
+            listed.to_str().is_ok_and(|list| {
+                list.split(',').any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample_headers() -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        headers.append("x-multi", HeaderValue::from_static("one"));
+        headers.append("x-multi", HeaderValue::from_static("two"));
+        headers.insert(header::SET_COOKIE, HeaderValue::from_static("session=1"));
+        headers.insert(header::DATE, HeaderValue::from_static("Sun, 22 Nov 2026 00:00:00 GMT"));
+        headers.insert(header::CONNECTION, HeaderValue::from_static("x-private"));
+        headers.insert("x-private", HeaderValue::from_static("hop"));
+        headers
+    }
+
+    #[test]
+    fn round_trip_keeps_status_body_and_end_to_end_headers() {
+        let blob =
+            encode(StatusCode::CREATED, &sample_headers(), &HeaderFilter::default(), b"{\"id\":7}");
+        let stored = decode(blob).unwrap();
+        assert_eq!(stored.status, StatusCode::CREATED);
+        assert_eq!(stored.body, Bytes::from_static(b"{\"id\":7}"));
+        assert_eq!(stored.headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
+        let multi: Vec<_> = stored.headers.get_all("x-multi").iter().collect();
+        assert_eq!(multi, ["one", "two"]);
+        for gone in ["set-cookie", "date", "connection", "x-private"] {
+            assert!(stored.headers.get(gone).is_none(), "{gone} was stored");
+        }
+    }
+
+    #[test]
+    fn exclusions_are_configurable() {
+        let mut filter = HeaderFilter::default();
+        filter.include(&header::SET_COOKIE);
+        filter.exclude(header::CONTENT_TYPE);
+        let stored = decode(encode(StatusCode::OK, &sample_headers(), &filter, b"")).unwrap();
+        assert!(stored.headers.get(header::SET_COOKIE).is_some());
+        assert!(stored.headers.get(header::CONTENT_TYPE).is_none());
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let blob = encode(StatusCode::OK, &sample_headers(), &HeaderFilter::default(), b"");
+        // The body may be empty, so the full blob decodes; every shorter prefix that cuts a
+        // header must fail.
+        for len in 0..blob.len() {
+            assert!(decode(blob.slice(..len)).is_err(), "prefix of {len} bytes decoded");
+        }
+        assert!(decode(Bytes::from_static(&[2, 0, 200, 0, 0])).is_err());
+        assert!(decode(Bytes::from_static(&[1, 0, 5, 0, 0])).is_err());
+    }
+}

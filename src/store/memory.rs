@@ -1,0 +1,202 @@
+//! [`MemoryStore`]: records in this process.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+
+use super::{Claim, Fenced, OwnerToken, Store, StoreError};
+use crate::{fingerprint::Fingerprint, key::RecordKey};
+
+/// Expired records are swept out once every this many claims, so that a store nobody reads
+/// back does not grow without bound.
+const SWEEP_EVERY: u64 = 1024;
+
+/// Records kept in this process, with the same semantics as [`RedisStore`](super::RedisStore),
+/// expiry included.
+///
+/// For examples, tests, and single-instance services: records are not shared between
+/// processes and do not survive a restart. Clones share one map.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<Records>>,
+}
+
+#[derive(Debug, Default)]
+struct Records {
+    map: HashMap<String, Record>,
+    claims: u64,
+}
+
+#[derive(Debug)]
+struct Record {
+    fingerprint: Fingerprint,
+    state: State,
+    expires_at: Instant,
+}
+
+#[derive(Debug)]
+enum State {
+    InProgress(OwnerToken),
+    Completed(Bytes),
+}
+
+/// What a [`MemoryStore`] holds under one key, for inspection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RecordState {
+    /// Claimed, its handler running.
+    InProgress,
+    /// Completed; the encoded response is kept for replay.
+    Completed,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// What the store holds under `key`, if anything live.
+    #[must_use]
+    pub fn state(&self, key: &RecordKey) -> Option<RecordState> {
+        let records = self.lock();
+        let record = records.live(key.as_str(), Instant::now())?;
+        Some(match record.state {
+            State::InProgress(_) => RecordState::InProgress,
+            State::Completed(_) => RecordState::Completed,
+        })
+    }
+
+    /// The number of live records.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        let now = Instant::now();
+        self.lock().map.values().filter(|record| record.expires_at > now).count()
+    }
+
+    /// Whether the store holds no live record.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Records> {
+        // Every critical section leaves the map consistent, so a panic elsewhere while the
+        // lock was held does not make it unusable.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `write` on the record under `key` if `owner` holds it.
+    fn fenced(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        write: impl FnOnce(&mut Records, &str),
+    ) -> Fenced {
+        let mut records = self.lock();
+        let owned = matches!(
+            records.live(key.as_str(), Instant::now()),
+            Some(Record { state: State::InProgress(holder), .. }) if holder == owner
+        );
+        if !owned {
+            return Fenced::Rejected;
+        }
+        write(&mut records, key.as_str());
+        Fenced::Applied
+    }
+}
+
+impl Records {
+    fn live(&self, key: &str, now: Instant) -> Option<&Record> {
+        self.map.get(key).filter(|record| record.expires_at > now)
+    }
+}
+
+impl Store for MemoryStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        records.claims += 1;
+        if records.claims.is_multiple_of(SWEEP_EVERY) {
+            records.map.retain(|_, record| record.expires_at > now);
+        }
+        if let Some(record) = records.live(key.as_str(), now) {
+            return Ok(if record.fingerprint != *fingerprint {
+                Claim::Mismatch
+            } else {
+                match &record.state {
+                    State::Completed(response) => Claim::Replay(response.clone()),
+                    State::InProgress(_) => {
+                        Claim::InProgress { remaining: record.expires_at - now }
+                    }
+                }
+            });
+        }
+        let owner = OwnerToken::random();
+        records.map.insert(
+            key.as_str().to_owned(),
+            Record {
+                fingerprint: fingerprint.clone(),
+                state: State::InProgress(owner.clone()),
+                expires_at: now + lease,
+            },
+        );
+        Ok(Claim::Claimed(owner))
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let now = Instant::now();
+        let mut records = self.lock();
+        match records.live(key.as_str(), now) {
+            Some(Record { state: State::InProgress(holder), .. }) if holder == owner => {}
+            Some(_) => return Ok(Fenced::Rejected),
+            // The lease lapsed and nobody took over: the response is still the one answer.
+            None => {}
+        }
+        records.map.insert(
+            key.as_str().to_owned(),
+            Record {
+                fingerprint: fingerprint.clone(),
+                state: State::Completed(response),
+                expires_at: now + retention,
+            },
+        );
+        Ok(Fenced::Applied)
+    }
+
+    async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        Ok(self.fenced(key, owner, |records, key| {
+            records.map.remove(key);
+        }))
+    }
+
+    async fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Fenced, StoreError> {
+        Ok(self.fenced(key, owner, |records, key| {
+            if let Some(record) = records.map.get_mut(key) {
+                record.expires_at = Instant::now() + lease;
+            }
+        }))
+    }
+}

@@ -1,0 +1,183 @@
+//! Where idempotency records live: the [`Store`] trait and its two implementations.
+//!
+//! A record moves through three transitions, each one atomic in the store:
+//!
+//! - [`Store::claim`]: an absent key becomes *in progress* under a fresh owner token and a
+//!   lease; a present key reports what holds it ([`Claim`]).
+//! - [`Store::complete`]: the owner stores the encoded response for the retention period.
+//! - [`Store::release`]: the owner deletes the record so that a retry can run.
+//!
+//! plus [`Store::touch`], which renews the owner's lease while a long handler runs.
+//! `complete`, `release` and `touch` are *fenced* by the owner token: a holder whose lease
+//! lapsed, and whose key was then claimed by another request, cannot overwrite or delete the
+//! new owner's record.
+//!
+//! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
+
+mod memory;
+mod redis;
+
+use std::{fmt, future::Future, time::Duration};
+
+use bytes::Bytes;
+
+pub use self::memory::MemoryStore;
+pub use self::memory::RecordState;
+pub use self::redis::RedisStore;
+use crate::fingerprint::Fingerprint;
+use crate::key::RecordKey;
+
+/// Format version written with every record. A record of another version is reported as
+/// [`StoreError::CorruptRecord`], never replayed or overwritten.
+pub(crate) const RECORD_VERSION: &str = "1";
+
+/// Storage for idempotency records.
+///
+/// Implementations must make each method atomic for its key. Records are opaque to the store:
+/// the fingerprint is compared byte for byte and the response is kept as the bytes it was given.
+pub trait Store: Clone + Send + Sync + 'static {
+    /// Claims `key` for a request with `fingerprint`, or reports what holds it.
+    ///
+    /// An absent key (never written, expired, or released) is claimed with a fresh
+    /// [`OwnerToken`] and expires after `lease` unless completed, released or touched.
+    fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Stores `response` under `key` for `retention`, if `owner` still holds the key or the key
+    /// is absent. Returns [`Fenced::Rejected`] when another owner or a stored response holds it.
+    fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
+
+    /// Deletes the record under `key` if `owner` still holds it.
+    fn release(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
+
+    /// Renews the lease of the record under `key` to `lease` if `owner` still holds it.
+    fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
+}
+
+/// What [`Store::claim`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// The key was absent and now belongs to the caller.
+    Claimed(OwnerToken),
+    /// A request with the same fingerprint completed; here is its encoded response.
+    Replay(Bytes),
+    /// A request with the same fingerprint is still running; its lease ends in `remaining`.
+    InProgress {
+        /// Time left on the holder's lease, by the store's clock.
+        remaining: Duration,
+    },
+    /// The key is held by a request with a different fingerprint.
+    Mismatch,
+}
+
+/// The answer of a fenced write: [`Store::complete`], [`Store::release`], [`Store::touch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fenced {
+    /// The caller held the key and the write was applied.
+    Applied,
+    /// Another owner or a stored response holds the key; nothing was written.
+    Rejected,
+}
+
+/// The random token that proves ownership of a claimed key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct OwnerToken([u8; 16]);
+
+impl OwnerToken {
+    /// A fresh random token.
+    #[must_use]
+    pub fn random() -> Self {
+        Self(rand::random())
+    }
+
+    /// The token's bytes, as written to the store.
+    #[must_use]
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // A token is a capability over the record; keep it out of logs.
+        f.write_str("OwnerToken(..)")
+    }
+}
+
+/// An error from a [`Store`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// Redis answered with an error, or the connection failed.
+    Redis(deadpool_redis::redis::RedisError),
+    /// No pooled connection could be had.
+    Pool(deadpool_redis::PoolError),
+    /// The operation did not finish within the store's command timeout. Whether it was
+    /// applied is unknown.
+    Timeout(Duration),
+    /// The value under the key was not written by this layer, or by another record version.
+    CorruptRecord(String),
+}
+
+impl StoreError {
+    /// Whether the store could not be reached or did not answer (as opposed to holding a
+    /// record it cannot read). The layer answers these with 503, or passes the request
+    /// through when it fails open.
+    #[must_use]
+    pub fn is_unavailable(&self) -> bool {
+        !matches!(self, Self::CorruptRecord(_))
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Redis(e) => write!(f, "redis error: {e}"),
+            Self::Pool(e) => write!(f, "redis pool error: {e}"),
+            Self::Timeout(after) => write!(f, "store did not answer within {after:?}"),
+            Self::CorruptRecord(why) => write!(f, "record not written by this layer: {why}"),
+        }
+    }
+}
+
+impl std::error::Error for StoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Redis(e) => Some(e),
+            Self::Pool(e) => Some(e),
+            Self::Timeout(_) | Self::CorruptRecord(_) => None,
+        }
+    }
+}
+
+impl From<deadpool_redis::redis::RedisError> for StoreError {
+    fn from(e: deadpool_redis::redis::RedisError) -> Self {
+        Self::Redis(e)
+    }
+}
+
+impl From<deadpool_redis::PoolError> for StoreError {
+    fn from(e: deadpool_redis::PoolError) -> Self {
+        Self::Pool(e)
+    }
+}
