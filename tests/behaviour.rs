@@ -1,0 +1,444 @@
+//! One behaviour suite, run against every store: `memory::*` and `redis::*` are the same tests.
+
+mod common;
+
+use std::time::Duration;
+
+use axum::{
+    Router,
+    body::Body,
+    http::{HeaderName, Request},
+};
+use axum_idempotency::{HeaderScope, IdempotencyLayer, RecordKey};
+use common::*;
+use futures_util::future::join_all;
+
+macro_rules! behaviour_suite {
+    ($($test:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let harness = <super::MemoryHarness as super::Harness>::start().await;
+                    super::$test(harness).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let harness = <super::RedisHarness as super::Harness>::start().await;
+                    super::$test(harness).await;
+                }
+            )*
+        }
+    };
+}
+
+behaviour_suite!(
+    methods_other_than_post_and_patch_pass_through,
+    requests_without_a_key_pass_through,
+    missing_key_is_400_where_a_key_is_required,
+    malformed_keys_are_400,
+    quoted_and_bare_keys_name_the_same_record,
+    patch_is_idempotent_too,
+    retry_is_replayed_with_status_headers_and_body,
+    body_over_the_limit_is_413,
+    retry_while_in_progress_gets_202_with_retry_after,
+    different_payload_is_409_in_progress_and_completed,
+    server_error_releases_the_key_so_the_retry_runs,
+    statuses_408_and_429_are_released_other_4xx_stored,
+    response_over_the_stored_limit_is_sent_and_released,
+    scopes_keep_tenants_apart,
+    ietf_preset_answers_409_and_422,
+    completed_record_expires_after_retention,
+    concurrent_duplicates_run_the_handler_once,
+    lapsed_lease_is_taken_over_and_the_old_holder_fenced,
+);
+
+fn global(key: &str) -> RecordKey {
+    RecordKey::new("idempotency", b"", key.as_bytes())
+}
+
+fn layered<H: Harness>(harness: &H, calls: &Calls) -> Router {
+    app(calls).layer(IdempotencyLayer::new(harness.store()))
+}
+
+async fn methods_other_than_post_and_patch_pass_through<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    for _ in 0..2 {
+        let seen = send(&app, keyed("GET", "/payments", "k1", "")).await;
+        assert_eq!(seen.status, 201);
+        assert!(!seen.replayed());
+    }
+    assert_eq!(calls.get(), 2);
+    assert_eq!(h.record_count().await, 0);
+}
+
+async fn requests_without_a_key_pass_through<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    for _ in 0..2 {
+        let request = Request::post("/payments").body(Body::from("{}")).unwrap();
+        let seen = send(&app, request).await;
+        assert_eq!(seen.status, 201);
+        assert_eq!(seen.header("set-cookie"), Some("session=secret"));
+    }
+    assert_eq!(calls.get(), 2);
+    assert_eq!(h.record_count().await, 0);
+}
+
+async fn missing_key_is_400_where_a_key_is_required<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).route_layer(IdempotencyLayer::new(h.store()).require_key(true));
+    let seen = send(&app, Request::post("/payments").body(Body::from("{}")).unwrap()).await;
+    seen.assert_problem(400, "key-missing");
+    // GET is not an idempotent-handled method, so it needs no key.
+    let seen = send(&app, Request::get("/payments").body(Body::empty()).unwrap()).await;
+    assert_eq!(seen.status, 201);
+    assert_eq!(calls.get(), 1);
+    assert_eq!(h.record_count().await, 0);
+}
+
+async fn malformed_keys_are_400<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let long = "k".repeat(256);
+    let bad: Vec<Vec<&[u8]>> = vec![
+        vec![b""],
+        vec![long.as_bytes()],
+        vec![b"a b"],
+        vec![b"\"unterminated"],
+        vec!["caf\u{e9}".as_bytes()],
+        vec![b"a\tb"],
+        vec![b"one", b"two"],
+        vec![b"one, two"],
+    ];
+    for values in bad {
+        let mut request = Request::post("/payments").body(Body::from("{}")).unwrap();
+        for value in &values {
+            request
+                .headers_mut()
+                .append("idempotency-key", axum::http::HeaderValue::from_bytes(value).unwrap());
+        }
+        let seen = send(&app, request).await;
+        seen.assert_problem(400, "key-malformed");
+    }
+    assert_eq!(calls.get(), 0);
+    assert_eq!(h.record_count().await, 0);
+    // 255 characters is the longest key accepted.
+    let longest = "k".repeat(255);
+    let seen = send(&app, keyed("POST", "/payments", &longest, "{}")).await;
+    assert_eq!(seen.status, 201);
+    assert_eq!(h.held(&global(&longest)).await, Some(Held::Completed));
+}
+
+async fn quoted_and_bare_keys_name_the_same_record<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let first = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    let retry = send(&app, keyed("POST", "/payments", "\"k1\"", "{}")).await;
+    assert_eq!(first.status, 201);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(calls.get(), 1);
+}
+
+async fn patch_is_idempotent_too<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    send(&app, keyed("PATCH", "/payments", "k1", "{}")).await;
+    let retry = send(&app, keyed("PATCH", "/payments", "k1", "{}")).await;
+    assert!(retry.replayed());
+    assert_eq!(calls.get(), 1);
+    // The method is part of the fingerprint.
+    let post = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    post.assert_problem(409, "key-reused");
+    assert_eq!(calls.get(), 1);
+}
+
+async fn retry_is_replayed_with_status_headers_and_body<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let first = send(&app, keyed("POST", "/payments", "k1", r#"{"amount":100}"#)).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body, r#"{"call":1,"request":{"amount":100}}"#);
+    assert_eq!(first.header("set-cookie"), Some("session=secret"));
+    assert!(!first.replayed());
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+
+    for _ in 0..2 {
+        let retry = send(&app, keyed("POST", "/payments", "k1", r#"{"amount":100}"#)).await;
+        assert_eq!(retry.status, 201);
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.header("content-type"), Some("application/json"));
+        assert_eq!(retry.header("x-payment"), Some("pay_1"));
+        assert_eq!(retry.header("content-length"), Some(first.body.len().to_string().as_str()));
+        assert_eq!(retry.header("set-cookie"), None, "Set-Cookie must not be replayed");
+        assert!(retry.replayed());
+    }
+    assert_eq!(calls.get(), 1);
+    assert_eq!(h.record_count().await, 1);
+}
+
+async fn body_over_the_limit_is_413<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).body_limit(8));
+    // Declared too large: refused before the body is read.
+    let request = Request::post("/payments")
+        .header("idempotency-key", "k1")
+        .header("content-length", "9")
+        .body(Body::from("123456789"))
+        .unwrap();
+    send(&app, request).await.assert_problem(413, "body-too-large");
+    // No Content-Length: a streamed (chunked) body that runs over.
+    let chunks = futures_util::stream::iter(["1234", "5678", "9"].map(Ok::<_, std::io::Error>));
+    let request = Request::post("/payments")
+        .header("idempotency-key", "k2")
+        .body(Body::from_stream(chunks))
+        .unwrap();
+    send(&app, request).await.assert_problem(413, "body-too-large");
+    assert_eq!(calls.get(), 0);
+    assert_eq!(h.record_count().await, 0);
+    // Exactly at the limit is fine.
+    let seen = send(&app, keyed("POST", "/payments", "k3", "12345678")).await;
+    assert_eq!(seen.status, 201);
+    assert_eq!(calls.get(), 1);
+}
+
+async fn retry_while_in_progress_gets_202_with_retry_after<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).lease(Duration::from_secs(5)));
+    let slow = |key: &str| {
+        Request::post("/slow")
+            .header("idempotency-key", key)
+            .header("x-delay-ms", "400")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let first = tokio::spawn({
+        let app = app.clone();
+        let request = slow("k1");
+        async move { send(&app, request).await }
+    });
+    eventually("the first request holds the key", async || {
+        h.held(&global("k1")).await == Some(Held::InProgress)
+    })
+    .await;
+    let retry = send(&app, slow("k1")).await;
+    retry.assert_problem(202, "in-progress");
+    let retry_after: u64 = retry.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=5).contains(&retry_after), "Retry-After {retry_after}");
+
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    let after = send(&app, slow("k1")).await;
+    assert!(after.replayed());
+    assert_eq!(after.body, first.body);
+    assert_eq!(calls.get(), 1);
+}
+
+async fn different_payload_is_409_in_progress_and_completed<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k1")
+                .header("x-delay-ms", "300")
+                .body(Body::from("a"))
+                .unwrap();
+            send(&app, request).await
+        }
+    });
+    eventually("the first request holds the key", async || {
+        h.held(&global("k1")).await == Some(Held::InProgress)
+    })
+    .await;
+    send(&app, keyed("POST", "/slow", "k1", "b")).await.assert_problem(409, "key-reused");
+    assert_eq!(first.await.unwrap().status, 201);
+    send(&app, keyed("POST", "/slow", "k1", "b")).await.assert_problem(409, "key-reused");
+    // Another route with the same key and body is a different request too.
+    send(&app, keyed("POST", "/payments", "k1", "a")).await.assert_problem(409, "key-reused");
+    assert_eq!(calls.get(), 1);
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+}
+
+async fn server_error_releases_the_key_so_the_retry_runs<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let first = send(&app, keyed("POST", "/flaky", "k1", "{}")).await;
+    assert_eq!(first.status, 500);
+    assert_eq!(first.body, "boom");
+    assert_eq!(h.held(&global("k1")).await, None);
+    let retry = send(&app, keyed("POST", "/flaky", "k1", "{}")).await;
+    assert_eq!(retry.status, 201);
+    assert!(!retry.replayed());
+    let again = send(&app, keyed("POST", "/flaky", "k1", "{}")).await;
+    assert!(again.replayed());
+    assert_eq!(again.body, retry.body);
+    assert_eq!(calls.get(), 2);
+}
+
+async fn statuses_408_and_429_are_released_other_4xx_stored<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    for (code, stored) in [(408, false), (429, false), (422, true), (404, true), (200, true), (503, false)] {
+        let uri = format!("/status/{code}");
+        let key = format!("k{code}");
+        let first = send(&app, Request::post(&uri).header("idempotency-key", &key).body(Body::empty()).unwrap()).await;
+        assert_eq!(first.status, code);
+        let retry = send(&app, Request::post(&uri).header("idempotency-key", &key).body(Body::empty()).unwrap()).await;
+        assert_eq!(retry.status, code);
+        assert_eq!(retry.replayed(), stored, "status {code}");
+        let held = h.held(&global(&key)).await;
+        assert_eq!(held, stored.then_some(Held::Completed), "status {code}");
+    }
+    // Each released status ran twice, each stored one once.
+    assert_eq!(calls.get(), 3 * 2 + 3);
+}
+
+async fn response_over_the_stored_limit_is_sent_and_released<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(1024));
+    for _ in 0..2 {
+        let seen = send(&app, keyed("POST", "/big", "k1", "")).await;
+        assert_eq!(seen.status, 200);
+        assert_eq!(seen.body.len(), 4096);
+        assert!(!seen.replayed());
+        assert_eq!(h.held(&global("k1")).await, None);
+    }
+    assert_eq!(calls.get(), 2);
+}
+
+async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store()).scope(HeaderScope::new(HeaderName::from_static("x-tenant")));
+    let app = app(&calls).layer(layer);
+    let as_tenant = |tenant: &str| {
+        Request::post("/payments")
+            .header("idempotency-key", "shared-key")
+            .header("x-tenant", tenant)
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let a = send(&app, as_tenant("a")).await;
+    let b = send(&app, as_tenant("b")).await;
+    assert!(!b.replayed(), "tenant b was replayed tenant a's response");
+    assert_eq!(b.header("x-payment"), Some("pay_2"));
+    let a_again = send(&app, as_tenant("a")).await;
+    assert!(a_again.replayed());
+    assert_eq!(a_again.body, a.body);
+    assert_eq!(calls.get(), 2);
+    assert_eq!(h.held(&RecordKey::new("idempotency", b"a", b"shared-key")).await, Some(Held::Completed));
+    assert_eq!(h.held(&RecordKey::new("idempotency", b"b", b"shared-key")).await, Some(Held::Completed));
+    // Without the scope header the request is refused, not put in a shared scope.
+    send(&app, keyed("POST", "/payments", "shared-key", "{}")).await.assert_problem(400, "scope-missing");
+    assert_eq!(calls.get(), 2);
+    assert_eq!(h.record_count().await, 2);
+}
+
+async fn ietf_preset_answers_409_and_422<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).ietf_draft());
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k1")
+                .header("x-delay-ms", "300")
+                .body(Body::from("a"))
+                .unwrap();
+            send(&app, request).await
+        }
+    });
+    eventually("the first request holds the key", async || {
+        h.held(&global("k1")).await == Some(Held::InProgress)
+    })
+    .await;
+    let busy = send(&app, keyed("POST", "/slow", "k1", "a")).await;
+    busy.assert_problem(409, "in-progress");
+    assert!(busy.header("retry-after").is_some());
+    send(&app, keyed("POST", "/slow", "k1", "b")).await.assert_problem(422, "key-reused");
+    assert_eq!(first.await.unwrap().status, 201);
+    assert!(send(&app, keyed("POST", "/slow", "k1", "a")).await.replayed());
+    assert_eq!(calls.get(), 1);
+}
+
+async fn completed_record_expires_after_retention<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).retention(Duration::from_millis(300)));
+    send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(h.held(&global("k1")).await, None);
+    let after = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert!(!after.replayed());
+    assert_eq!(after.header("x-payment"), Some("pay_2"));
+    assert_eq!(calls.get(), 2);
+}
+
+async fn concurrent_duplicates_run_the_handler_once<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let requests = (0..50).map(|_| {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k1")
+                .header("x-delay-ms", "50")
+                .body(Body::from("{}"))
+                .unwrap();
+            send(&app, request).await
+        })
+    });
+    let answers: Vec<Seen> = join_all(requests).await.into_iter().map(Result::unwrap).collect();
+    assert_eq!(calls.get(), 1);
+    let originals = answers.iter().filter(|a| a.status == 201 && !a.replayed()).count();
+    assert_eq!(originals, 1);
+    for answer in &answers {
+        match answer.status.as_u16() {
+            201 => assert_eq!(answer.header("x-payment"), Some("pay_1")),
+            202 => answer.assert_problem(202, "in-progress"),
+            other => panic!("unexpected status {other}: {answer:?}"),
+        }
+    }
+}
+
+async fn lapsed_lease_is_taken_over_and_the_old_holder_fenced<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).lease(Duration::from_millis(150)));
+    let request = || {
+        Request::post("/first-slow")
+            .header("idempotency-key", "k1")
+            .header("x-delay-ms", "600")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let first = tokio::spawn({
+        let app = app.clone();
+        let request = request();
+        async move { send(&app, request).await }
+    });
+    eventually("the first request holds the key", async || {
+        h.held(&global("k1")).await == Some(Held::InProgress)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    // The first holder's lease has lapsed: this request takes the key over and completes.
+    let second = send(&app, request()).await;
+    assert_eq!(second.status, 201);
+    assert!(!second.replayed());
+    assert_eq!(second.header("x-payment"), Some("pay_2"));
+    // The first holder finishes later; its client gets its own answer, but it cannot
+    // overwrite the record that the second owner wrote.
+    let first = first.await.unwrap();
+    assert_eq!(first.header("x-payment"), Some("pay_1"));
+    let retry = send(&app, request()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.header("x-payment"), Some("pay_2"));
+    assert_eq!(calls.get(), 2);
+}

@@ -1,0 +1,367 @@
+//! Shared test harness: private Redis servers, the test app, and the store harnesses that the
+//! behaviour suite runs against.
+#![allow(dead_code, unreachable_pub)]
+
+use std::{
+    net::TcpListener,
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    http::{HeaderMap, Request, Response, StatusCode},
+    routing::{get, post},
+};
+use axum_idempotency::{
+    MemoryStore, RecordKey, RedisStore, Store,
+    deadpool_redis::{
+        Config, Pool, Runtime,
+        redis::{self, AsyncCommands},
+    },
+    store::RecordState,
+};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+/// A private `redis-server` on a free loopback port, stopped by pid when dropped.
+pub struct RedisServer {
+    child: Child,
+    pub port: u16,
+}
+
+impl RedisServer {
+    /// Starts a server; panics, loudly, when `redis-server` is not on PATH.
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> Self {
+        let port = free_port();
+        let child = Self::spawn(port, extra);
+        let server = Self { child, port };
+        server.wait_until_up();
+        server
+    }
+
+    fn spawn(port: u16, extra: &[&str]) -> Child {
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| {
+                panic!("these tests need `redis-server` on PATH (apt-get install redis-server): {error}")
+            })
+    }
+
+    fn wait_until_up(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(client) = redis::Client::open(self.url())
+                && let Ok(mut connection) = client.get_connection()
+                && redis::cmd("PING").query::<String>(&mut connection).is_ok()
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "redis-server on port {} did not come up", self.port);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn pool(&self) -> Pool {
+        Config::from_url(self.url()).create_pool(Some(Runtime::Tokio1)).expect("pool")
+    }
+
+    /// A plain connection for looking at what the layer wrote.
+    pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .expect("client")
+            .get_multiplexed_async_connection()
+            .await
+            .expect("connection to the test redis")
+    }
+
+    /// Kills the server (SIGKILL) and starts it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = Self::spawn(self.port, &[]);
+        self.wait_until_up();
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill").args([signal, &self.pid().to_string()]).status().expect("kill");
+        assert!(status.success(), "kill {signal} failed");
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        // A stopped server ignores SIGTERM until continued; SIGKILL works either way.
+        self.kill();
+    }
+}
+
+/// A loopback port nobody listens on right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// What a store holds under a key, read from the store itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Held {
+    InProgress,
+    Completed,
+}
+
+/// One store under test, with a way to look inside it.
+pub trait Harness: Sized {
+    type Store: Store;
+    async fn start() -> Self;
+    fn store(&self) -> Self::Store;
+    async fn held(&self, key: &RecordKey) -> Option<Held>;
+    async fn record_count(&self) -> usize;
+}
+
+pub struct MemoryHarness(MemoryStore);
+
+impl Harness for MemoryHarness {
+    type Store = MemoryStore;
+
+    async fn start() -> Self {
+        Self(MemoryStore::new())
+    }
+
+    fn store(&self) -> MemoryStore {
+        self.0.clone()
+    }
+
+    async fn held(&self, key: &RecordKey) -> Option<Held> {
+        match self.0.state(key)? {
+            RecordState::InProgress => Some(Held::InProgress),
+            RecordState::Completed => Some(Held::Completed),
+            other => panic!("unknown state {other:?}"),
+        }
+    }
+
+    async fn record_count(&self) -> usize {
+        self.0.len()
+    }
+}
+
+pub struct RedisHarness {
+    pub server: RedisServer,
+    pub store: RedisStore,
+}
+
+impl Harness for RedisHarness {
+    type Store = RedisStore;
+
+    async fn start() -> Self {
+        let server = RedisServer::start();
+        let store = RedisStore::new(server.pool());
+        Self { server, store }
+    }
+
+    fn store(&self) -> RedisStore {
+        self.store.clone()
+    }
+
+    async fn held(&self, key: &RecordKey) -> Option<Held> {
+        let mut connection = self.server.connection().await;
+        let fields: Vec<String> = connection.hkeys(key.as_str()).await.expect("HKEYS");
+        let has = |field: &str| fields.iter().any(|f| f == field);
+        match (has("o"), has("r")) {
+            (false, false) => None,
+            (true, false) => Some(Held::InProgress),
+            (false, true) => Some(Held::Completed),
+            (true, true) => panic!("record {} is both in progress and completed", key.as_str()),
+        }
+    }
+
+    async fn record_count(&self) -> usize {
+        let mut connection = self.server.connection().await;
+        redis::cmd("DBSIZE").query_async(&mut connection).await.expect("DBSIZE")
+    }
+}
+
+/// Counts how many times the test app's handlers ran.
+#[derive(Clone, Default)]
+pub struct Calls(Arc<AtomicUsize>);
+
+impl Calls {
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn next(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+}
+
+/// The routes the suite drives. Each response body names the call that made it, so a replay
+/// shows whose response it is.
+///
+/// - `POST|PATCH|GET /payments`: 201 with `content-type`, `x-payment`, `set-cookie`; the body
+///   echoes the request body.
+/// - `POST /slow`: waits `x-delay-ms` milliseconds, then answers like `/payments`.
+/// - `POST /first-slow`: the first call waits `x-delay-ms`, later calls answer at once.
+/// - `POST /flaky`: 500 on the first call, 201 afterwards.
+/// - `POST /status/{code}`: answers with that status.
+/// - `POST /big`: a 4 KiB body.
+/// - `POST /panic`: panics.
+pub fn app(calls: &Calls) -> Router {
+    let payment = |calls: Calls| {
+        move |headers: HeaderMap, body: Bytes| async move {
+            let call = calls.next();
+            if let Some(delay) = headers.get("x-delay-ms") {
+                let ms: u64 = delay.to_str().unwrap().parse().unwrap();
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            created(call, &body)
+        }
+    };
+    let first_slow = {
+        let calls = calls.clone();
+        move |headers: HeaderMap, body: Bytes| async move {
+            let call = calls.next();
+            if call == 1 {
+                let ms: u64 = headers["x-delay-ms"].to_str().unwrap().parse().unwrap();
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            created(call, &body)
+        }
+    };
+    let flaky = {
+        let calls = calls.clone();
+        move |body: Bytes| async move {
+            let call = calls.next();
+            if call == 1 {
+                return Response::builder().status(500).body(Body::from("boom")).unwrap();
+            }
+            created(call, &body)
+        }
+    };
+    let status = {
+        let calls = calls.clone();
+        move |axum::extract::Path(code): axum::extract::Path<u16>| async move {
+            let call = calls.next();
+            Response::builder().status(code).body(Body::from(format!("call {call}"))).unwrap()
+        }
+    };
+    let big = {
+        let calls = calls.clone();
+        move || async move {
+            calls.next();
+            vec![b'x'; 4096]
+        }
+    };
+    let panics = {
+        let calls = calls.clone();
+        move || async move {
+            if calls.next() > 0 {
+                panic!("handler panicked on purpose");
+            }
+            "unreachable"
+        }
+    };
+    Router::new()
+        .route(
+            "/payments",
+            post(payment(calls.clone())).patch(payment(calls.clone())).get(payment(calls.clone())),
+        )
+        .route("/slow", post(payment(calls.clone())))
+        .route("/first-slow", post(first_slow))
+        .route("/flaky", post(flaky))
+        .route("/status/{code}", post(status))
+        .route("/big", post(big))
+        .route("/panic", post(panics))
+        .route("/health", get(|| async { "ok" }))
+}
+
+fn created(call: usize, body: &[u8]) -> Response<Body> {
+    Response::builder()
+        .status(StatusCode::CREATED)
+        .header("content-type", "application/json")
+        .header("x-payment", format!("pay_{call}"))
+        .header("set-cookie", "session=secret")
+        .body(Body::from(format!(
+            r#"{{"call":{call},"request":{}}}"#,
+            String::from_utf8_lossy(body)
+        )))
+        .unwrap()
+}
+
+/// A request builder with the key header already set.
+pub fn keyed(method: &str, uri: &str, key: &str, body: &'static str) -> Request<Body> {
+    Request::builder()
+        .method(method)
+        .uri(uri)
+        .header("idempotency-key", key)
+        .body(Body::from(body))
+        .unwrap()
+}
+
+/// What a client sees of one response.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: String,
+}
+
+impl Seen {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.header("idempotency-replayed") == Some("true")
+    }
+
+    /// Asserts a problem+json answer with `status` and the given `type` suffix.
+    pub fn assert_problem(&self, status: u16, type_suffix: &str) {
+        assert_eq!(self.status.as_u16(), status, "{self:?}");
+        assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
+        let json: serde_json::Value = serde_json::from_str(&self.body).expect("problem body is JSON");
+        assert_eq!(json["status"], status, "{self:?}");
+        let kind = json["type"].as_str().expect("type");
+        assert!(kind.ends_with(type_suffix), "type {kind} does not end with {type_suffix}");
+        assert!(json["title"].is_string(), "{self:?}");
+    }
+}
+
+pub async fn send(app: &Router, request: Request<Body>) -> Seen {
+    let response = app.clone().oneshot(request).await.expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Seen { status: parts.status, headers: parts.headers, body: String::from_utf8_lossy(&body).into_owned() }
+}
+
+/// Waits until `check` holds, for at most two seconds.
+pub async fn eventually<F: AsyncFn() -> bool>(what: &str, check: F) {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !check().await {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
