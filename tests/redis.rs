@@ -1,0 +1,199 @@
+//! What only Redis can show: the record layout, several app instances on one Redis, script
+//! reloading, and an unreachable or foreign Redis.
+
+mod common;
+
+use std::{collections::HashMap, time::Duration};
+
+use axum::{Router, body::Body, http::Request};
+use axum_idempotency::{
+    IdempotencyLayer, RecordKey, RedisStore,
+    deadpool_redis::redis::{self, AsyncCommands},
+};
+use common::*;
+use futures_util::future::join_all;
+
+fn global(key: &str) -> RecordKey {
+    RecordKey::new("idempotency", b"", key.as_bytes())
+}
+
+fn redis_app(server: &RedisServer, calls: &Calls) -> Router {
+    app(calls).layer(IdempotencyLayer::new(RedisStore::new(server.pool())))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_are_small_hashes_that_never_hold_the_raw_key() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(RedisStore::new(server.pool()))
+            .lease(Duration::from_secs(7))
+            .retention(Duration::from_secs(60)),
+    );
+    let mut redis = server.connection().await;
+    let key = global("order-secret-42");
+
+    let running = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "order-secret-42")
+                .header("x-delay-ms", "300")
+                .body(Body::from("{}"))
+                .unwrap();
+            send(&app, request).await
+        }
+    });
+    eventually("the claim is written", async || {
+        redis.clone().exists::<_, bool>(key.as_str()).await.unwrap()
+    })
+    .await;
+    let claimed: HashMap<String, Vec<u8>> = redis.hgetall(key.as_str()).await.unwrap();
+    let mut fields: Vec<_> = claimed.keys().cloned().collect();
+    fields.sort();
+    assert_eq!(fields, ["f", "o", "v"]);
+    assert_eq!(claimed["v"], b"1");
+    assert_eq!(claimed["f"].len(), 32);
+    assert_eq!(claimed["o"].len(), 16);
+    let lease_left: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!((6_000..=7_000).contains(&lease_left), "lease PTTL {lease_left}");
+
+    assert_eq!(running.await.unwrap().status, 201);
+    let completed: HashMap<String, Vec<u8>> = redis.hgetall(key.as_str()).await.unwrap();
+    let mut fields: Vec<_> = completed.keys().cloned().collect();
+    fields.sort();
+    assert_eq!(fields, ["f", "r", "v"]);
+    assert_eq!(completed["f"], claimed["f"]);
+    let retention_left: i64 = redis.pttl(key.as_str()).await.unwrap();
+    assert!((55_000..=60_000).contains(&retention_left), "retention PTTL {retention_left}");
+
+    let keys: Vec<String> = redis.keys("*").await.unwrap();
+    assert_eq!(keys, [key.as_str()]);
+    assert!(keys[0].starts_with("idempotency:{") && !keys[0].contains("secret"));
+    assert_eq!(calls.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_app_instances_on_one_redis_run_the_handler_once() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    // Two separately built layers and pools: two instances of the service.
+    let instances = [redis_app(&server, &calls), redis_app(&server, &calls)];
+    let requests = (0..50).map(|i| {
+        let app = instances[i % 2].clone();
+        tokio::spawn(async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k1")
+                .header("x-delay-ms", "50")
+                .body(Body::from("{}"))
+                .unwrap();
+            send(&app, request).await
+        })
+    });
+    let answers: Vec<Seen> = join_all(requests).await.into_iter().map(Result::unwrap).collect();
+    assert_eq!(calls.get(), 1);
+    for answer in &answers {
+        match answer.status.as_u16() {
+            201 => assert_eq!(answer.header("x-payment"), Some("pay_1")),
+            202 => answer.assert_problem(202, "in-progress"),
+            other => panic!("unexpected status {other}: {answer:?}"),
+        }
+    }
+    let mut redis = server.connection().await;
+    let fields: Vec<String> = redis.hkeys(global("k1").as_str()).await.unwrap();
+    assert!(fields.contains(&"r".to_owned()), "fields {fields:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_reloaded_after_script_flush() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = redis_app(&server, &calls);
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    let mut redis = server.connection().await;
+    let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut redis).await.unwrap();
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(send(&app, keyed("POST", "/payments", "k2", "{}")).await.status, 201);
+    let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut redis).await.unwrap();
+    assert!(send(&app, keyed("POST", "/payments", "k2", "{}")).await.replayed());
+    assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_redis_is_503_and_the_handler_does_not_run() {
+    let calls = Calls::default();
+    let store = RedisStore::from_url(&format!("redis://127.0.0.1:{}", free_port())).unwrap();
+    let app = app(&calls).layer(IdempotencyLayer::new(store));
+    let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    seen.assert_problem(503, "store-unavailable");
+    assert_eq!(seen.header("retry-after"), Some("1"));
+    // Requests without a key never touch the store.
+    let plain = send(&app, Request::post("/payments").body(Body::from("{}")).unwrap()).await;
+    assert_eq!(plain.status, 201);
+    assert_eq!(calls.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fail_open_runs_the_handler_when_redis_is_unreachable() {
+    let calls = Calls::default();
+    let store = RedisStore::from_url(&format!("redis://127.0.0.1:{}", free_port())).unwrap();
+    let app = app(&calls).layer(IdempotencyLayer::new(store).fail_open(true));
+    for call in 1..=2 {
+        let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+        assert_eq!(seen.status, 201);
+        assert!(!seen.replayed());
+        assert_eq!(seen.header("x-payment"), Some(format!("pay_{call}").as_str()));
+    }
+    assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_succeed_again_after_redis_restarts() {
+    let mut server = RedisServer::start();
+    let calls = Calls::default();
+    let app = redis_app(&server, &calls);
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    server.restart();
+    // The shared connection died with the server; at most one request sees that.
+    let mut statuses = Vec::new();
+    for i in 0..3 {
+        statuses.push(send(&app, keyed("POST", "/payments", &format!("after-{i}"), "{}")).await.status);
+    }
+    assert!(statuses[1..].iter().all(|s| *s == 201), "statuses after restart: {statuses:?}");
+    assert!(matches!(statuses[0].as_u16(), 201 | 503), "statuses after restart: {statuses:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_value_under_the_key_is_500_and_left_alone() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = redis_app(&server, &calls);
+    let mut redis = server.connection().await;
+
+    let () = redis.set(global("string").as_str(), "not ours").await.unwrap();
+    let () = redis.hset_multiple(global("version").as_str(), &[("v", "9"), ("f", "x")]).await.unwrap();
+    let () = redis.hset(global("fieldless").as_str(), "v", "1").await.unwrap();
+    for key in ["string", "version", "fieldless"] {
+        let seen = send(&app, keyed("POST", "/payments", key, "{}")).await;
+        seen.assert_problem(500, "corrupt-record");
+    }
+    assert_eq!(calls.get(), 0);
+    let kept: String = redis.get(global("string").as_str()).await.unwrap();
+    assert_eq!(kept, "not ours");
+    let version: String = redis.hget(global("version").as_str(), "v").await.unwrap();
+    assert_eq!(version, "9");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_stored_response_is_500_not_a_rerun() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = redis_app(&server, &calls);
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    let mut redis = server.connection().await;
+    let key = global("k1");
+    let blob: Vec<u8> = redis.hget(key.as_str(), "r").await.unwrap();
+    let () = redis.hset(key.as_str(), "r", &blob[..7]).await.unwrap();
+    send(&app, keyed("POST", "/payments", "k1", "{}")).await.assert_problem(500, "corrupt-record");
+    assert_eq!(calls.get(), 1);
+}
