@@ -286,12 +286,22 @@ async fn server_error_releases_the_key_so_the_retry_runs<H: Harness>(h: H) {
 async fn statuses_408_and_429_are_released_other_4xx_stored<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = layered(&h, &calls);
-    for (code, stored) in [(408, false), (429, false), (422, true), (404, true), (200, true), (503, false)] {
+    for (code, stored) in
+        [(408, false), (429, false), (422, true), (404, true), (200, true), (503, false)]
+    {
         let uri = format!("/status/{code}");
         let key = format!("k{code}");
-        let first = send(&app, Request::post(&uri).header("idempotency-key", &key).body(Body::empty()).unwrap()).await;
+        let first = send(
+            &app,
+            Request::post(&uri).header("idempotency-key", &key).body(Body::empty()).unwrap(),
+        )
+        .await;
         assert_eq!(first.status, code);
-        let retry = send(&app, Request::post(&uri).header("idempotency-key", &key).body(Body::empty()).unwrap()).await;
+        let retry = send(
+            &app,
+            Request::post(&uri).header("idempotency-key", &key).body(Body::empty()).unwrap(),
+        )
+        .await;
         assert_eq!(retry.status, code);
         assert_eq!(retry.replayed(), stored, "status {code}");
         let held = h.held(&global(&key)).await;
@@ -316,7 +326,8 @@ async fn response_over_the_stored_limit_is_sent_and_released<H: Harness>(h: H) {
 
 async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
     let calls = Calls::default();
-    let layer = IdempotencyLayer::new(h.store()).scope(HeaderScope::new(HeaderName::from_static("x-tenant")));
+    let layer = IdempotencyLayer::new(h.store())
+        .scope(HeaderScope::new(HeaderName::from_static("x-tenant")));
     let app = app(&calls).layer(layer);
     let as_tenant = |tenant: &str| {
         Request::post("/payments")
@@ -333,10 +344,18 @@ async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
     assert!(a_again.replayed());
     assert_eq!(a_again.body, a.body);
     assert_eq!(calls.get(), 2);
-    assert_eq!(h.held(&RecordKey::new("idempotency", b"a", b"shared-key")).await, Some(Held::Completed));
-    assert_eq!(h.held(&RecordKey::new("idempotency", b"b", b"shared-key")).await, Some(Held::Completed));
+    assert_eq!(
+        h.held(&RecordKey::new("idempotency", b"a", b"shared-key")).await,
+        Some(Held::Completed)
+    );
+    assert_eq!(
+        h.held(&RecordKey::new("idempotency", b"b", b"shared-key")).await,
+        Some(Held::Completed)
+    );
     // Without the scope header the request is refused, not put in a shared scope.
-    send(&app, keyed("POST", "/payments", "shared-key", "{}")).await.assert_problem(400, "scope-missing");
+    send(&app, keyed("POST", "/payments", "shared-key", "{}"))
+        .await
+        .assert_problem(400, "scope-missing");
     assert_eq!(calls.get(), 2);
     assert_eq!(h.record_count().await, 2);
 }
@@ -370,7 +389,8 @@ async fn ietf_preset_answers_409_and_422<H: Harness>(h: H) {
 
 async fn completed_record_expires_after_retention<H: Harness>(h: H) {
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).retention(Duration::from_millis(300)));
+    let app =
+        app(&calls).layer(IdempotencyLayer::new(h.store()).retention(Duration::from_millis(300)));
     send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     tokio::time::sleep(Duration::from_millis(400)).await;

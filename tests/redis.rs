@@ -157,7 +157,8 @@ async fn requests_succeed_again_after_redis_restarts() {
     // The shared connection died with the server; at most one request sees that.
     let mut statuses = Vec::new();
     for i in 0..3 {
-        statuses.push(send(&app, keyed("POST", "/payments", &format!("after-{i}"), "{}")).await.status);
+        statuses
+            .push(send(&app, keyed("POST", "/payments", &format!("after-{i}"), "{}")).await.status);
     }
     assert!(statuses[1..].iter().all(|s| *s == 201), "statuses after restart: {statuses:?}");
     assert!(matches!(statuses[0].as_u16(), 201 | 503), "statuses after restart: {statuses:?}");
@@ -171,7 +172,8 @@ async fn a_foreign_value_under_the_key_is_500_and_left_alone() {
     let mut redis = server.connection().await;
 
     let () = redis.set(global("string").as_str(), "not ours").await.unwrap();
-    let () = redis.hset_multiple(global("version").as_str(), &[("v", "9"), ("f", "x")]).await.unwrap();
+    let () =
+        redis.hset_multiple(global("version").as_str(), &[("v", "9"), ("f", "x")]).await.unwrap();
     let () = redis.hset(global("fieldless").as_str(), "v", "1").await.unwrap();
     for key in ["string", "version", "fieldless"] {
         let seen = send(&app, keyed("POST", "/payments", key, "{}")).await;

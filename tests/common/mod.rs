@@ -70,7 +70,11 @@ impl RedisServer {
             {
                 return;
             }
-            assert!(Instant::now() < deadline, "redis-server on port {} did not come up", self.port);
+            assert!(
+                Instant::now() < deadline,
+                "redis-server on port {} did not come up",
+                self.port
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -109,7 +113,8 @@ impl RedisServer {
     }
 
     pub fn signal(&self, signal: &str) {
-        let status = Command::new("kill").args([signal, &self.pid().to_string()]).status().expect("kill");
+        let status =
+            Command::new("kill").args([signal, &self.pid().to_string()]).status().expect("kill");
         assert!(status.success(), "kill {signal} failed");
     }
 }
@@ -342,7 +347,8 @@ impl Seen {
     pub fn assert_problem(&self, status: u16, type_suffix: &str) {
         assert_eq!(self.status.as_u16(), status, "{self:?}");
         assert_eq!(self.header("content-type"), Some("application/problem+json"), "{self:?}");
-        let json: serde_json::Value = serde_json::from_str(&self.body).expect("problem body is JSON");
+        let json: serde_json::Value =
+            serde_json::from_str(&self.body).expect("problem body is JSON");
         assert_eq!(json["status"], status, "{self:?}");
         let kind = json["type"].as_str().expect("type");
         assert!(kind.ends_with(type_suffix), "type {kind} does not end with {type_suffix}");
@@ -354,7 +360,11 @@ pub async fn send(app: &Router, request: Request<Body>) -> Seen {
     let response = app.clone().oneshot(request).await.expect("infallible");
     let (parts, body) = response.into_parts();
     let body = body.collect().await.expect("body").to_bytes();
-    Seen { status: parts.status, headers: parts.headers, body: String::from_utf8_lossy(&body).into_owned() }
+    Seen {
+        status: parts.status,
+        headers: parts.headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
 }
 
 /// Waits until `check` holds, for at most two seconds.

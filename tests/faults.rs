@@ -1,0 +1,78 @@
+//! Faults in the request's own life: a client that goes away, a handler that panics.
+
+mod common;
+
+use std::time::Duration;
+
+use axum_idempotency::{IdempotencyLayer, RecordKey};
+use common::*;
+use tower::ServiceExt;
+use tower_http::catch_panic::CatchPanicLayer;
+
+macro_rules! on_both_stores {
+    ($($test:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::MemoryHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::RedisHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both_stores!(
+    dropped_request_still_completes_and_the_retry_is_replayed,
+    panic_releases_the_key_and_propagates,
+);
+
+fn global(key: &str) -> RecordKey {
+    RecordKey::new("idempotency", b"", key.as_bytes())
+}
+
+async fn dropped_request_still_completes_and_the_retry_is_replayed<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()));
+    let request = || {
+        axum::http::Request::post("/slow")
+            .header("idempotency-key", "k1")
+            .header("x-delay-ms", "300")
+            .body(axum::body::Body::from("{}"))
+            .unwrap()
+    };
+    // The client gives up after 50 ms: its response future is dropped mid-handler.
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(request())).await;
+    assert!(gave_up.is_err(), "the handler should still have been running");
+    assert_eq!(h.held(&global("k1")).await, Some(Held::InProgress));
+    eventually("the orphaned handler completes and stores its response", async || {
+        h.held(&global("k1")).await == Some(Held::Completed)
+    })
+    .await;
+    let retry = send(&app, request()).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.header("x-payment"), Some("pay_1"));
+    assert_eq!(calls.get(), 1);
+}
+
+async fn panic_releases_the_key_and_propagates<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store())).layer(CatchPanicLayer::new());
+    for call in 1..=2 {
+        let seen = send(&app, keyed("POST", "/panic", "k1", "")).await;
+        // CatchPanicLayer's own answer: the panic reached it.
+        assert_eq!(seen.status, 500);
+        assert!(!seen.replayed());
+        assert_eq!(h.held(&global("k1")).await, None, "the key stayed claimed after a panic");
+        assert_eq!(calls.get(), call);
+    }
+}
