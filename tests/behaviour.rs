@@ -9,7 +9,12 @@ use axum::{
     body::Body,
     http::{HeaderName, Request},
 };
-use axum_idempotency::{HeaderScope, IdempotencyLayer, RecordKey};
+use axum::{
+    extract::FromRequestParts,
+    http::{StatusCode, request::Parts},
+    routing::post,
+};
+use axum_idempotency::{ExtractorScope, HeaderScope, IdempotencyLayer, RecordKey};
 use common::*;
 use futures_util::future::join_all;
 
@@ -51,6 +56,7 @@ behaviour_suite!(
     statuses_408_and_429_are_released_other_4xx_stored,
     response_over_the_stored_limit_is_sent_and_released,
     scopes_keep_tenants_apart,
+    extractor_scope_per_route_answers_its_rejection,
     ietf_preset_answers_409_and_422,
     completed_record_expires_after_retention,
     concurrent_duplicates_run_the_handler_once,
@@ -461,4 +467,48 @@ async fn lapsed_lease_is_taken_over_and_the_old_holder_fenced<H: Harness>(h: H) 
     assert!(retry.replayed());
     assert_eq!(retry.header("x-payment"), Some("pay_2"));
     assert_eq!(calls.get(), 2);
+}
+
+/// An app's own authenticated-user extractor.
+struct User(String);
+
+impl<S: Send + Sync> FromRequestParts<S> for User {
+    type Rejection = (StatusCode, &'static str);
+
+    async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+        match parts.headers.get("authorization").and_then(|v| v.to_str().ok()) {
+            Some(token) if token.starts_with("user ") => Ok(User(token[5..].to_owned())),
+            _ => Err((StatusCode::UNAUTHORIZED, "who are you?")),
+        }
+    }
+}
+
+async fn extractor_scope_per_route_answers_its_rejection<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let by_user = IdempotencyLayer::new(h.store()).scope(ExtractorScope::new(|user: User| user.0));
+    // Only /orders is scoped by user; /payments keeps the global scope.
+    let orders = Router::new().route("/orders", post(|| async { "ordered" })).route_layer(by_user);
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store())).merge(orders);
+    let as_user = |user: &str| {
+        Request::post("/orders")
+            .header("idempotency-key", "k1")
+            .header("authorization", format!("user {user}"))
+            .body(Body::empty())
+            .unwrap()
+    };
+    assert!(!send(&app, as_user("ann")).await.replayed());
+    assert!(!send(&app, as_user("bob")).await.replayed());
+    assert!(send(&app, as_user("ann")).await.replayed());
+    assert_eq!(h.held(&RecordKey::new("idempotency", b"ann", b"k1")).await, Some(Held::Completed));
+    assert_eq!(h.held(&RecordKey::new("idempotency", b"bob", b"k1")).await, Some(Held::Completed));
+
+    let anonymous = send(&app, keyed("POST", "/orders", "k1", "")).await;
+    assert_eq!(anonymous.status, 401);
+    assert_eq!(anonymous.body, "who are you?");
+    assert_eq!(h.record_count().await, 2);
+
+    // The global-scope route is unaffected by the per-route scope.
+    send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(calls.get(), 1);
 }
