@@ -3,6 +3,7 @@
 use std::{sync::Arc, time::Duration};
 
 use http::{HeaderName, Method, StatusCode};
+use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
 use crate::{
@@ -85,6 +86,8 @@ pub(crate) struct Config {
     pub(crate) store_policy: StorePolicy,
     pub(crate) header_filter: HeaderFilter,
     pub(crate) fail_open: bool,
+    pub(crate) keep_alive: Option<Duration>,
+    pub(crate) tasks: Option<TaskTracker>,
 }
 
 impl Default for Config {
@@ -103,6 +106,8 @@ impl Default for Config {
             store_policy: default_store_policy,
             header_filter: HeaderFilter::default(),
             fail_open: false,
+            keep_alive: Some(Duration::from_secs(5 * 60)),
+            tasks: None,
         }
     }
 }
@@ -165,8 +170,9 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Sets how long a claim holds its key while the handler runs. A request still running
-    /// when its lease ends can be taken over by a retry. Defaults to 30 seconds.
+    /// Sets how long a claim holds its key without renewal. While the handler runs, keep-alive
+    /// renews the lease (see [`keep_alive`](Self::keep_alive)); a holder that stops renewing,
+    /// because its process died, frees the key within one lease. Defaults to 30 seconds.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.config().lease = lease;
         self
@@ -218,6 +224,38 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// Stores a response header that is left out by default, such as `Set-Cookie`.
     pub fn include_replayed_header(mut self, name: HeaderName) -> Self {
         self.config().header_filter.include(&name);
+        self
+    }
+
+    /// Renews the lease of a running handler every third of a lease, for at most `ceiling`
+    /// from the claim; `None` turns renewal off. Past the ceiling, or without renewal, a
+    /// handler that outlives its lease can be taken over by a retry, which then runs the
+    /// handler again (the first holder's response is not stored). Defaults to 5 minutes.
+    pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
+        self.config().keep_alive = ceiling;
+        self
+    }
+
+    /// Spawns every claimed request's task on `tracker`, so that a server shutting down can
+    /// wait for the handlers still running and the responses they store:
+    ///
+    /// ```
+    /// use axum_idempotency::{IdempotencyLayer, MemoryStore};
+    /// use tokio_util::task::TaskTracker;
+    ///
+    /// # async fn shutdown() {
+    /// let tasks = TaskTracker::new();
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).task_tracker(tasks.clone());
+    /// // ... serve with graceful shutdown, then:
+    /// tasks.close();
+    /// tasks.wait().await;
+    /// # }
+    /// ```
+    ///
+    /// Without it the tasks are plain `tokio::spawn` tasks. A claimed request runs in a task of
+    /// its own either way, so that a client that goes away does not cancel its handler.
+    pub fn task_tracker(mut self, tracker: TaskTracker) -> Self {
+        self.config().tasks = Some(tracker);
         self
     }
 

@@ -219,7 +219,12 @@ where
 
         // 5 to 7 in a task of their own: see the module docs.
         let (finished_tx, finished_rx) = oneshot::channel();
-        tokio::spawn(self.claim_and_run(record_key, fingerprint, parts, body, finished_tx));
+        let tasks = self.config.tasks.clone();
+        let task = self.claim_and_run(record_key, fingerprint, parts, body, finished_tx);
+        match tasks {
+            Some(tracker) => drop(tracker.spawn(task)),
+            None => drop(tokio::spawn(task)),
+        }
         match finished_rx.await {
             Ok(Finished::Response(response)) => Ok(response),
             Ok(Finished::Error(error)) => Err(error),
@@ -291,7 +296,14 @@ where
         // 6. inner service. A panic is caught here only to release the key; it is then
         // resumed in the response future, as if the layer were not there.
         let request = Request::from_parts(parts, Body::from(body));
-        let response = match AssertUnwindSafe(self.inner.oneshot(request)).catch_unwind().await {
+        let handler = AssertUnwindSafe(self.inner.oneshot(request)).catch_unwind();
+        let outcome = match config.keep_alive {
+            Some(ceiling) => {
+                keep_alive(handler, &self.store, &record_key, &owner, config.lease, ceiling).await
+            }
+            None => handler.await,
+        };
+        let response = match outcome {
             Ok(Ok(response)) => response,
             Ok(Err(error)) => {
                 release(&self.store, &record_key, &owner, "the inner service failed").await;
@@ -366,6 +378,46 @@ where
                     %error,
                     "idempotency: the response could not be stored; a retry after the lease ends will run the handler again"
                 );
+            }
+        }
+    }
+}
+
+/// Runs `handler`, renewing the lease every third of a lease until it finishes, the key is
+/// lost, or `ceiling` has passed since the claim.
+async fn keep_alive<St: Store, T>(
+    handler: impl Future<Output = T>,
+    store: &St,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    lease: Duration,
+    ceiling: Duration,
+) -> T {
+    let period = (lease / 3).max(Duration::from_millis(1));
+    let give_up_at = tokio::time::Instant::now() + ceiling;
+    let mut renewals = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    renewals.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut renewing = true;
+    tokio::pin!(handler);
+    loop {
+        tokio::select! {
+            biased;
+            output = &mut handler => return output,
+            now = renewals.tick(), if renewing => {
+                if now >= give_up_at {
+                    tracing::warn!(key_hash = key.hash(), "idempotency: keep-alive ceiling reached; the lease will lapse");
+                    renewing = false;
+                    continue;
+                }
+                match store.touch(key, owner, lease).await {
+                    Ok(Fenced::Applied) => {}
+                    Ok(Fenced::Rejected) => {
+                        tracing::warn!(key_hash = key.hash(), "idempotency: lease lost to another request");
+                        renewing = false;
+                    }
+                    // The next tick tries again; the lease has two more periods to run.
+                    Err(error) => tracing::warn!(key_hash = key.hash(), %error, "idempotency: lease renewal failed"),
+                }
             }
         }
     }

@@ -61,6 +61,8 @@ behaviour_suite!(
     completed_record_expires_after_retention,
     concurrent_duplicates_run_the_handler_once,
     lapsed_lease_is_taken_over_and_the_old_holder_fenced,
+    keep_alive_holds_the_key_for_a_handler_four_times_its_lease,
+    keep_alive_stops_at_its_ceiling,
 );
 
 fn global(key: &str) -> RecordKey {
@@ -436,7 +438,8 @@ async fn concurrent_duplicates_run_the_handler_once<H: Harness>(h: H) {
 
 async fn lapsed_lease_is_taken_over_and_the_old_holder_fenced<H: Harness>(h: H) {
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).lease(Duration::from_millis(150)));
+    let layer = IdempotencyLayer::new(h.store()).lease(Duration::from_millis(150)).keep_alive(None);
+    let app = app(&calls).layer(layer);
     let request = || {
         Request::post("/first-slow")
             .header("idempotency-key", "k1")
@@ -511,4 +514,64 @@ async fn extractor_scope_per_route_answers_its_rejection<H: Harness>(h: H) {
     send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     assert_eq!(calls.get(), 1);
+}
+
+/// Sends `/first-slow` with a 1200 ms first call, retries at about 450 ms and 1000 ms, and
+/// returns (the first answer, the retries).
+async fn outlive_the_lease<H: Harness>(h: &H, app: &Router) -> (Seen, Vec<Seen>) {
+    let request = || {
+        Request::post("/first-slow")
+            .header("idempotency-key", "k1")
+            .header("x-delay-ms", "1200")
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    let first = tokio::spawn({
+        let app = app.clone();
+        let request = request();
+        async move { send(&app, request).await }
+    });
+    eventually("the first request holds the key", async || {
+        h.held(&global("k1")).await == Some(Held::InProgress)
+    })
+    .await;
+    let mut retries = Vec::new();
+    for pause in [450, 550] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        retries.push(send(app, request()).await);
+    }
+    (first.await.unwrap(), retries)
+}
+
+async fn keep_alive_holds_the_key_for_a_handler_four_times_its_lease<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store())
+        .lease(Duration::from_millis(300))
+        .keep_alive(Some(Duration::from_secs(10)));
+    let app = app(&calls).layer(layer);
+    let (first, retries) = outlive_the_lease(&h, &app).await;
+    for retry in &retries {
+        retry.assert_problem(202, "in-progress");
+    }
+    assert_eq!(first.header("x-payment"), Some("pay_1"));
+    let after = send(&app, keyed("POST", "/first-slow", "k1", "{}")).await;
+    assert!(after.replayed());
+    assert_eq!(after.header("x-payment"), Some("pay_1"));
+    assert_eq!(calls.get(), 1);
+}
+
+async fn keep_alive_stops_at_its_ceiling<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store())
+        .lease(Duration::from_millis(300))
+        .keep_alive(Some(Duration::from_millis(400)));
+    let app = app(&calls).layer(layer);
+    let (first, retries) = outlive_the_lease(&h, &app).await;
+    // Renewed until 300 ms (the lease then runs to 600 ms), not after the 400 ms ceiling: the
+    // retry at 450 ms still waits, the one at 1000 ms takes the key over.
+    retries[0].assert_problem(202, "in-progress");
+    assert_eq!(retries[1].status, 201);
+    assert_eq!(retries[1].header("x-payment"), Some("pay_2"));
+    assert_eq!(first.header("x-payment"), Some("pay_1"));
+    assert_eq!(calls.get(), 2);
 }

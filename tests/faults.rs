@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use axum_idempotency::{IdempotencyLayer, RecordKey};
 use common::*;
+use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tower_http::catch_panic::CatchPanicLayer;
 
@@ -33,6 +34,7 @@ macro_rules! on_both_stores {
 on_both_stores!(
     dropped_request_still_completes_and_the_retry_is_replayed,
     panic_releases_the_key_and_propagates,
+    task_tracker_lets_shutdown_wait_for_running_handlers,
 );
 
 fn global(key: &str) -> RecordKey {
@@ -75,4 +77,24 @@ async fn panic_releases_the_key_and_propagates<H: Harness>(h: H) {
         assert_eq!(h.held(&global("k1")).await, None, "the key stayed claimed after a panic");
         assert_eq!(calls.get(), call);
     }
+}
+
+async fn task_tracker_lets_shutdown_wait_for_running_handlers<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let tasks = TaskTracker::new();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).task_tracker(tasks.clone()));
+    let request = axum::http::Request::post("/slow")
+        .header("idempotency-key", "k1")
+        .header("x-delay-ms", "300")
+        .body(axum::body::Body::from("{}"))
+        .unwrap();
+    // The connection goes away mid-handler, as it does when a server shuts down.
+    let gave_up = tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(request)).await;
+    assert!(gave_up.is_err());
+    assert_eq!(tasks.len(), 1);
+    tasks.close();
+    tokio::time::timeout(Duration::from_secs(2), tasks.wait()).await.expect("tasks finish");
+    // Once the tracker is done, the response is stored: nothing left for the shutdown to lose.
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+    assert_eq!(calls.get(), 1);
 }
