@@ -212,3 +212,41 @@ mod tests {
         assert_eq!(a.as_str(), format!("idem:{{{}}}", a.hash()));
     }
 }
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use http::HeaderValue;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4096, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Any header value: no panic, and whatever is accepted is a valid key.
+        #[test]
+        fn parser_accepts_only_valid_keys(raw in proptest::collection::vec(any::<u8>(), 0..300)) {
+            if let Ok(value) = HeaderValue::from_bytes(&raw) {
+                let mut headers = HeaderMap::new();
+                headers.insert("idempotency-key", value);
+                if let Ok(Some(key)) = parse_key(&headers, &HeaderName::from_static("idempotency-key")) {
+                    prop_assert!((1..=MAX_KEY_LEN).contains(&key.len()));
+                    prop_assert!(key.iter().all(u8::is_ascii_graphic));
+                }
+            }
+        }
+
+        /// Every valid key is accepted bare (when it has no comma or quote) and quoted, as itself.
+        #[test]
+        fn valid_keys_round_trip(key in "[!-~]{1,255}") {
+            let name = HeaderName::from_static("idempotency-key");
+            let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
+            let mut headers = HeaderMap::new();
+            headers.insert(&name, HeaderValue::from_str(&quoted).unwrap());
+            prop_assert_eq!(parse_key(&headers, &name), Ok(Some(key.clone().into_bytes())));
+            if !key.contains([',', '"']) {
+                headers.insert(&name, HeaderValue::from_str(&key).unwrap());
+                prop_assert_eq!(parse_key(&headers, &name), Ok(Some(key.into_bytes())));
+            }
+        }
+    }
+}

@@ -62,6 +62,11 @@ pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
     }
     let status = StatusCode::from_u16(blob.get_u16()).map_err(|_| DecodeError("invalid status"))?;
     let count = blob.get_u16();
+    // Each header takes at least 6 bytes: a count the blob cannot hold is not trusted for the
+    // allocation (and `HeaderMap` panics past its own maximum).
+    if usize::from(count) > blob.remaining() / 6 {
+        return Err(DecodeError("header count larger than the record"));
+    }
     let mut headers = HeaderMap::with_capacity(usize::from(count));
     for _ in 0..count {
         let name = take(&mut blob, 2)?;
@@ -69,7 +74,7 @@ pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
         let value = take(&mut blob, 4)?;
         let value = HeaderValue::from_maybe_shared(value)
             .map_err(|_| DecodeError("invalid header value"))?;
-        headers.append(name, value);
+        headers.try_append(name, value).map_err(|_| DecodeError("too many headers"))?;
     }
     Ok(StoredResponse { status, headers, body: blob })
 }
@@ -191,5 +196,50 @@ mod tests {
         }
         assert!(decode(Bytes::from_static(&[2, 0, 200, 0, 0])).is_err());
         assert!(decode(Bytes::from_static(&[1, 0, 5, 0, 0])).is_err());
+        // A header count past HeaderMap's maximum once panicked the allocation (found by
+        // `decoder_survives_bit_flips`).
+        assert!(decode(Bytes::from_static(&[1, 0, 200, 0xff, 0xff, 0, 0, 0, 0, 0, 0])).is_err());
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 4096, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// Arbitrary bytes never panic the decoder.
+        #[test]
+        fn decoder_never_panics(blob in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = decode(Bytes::from(blob));
+        }
+
+        /// A stored blob with one byte flipped either decodes or is refused; never a panic.
+        #[test]
+        fn decoder_survives_bit_flips(body in proptest::collection::vec(any::<u8>(), 0..64), at in any::<usize>(), bit in 0u8..8) {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            let mut blob = encode(StatusCode::OK, &headers, &HeaderFilter::default(), &body).to_vec();
+            let at = at % blob.len();
+            blob[at] ^= 1 << bit;
+            let _ = decode(Bytes::from(blob));
+        }
+
+        /// What is encoded is decoded as it was.
+        #[test]
+        fn round_trip(status in 200u16..600, body in proptest::collection::vec(any::<u8>(), 0..256),
+                      values in proptest::collection::vec("[ -~]{0,40}", 0..4)) {
+            let mut headers = HeaderMap::new();
+            for value in &values {
+                headers.append("x-value", HeaderValue::from_str(value).unwrap());
+            }
+            let status = StatusCode::from_u16(status).unwrap();
+            let stored = decode(encode(status, &headers, &HeaderFilter::default(), &body)).unwrap();
+            prop_assert_eq!(stored.status, status);
+            prop_assert_eq!(stored.headers, headers);
+            prop_assert_eq!(stored.body, Bytes::from(body));
+        }
     }
 }

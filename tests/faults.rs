@@ -89,7 +89,8 @@ async fn task_tracker_lets_shutdown_wait_for_running_handlers<H: Harness>(h: H) 
         .body(axum::body::Body::from("{}"))
         .unwrap();
     // The connection goes away mid-handler, as it does when a server shuts down.
-    let gave_up = tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(request)).await;
+    let gave_up =
+        tokio::time::timeout(Duration::from_millis(50), app.clone().oneshot(request)).await;
     assert!(gave_up.is_err());
     assert_eq!(tasks.len(), 1);
     tasks.close();

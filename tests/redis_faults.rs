@@ -1,0 +1,325 @@
+//! Redis failing for real: private `redis-server` processes killed, paused (SIGSTOP) and
+//! restarted while requests run. No mocks.
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    io::Write,
+    sync::{
+        Arc, LazyLock, Mutex, Once,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum::{
+    Router,
+    body::{Body, Bytes},
+    http::{HeaderMap, Request, StatusCode},
+    routing::post,
+};
+use axum_idempotency::{
+    IdempotencyLayer, RecordKey, RedisStore,
+    deadpool_redis::redis::{self, AsyncCommands},
+};
+use common::*;
+
+static LOGS: LazyLock<Mutex<Vec<u8>>> = LazyLock::new(Mutex::default);
+static PANICS: AtomicUsize = AtomicUsize::new(0);
+
+struct LogWriter;
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        LOGS.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Sends the crate's logs to a buffer the tests read, and counts panics anywhere in the
+/// process (a panic inside a spawned task would otherwise surface only as an answer).
+fn observe() {
+    static INIT: Once = Once::new();
+    INIT.call_once(|| {
+        tracing_subscriber::fmt()
+            .with_writer(|| LogWriter)
+            .with_ansi(false)
+            .with_env_filter("axum_idempotency=debug")
+            .init();
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            PANICS.fetch_add(1, Ordering::SeqCst);
+            default(info);
+        }));
+    });
+}
+
+fn logs_mentioning(needle: &str) -> Vec<String> {
+    let logs = String::from_utf8_lossy(&LOGS.lock().unwrap()).into_owned();
+    logs.lines().filter(|line| line.contains(needle)).map(str::to_owned).collect()
+}
+
+fn global(key: &str) -> RecordKey {
+    RecordKey::new("idempotency", b"", key.as_bytes())
+}
+
+fn store(server: &RedisServer, timeout_ms: u64) -> RedisStore {
+    RedisStore::new(server.pool()).command_timeout(Duration::from_millis(timeout_ms))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_with_unknown_outcome_never_runs_the_handler() {
+    observe();
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 200)));
+    assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
+
+    server.signal("-STOP");
+    let during = tokio::time::timeout(
+        Duration::from_secs(3),
+        send(&app, keyed("POST", "/payments", "k1", "{}")),
+    )
+    .await
+    .expect("a request against a paused Redis must not hang");
+    server.signal("-CONT");
+    during.assert_problem(503, "store-unavailable");
+    assert_eq!(during.header("retry-after"), Some("1"));
+    assert_eq!(calls.get(), 1, "the handler ran although the claim's outcome was unknown");
+
+    // Redis ran the claim once it was continued: the key is held by an owner that never ran.
+    // A retry waits for that lease rather than running the handler beside an unknown outcome.
+    eventually("the late claim lands", async || {
+        let mut redis = server.connection().await;
+        redis.exists::<_, bool>(global("k1").as_str()).await.unwrap()
+    })
+    .await;
+    let retry = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    retry.assert_problem(202, "in-progress");
+    assert_eq!(calls.get(), 1);
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_that_fails_after_the_handler_ran_is_retried_in_the_background() {
+    observe();
+    let mut server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 300)));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k1")
+                .header("x-delay-ms", "300")
+                .body(Body::from("{}"))
+                .unwrap();
+            send(&app, request).await
+        }
+    });
+    let key = global("k1");
+    eventually("the claim is written", async || {
+        server.connection().await.exists::<_, bool>(key.as_str()).await.unwrap()
+    })
+    .await;
+    server.kill();
+    // The client gets its response although it could not be stored.
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201);
+    assert_eq!(first.header("x-payment"), Some("pay_1"));
+    server.restart();
+    eventually("the background retry stores the response", async || {
+        let fields: Vec<String> = server.connection().await.hkeys(key.as_str()).await.unwrap();
+        fields.contains(&"r".to_owned())
+    })
+    .await;
+    let retry = send(&app, keyed("POST", "/slow", "k1", "{}")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.header("x-payment"), Some("pay_1"));
+    assert_eq!(calls.get(), 1);
+    assert!(logs_mentioning(key.hash()).iter().any(|l| l.contains("storing the response failed")));
+    assert!(logs_mentioning(key.hash()).iter().any(|l| l.contains("completed on retry")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn complete_that_keeps_failing_logs_an_error_naming_the_key_hash() {
+    observe();
+    let mut server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 200)));
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "k2")
+                .header("x-delay-ms", "200")
+                .body(Body::from("{}"))
+                .unwrap();
+            send(&app, request).await
+        }
+    });
+    let key = global("k2");
+    eventually("the claim is written", async || {
+        server.connection().await.exists::<_, bool>(key.as_str()).await.unwrap()
+    })
+    .await;
+    server.kill();
+    assert_eq!(first.await.unwrap().status, 201);
+    eventually("the final error is logged", async || {
+        logs_mentioning(key.hash())
+            .iter()
+            .any(|l| l.contains("ERROR") && l.contains("could not be stored"))
+    })
+    .await;
+    // Hashes are hex, so "k2" in a line can only be the raw key.
+    assert!(logs_mentioning(key.hash()).iter().all(|l| !l.contains("k2")), "raw key logged");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_policy_other_than_noeviction_is_warned_about_once() {
+    observe();
+    let lru = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]);
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(RedisStore::new(lru.pool())));
+    for i in 0..3 {
+        send(&app, keyed("POST", "/payments", &format!("k{i}"), "{}")).await;
+    }
+    let warnings = logs_mentioning("policy=\"allkeys-lru\"");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("WARN") && warnings[0].contains("noeviction"));
+}
+
+/// One answer seen by the load.
+struct Answer {
+    key: String,
+    status: StatusCode,
+    retry_after: bool,
+    sent: Instant,
+    done: Instant,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
+    observe();
+    let mut server = RedisServer::start();
+    let executions: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let handler = {
+        let executions = executions.clone();
+        move |headers: HeaderMap, body: Bytes| async move {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            *executions.lock().unwrap().entry(key).or_default() += 1;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            (StatusCode::CREATED, body)
+        }
+    };
+    let layer = IdempotencyLayer::new(store(&server, 300)).lease(Duration::from_secs(2));
+    let app = Router::new().route("/pay", post(handler)).layer(layer);
+
+    let start = Instant::now();
+    let load_for = Duration::from_millis(4000);
+    let answers: Arc<Mutex<Vec<Answer>>> = Arc::default();
+    let workers: Vec<_> = (0..8)
+        .map(|worker| {
+            let (app, answers) = (app.clone(), answers.clone());
+            tokio::spawn(async move {
+                let mut n = 0u32;
+                while start.elapsed() < load_for {
+                    n += 1;
+                    let window = start.elapsed().as_millis() / 400;
+                    // Half the requests share five hot keys per 400 ms window; half are fresh.
+                    let key = if n.is_multiple_of(2) {
+                        format!("hot-{window}-{}", n % 5)
+                    } else {
+                        format!("fresh-{worker}-{n}")
+                    };
+                    let sent = Instant::now();
+                    let seen = tokio::time::timeout(
+                        Duration::from_secs(2),
+                        send(&app, keyed("POST", "/pay", &key, "{}")),
+                    )
+                    .await
+                    .unwrap_or_else(|_| panic!("request for {key} hung"));
+                    answers.lock().unwrap().push(Answer {
+                        key,
+                        status: seen.status,
+                        retry_after: seen.header("retry-after").is_some(),
+                        sent,
+                        done: Instant::now(),
+                    });
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            })
+        })
+        .collect();
+
+    let at = |ms: u64| tokio::time::sleep_until((start + Duration::from_millis(ms)).into());
+    at(400).await;
+    let mut redis = server.connection().await;
+    let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut redis).await.unwrap();
+    at(800).await;
+    server.signal("-STOP"); // longer than the 300 ms command timeout
+    at(1600).await;
+    server.signal("-CONT");
+    at(2200).await;
+    let killed_at = Instant::now();
+    server.kill();
+    at(2400).await;
+    server.restart();
+    let restarted_at = Instant::now();
+    let mut probe = 0;
+    loop {
+        probe += 1;
+        let seen = send(&app, keyed("POST", "/pay", &format!("probe-{probe}"), "{}")).await;
+        if seen.status == StatusCode::CREATED {
+            break;
+        }
+        assert!(
+            restarted_at.elapsed() < Duration::from_secs(1),
+            "no success within 1 s of the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let recovered_in = restarted_at.elapsed();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+
+    let answers = answers.lock().unwrap();
+    let executions = executions.lock().unwrap();
+    let mut tally: HashMap<u16, usize> = HashMap::new();
+    for answer in answers.iter() {
+        *tally.entry(answer.status.as_u16()).or_default() += 1;
+        match answer.status.as_u16() {
+            201 | 202 => {}
+            503 => assert!(answer.retry_after, "503 without Retry-After"),
+            other => panic!("status {other} for {}", answer.key),
+        }
+    }
+    // Keys whose every request ran while Redis kept its data (before the kill, or after the
+    // restart) ran at most once.
+    let mut span: HashMap<&str, (Instant, Instant)> = HashMap::new();
+    for answer in answers.iter() {
+        let entry = span.entry(&answer.key).or_insert((answer.sent, answer.done));
+        entry.0 = entry.0.min(answer.sent);
+        entry.1 = entry.1.max(answer.done);
+    }
+    let mut checked = 0;
+    for (key, (first, last)) in &span {
+        if last < &killed_at || first > &restarted_at {
+            checked += 1;
+            let ran = executions.get(*key).copied().unwrap_or(0);
+            assert!(ran <= 1, "{key} ran {ran} times with Redis up");
+        }
+    }
+    assert_eq!(PANICS.load(Ordering::SeqCst), 0, "something panicked");
+    assert!(tally.get(&201).copied().unwrap_or(0) > 100, "too little load got through: {tally:?}");
+    assert!(tally.contains_key(&503), "the faults never reached a request: {tally:?}");
+    eprintln!(
+        "load: {} answers {tally:?}; {checked} keys checked for single execution; recovered {recovered_in:?} after restart",
+        answers.len()
+    );
+}
