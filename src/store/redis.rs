@@ -173,14 +173,14 @@ impl RedisStore {
         &self,
         script: &'static Script,
         key: &RecordKey,
-        args: Vec<Vec<u8>>,
+        args: &[&[u8]],
     ) -> Result<Fenced, StoreError> {
         let reply: i64 = self
             .run(|mut connection| async move {
                 let mut invocation = script.prepare_invoke();
                 invocation.key(key.as_str());
                 for arg in args {
-                    invocation.arg(arg);
+                    invocation.arg(*arg);
                 }
                 invocation.invoke_async(&mut connection).await
             })
@@ -226,18 +226,19 @@ impl Store for RedisStore {
         response: Bytes,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        let args = vec![
-            owner.as_bytes().to_vec(),
-            fingerprint.as_bytes().to_vec(),
-            response.to_vec(),
-            millis(retention).to_string().into_bytes(),
-            RECORD_VERSION.as_bytes().to_vec(),
+        let retention = millis(retention).to_string();
+        let args: [&[u8]; 5] = [
+            owner.as_bytes(),
+            fingerprint.as_bytes(),
+            &response,
+            retention.as_bytes(),
+            RECORD_VERSION.as_bytes(),
         ];
-        self.fenced(&COMPLETE, key, args).await
+        self.fenced(&COMPLETE, key, &args).await
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.fenced(&RELEASE, key, vec![owner.as_bytes().to_vec()]).await
+        self.fenced(&RELEASE, key, &[owner.as_bytes()]).await
     }
 
     async fn touch(
@@ -246,8 +247,8 @@ impl Store for RedisStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
-        let args = vec![owner.as_bytes().to_vec(), millis(lease).to_string().into_bytes()];
-        self.fenced(&TOUCH, key, args).await
+        let lease = millis(lease).to_string();
+        self.fenced(&TOUCH, key, &[owner.as_bytes(), lease.as_bytes()]).await
     }
 }
 
