@@ -1,0 +1,104 @@
+//! Redis round trips per request, counted by Redis itself (`INFO commandstats` deltas).
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use axum::{body::Body, http::Request};
+use axum_idempotency::{IdempotencyLayer, RedisStore, deadpool_redis::redis};
+use common::*;
+
+/// The commands our Lua scripts run inside Redis. `INFO commandstats` counts those too; they
+/// cost no round trip, so they are left out of the count.
+fn script_internal_commands() -> Vec<String> {
+    let mut commands = Vec::new();
+    for script in ["claim", "complete", "release", "touch"] {
+        let path = format!("{}/lua/{script}.lua", env!("CARGO_MANIFEST_DIR"));
+        let source = std::fs::read_to_string(path).unwrap();
+        for call in source.split("redis.call('").skip(1) {
+            commands.push(call.split('\'').next().unwrap().to_lowercase());
+        }
+    }
+    commands
+}
+
+/// Round trips per command since the last `CONFIG RESETSTAT`.
+async fn command_calls(server: &RedisServer) -> BTreeMap<String, u64> {
+    let internal = script_internal_commands();
+    let mut redis = server.connection().await;
+    let info: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut redis).await.unwrap();
+    // Lines look like `cmdstat_evalsha:calls=20,usec=...`.
+    info.lines()
+        .filter_map(|line| line.strip_prefix("cmdstat_"))
+        .filter_map(|line| {
+            let (command, stats) = line.split_once(':')?;
+            let calls = stats.split(',').find_map(|stat| stat.strip_prefix("calls="))?;
+            Some((command.to_owned(), calls.parse().ok()?))
+        })
+        .filter(|(command, _)| !internal.contains(command))
+        .filter(|(command, _)| !["info", "config|resetstat"].contains(&command.as_str()))
+        .collect()
+}
+
+async fn reset(server: &RedisServer) {
+    let mut redis = server.connection().await;
+    let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(RedisStore::new(server.pool())));
+    // Warm up: the first request opens the connection, reads the eviction policy and loads
+    // the scripts. None of that happens again.
+    send(&app, keyed("POST", "/payments", "warm", "{}")).await;
+    send(&app, keyed("POST", "/payments", "warm", "{}")).await;
+    let n = 20;
+
+    reset(&server).await;
+    for i in 0..n {
+        assert_eq!(
+            send(&app, keyed("POST", "/payments", &format!("fresh-{i}"), "{}")).await.status,
+            201
+        );
+    }
+    let fresh = command_calls(&server).await;
+    assert_eq!(fresh, BTreeMap::from([("evalsha".to_owned(), 2 * n)]), "fresh: claim + complete");
+
+    reset(&server).await;
+    for _ in 0..n {
+        assert!(send(&app, keyed("POST", "/payments", "fresh-0", "{}")).await.replayed());
+    }
+    let replay = command_calls(&server).await;
+    assert_eq!(replay, BTreeMap::from([("evalsha".to_owned(), n)]), "replay: claim only");
+
+    let slow = tokio::spawn({
+        let app = app.clone();
+        async move {
+            let request = Request::post("/slow")
+                .header("idempotency-key", "busy")
+                .header("x-delay-ms", "300")
+                .body(Body::from("{}"))
+                .unwrap();
+            send(&app, request).await
+        }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    reset(&server).await;
+    for _ in 0..n {
+        send(&app, keyed("POST", "/slow", "busy", "{}")).await.assert_problem(202, "in-progress");
+    }
+    let in_progress = command_calls(&server).await;
+    assert_eq!(in_progress, BTreeMap::from([("evalsha".to_owned(), n)]), "in progress: claim only");
+    slow.await.unwrap();
+
+    reset(&server).await;
+    for _ in 0..n {
+        send(&app, Request::post("/payments").body(Body::from("{}")).unwrap()).await;
+        send(&app, keyed("GET", "/payments", "k", "")).await;
+    }
+    let pass_through = command_calls(&server).await;
+    assert_eq!(pass_through, BTreeMap::new(), "pass-through: no command");
+}
