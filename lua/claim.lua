@@ -1,39 +1,37 @@
 -- Claim an idempotency record, or report what already holds it. One key, one round trip.
 -- KEYS[1]  record key: {prefix}:{hash}
 -- ARGV[1]  request fingerprint (32 raw bytes)
--- ARGV[2]  owner token for a new claim
+-- ARGV[2]  owner token for a new claim (16 raw bytes)
 -- ARGV[3]  lease in milliseconds
--- ARGV[4]  record format version
+-- ARGV[4]  record format version (one byte)
+-- A record is one string (see src/store/redis.rs):
+--   version (1) | state 'P' or 'C' (1) | fingerprint (32) | owner token (16) or response
 -- Returns one of:
 --   {0}                 claimed: the caller owns the key for the lease
---   {1, response}       completed with the same fingerprint: replay the stored response
+--   {1, record}         completed with the same fingerprint: the whole record, to replay
 --   {2}                 a different fingerprint holds the key: mismatch
 --   {3, remaining_ms}   in progress under another owner
 --   {4, reason}         the value was not written by this layer (or by another version)
 local key = KEYS[1]
-local kind = redis.call('TYPE', key)['ok']
-if kind == 'none' then
-  redis.call('HSET', key, 'v', ARGV[4], 'f', ARGV[1], 'o', ARGV[2])
-  redis.call('PEXPIRE', key, ARGV[3])
+local record = redis.pcall('GET', key)
+if not record then
+  redis.call('SET', key, ARGV[4] .. 'P' .. ARGV[1] .. ARGV[2], 'PX', ARGV[3])
   return {0}
 end
-if kind ~= 'hash' then
-  return {4, 'type ' .. kind}
+if type(record) == 'table' then
+  return {4, 'not a string'}
 end
-local rec = redis.call('HMGET', key, 'v', 'f', 'o', 'r')
-if rec[1] ~= ARGV[4] then
-  return {4, 'version'}
+if string.sub(record, 1, 1) ~= ARGV[4] or #record < 34 then
+  return {4, 'unknown version or truncated'}
 end
-if not rec[2] then
-  return {4, 'fingerprint missing'}
+local state = string.sub(record, 2, 2)
+if state ~= 'C' and not (state == 'P' and #record == 50) then
+  return {4, 'unknown state'}
 end
-if rec[2] ~= ARGV[1] then
+if string.sub(record, 3, 34) ~= ARGV[1] then
   return {2}
 end
-if rec[4] then
-  return {1, rec[4]}
+if state == 'C' then
+  return {1, record}
 end
-if rec[3] then
-  return {3, redis.call('PTTL', key)}
-end
-return {4, 'neither owner nor response'}
+return {3, redis.call('PTTL', key)}

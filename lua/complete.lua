@@ -6,15 +6,15 @@
 -- ARGV[4]  retention in milliseconds
 -- ARGV[5]  record format version
 -- Writes when the caller still owns the key, or when the key is absent (the lease lapsed and
--- nobody took over). Returns 1 when written, 0 when another owner or a stored response holds it.
+-- nobody took over). Returns 1 when written, 0 when another owner, a stored response, or a
+-- value this layer did not write holds it.
 local key = KEYS[1]
-local kind = redis.call('TYPE', key)['ok']
-if kind ~= 'none' then
-  if kind ~= 'hash' or redis.call('HGET', key, 'o') ~= ARGV[1] then
+local record = redis.pcall('GET', key)
+if record then
+  if type(record) == 'table' or #record ~= 50 or string.sub(record, 1, 2) ~= ARGV[5] .. 'P'
+      or string.sub(record, 35) ~= ARGV[1] then
     return 0
   end
-  redis.call('HDEL', key, 'o')
 end
-redis.call('HSET', key, 'v', ARGV[5], 'f', ARGV[2], 'r', ARGV[3])
-redis.call('PEXPIRE', key, ARGV[4])
+redis.call('SET', key, ARGV[5] .. 'C' .. ARGV[2] .. ARGV[3], 'PX', ARGV[4])
 return 1

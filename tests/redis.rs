@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::{collections::HashMap, time::Duration};
+use std::time::Duration;
 
 use axum::{Router, body::Body, http::Request};
 use axum_idempotency::{
@@ -22,7 +22,7 @@ fn redis_app(server: &RedisServer, calls: &Calls) -> Router {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn records_are_small_hashes_that_never_hold_the_raw_key() {
+async fn records_are_compact_strings_that_never_hold_the_raw_key() {
     let server = RedisServer::start();
     let calls = Calls::default();
     let app = app(&calls).layer(
@@ -48,22 +48,25 @@ async fn records_are_small_hashes_that_never_hold_the_raw_key() {
         redis.clone().exists::<_, bool>(key.as_str()).await.unwrap()
     })
     .await;
-    let claimed: HashMap<String, Vec<u8>> = redis.hgetall(key.as_str()).await.unwrap();
-    let mut fields: Vec<_> = claimed.keys().cloned().collect();
-    fields.sort();
-    assert_eq!(fields, ["f", "o", "v"]);
-    assert_eq!(claimed["v"], b"1");
-    assert_eq!(claimed["f"].len(), 32);
-    assert_eq!(claimed["o"].len(), 16);
+    // In progress: version, state, fingerprint, owner token.
+    let claimed: Vec<u8> = redis.get(key.as_str()).await.unwrap();
+    assert_eq!(claimed.len(), 1 + 1 + 32 + 16);
+    assert_eq!(&claimed[..2], b"1P");
     let lease_left: i64 = redis.pttl(key.as_str()).await.unwrap();
     assert!((6_000..=7_000).contains(&lease_left), "lease PTTL {lease_left}");
 
-    assert_eq!(running.await.unwrap().status, 201);
-    let completed: HashMap<String, Vec<u8>> = redis.hgetall(key.as_str()).await.unwrap();
-    let mut fields: Vec<_> = completed.keys().cloned().collect();
-    fields.sort();
-    assert_eq!(fields, ["f", "r", "v"]);
-    assert_eq!(completed["f"], claimed["f"]);
+    let first = running.await.unwrap();
+    assert_eq!(first.status, 201);
+    // Completed: version, state, the same fingerprint, then the encoded response.
+    let completed: Vec<u8> = redis.get(key.as_str()).await.unwrap();
+    assert_eq!(&completed[..2], b"1C");
+    assert_eq!(completed[2..34], claimed[2..34]);
+    let response = &completed[34..];
+    assert_eq!(response[0], 1, "response format");
+    assert_eq!(u16::from_be_bytes([response[1], response[2]]), 201);
+    assert!(response.ends_with(first.body.as_bytes()));
+    let stored = String::from_utf8_lossy(response);
+    assert!(stored.contains("x-payment") && !stored.contains("set-cookie"), "{stored}");
     let retention_left: i64 = redis.pttl(key.as_str()).await.unwrap();
     assert!((55_000..=60_000).contains(&retention_left), "retention PTTL {retention_left}");
 
@@ -99,9 +102,7 @@ async fn two_app_instances_on_one_redis_run_the_handler_once() {
             other => panic!("unexpected status {other}: {answer:?}"),
         }
     }
-    let mut redis = server.connection().await;
-    let fields: Vec<String> = redis.hkeys(global("k1").as_str()).await.unwrap();
-    assert!(fields.contains(&"r".to_owned()), "fields {fields:?}");
+    assert_eq!(server.held(&global("k1")).await, Some(Held::Completed));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -171,19 +172,27 @@ async fn a_foreign_value_under_the_key_is_500_and_left_alone() {
     let app = redis_app(&server, &calls);
     let mut redis = server.connection().await;
 
-    let () = redis.set(global("string").as_str(), "not ours").await.unwrap();
-    let () =
-        redis.hset_multiple(global("version").as_str(), &[("v", "9"), ("f", "x")]).await.unwrap();
-    let () = redis.hset(global("fieldless").as_str(), "v", "1").await.unwrap();
-    for key in ["string", "version", "fieldless"] {
+    let foreign: [(&str, &[u8]); 4] = [
+        ("string", b"not ours"),
+        ("version", b"9C0123456789abcdef0123456789abcdef"),
+        ("truncated", b"1C0123"),
+        ("state", b"1X0123456789abcdef0123456789abcdef"),
+    ];
+    for (key, value) in foreign {
+        let () = redis.set(global(key).as_str(), value).await.unwrap();
+    }
+    let () = redis.hset(global("hash").as_str(), "v", "1").await.unwrap();
+    for key in ["string", "version", "truncated", "state", "hash"] {
         let seen = send(&app, keyed("POST", "/payments", key, "{}")).await;
         seen.assert_problem(500, "corrupt-record");
     }
     assert_eq!(calls.get(), 0);
-    let kept: String = redis.get(global("string").as_str()).await.unwrap();
-    assert_eq!(kept, "not ours");
-    let version: String = redis.hget(global("version").as_str(), "v").await.unwrap();
-    assert_eq!(version, "9");
+    for (key, value) in foreign {
+        let kept: Vec<u8> = redis.get(global(key).as_str()).await.unwrap();
+        assert_eq!(kept, value, "{key} was changed");
+    }
+    let kept: String = redis.hget(global("hash").as_str(), "v").await.unwrap();
+    assert_eq!(kept, "1");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,8 +203,9 @@ async fn a_truncated_stored_response_is_500_not_a_rerun() {
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
     let mut redis = server.connection().await;
     let key = global("k1");
-    let blob: Vec<u8> = redis.hget(key.as_str(), "r").await.unwrap();
-    let () = redis.hset(key.as_str(), "r", &blob[..7]).await.unwrap();
+    let record: Vec<u8> = redis.get(key.as_str()).await.unwrap();
+    // Cut inside the response's first header.
+    let () = redis.set(key.as_str(), &record[..34 + 7]).await.unwrap();
     send(&app, keyed("POST", "/payments", "k1", "{}")).await.assert_problem(500, "corrupt-record");
     assert_eq!(calls.get(), 1);
 }

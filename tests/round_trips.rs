@@ -15,7 +15,8 @@ fn script_internal_commands() -> Vec<String> {
     for script in ["claim", "complete", "release", "touch"] {
         let path = format!("{}/lua/{script}.lua", env!("CARGO_MANIFEST_DIR"));
         let source = std::fs::read_to_string(path).unwrap();
-        for call in source.split("redis.call('").skip(1) {
+        // Both `redis.call('X'` and `redis.pcall('X'`.
+        for call in source.split("call('").skip(1) {
             commands.push(call.split('\'').next().unwrap().to_lowercase());
         }
     }

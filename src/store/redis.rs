@@ -33,10 +33,25 @@ static COMPLETE: LazyLock<Script> = script!("complete.lua");
 static RELEASE: LazyLock<Script> = script!("release.lua");
 static TOUCH: LazyLock<Script> = script!("touch.lua");
 
+/// Where the response starts in a completed record: after the version, the state and the
+/// fingerprint.
+const RESPONSE_OFFSET: usize = 1 + 1 + 32;
+
 /// The default for [`RedisStore::command_timeout`].
 const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Records in Redis, through a deadpool-redis pool.
+///
+/// A record is one Redis string, with the lease or the retention as its expiry:
+///
+/// ```text
+/// version '1' | state 'P' (in progress) or 'C' (completed) | fingerprint (32 bytes)
+///             | owner token (16 bytes)  or  the encoded response
+/// ```
+///
+/// A string, rather than a hash, because Redis keeps a hash compact only while every value
+/// is at most `hash-max-listpack-value` (64) bytes; a stored response is larger, and a hash
+/// holding it cost about 870 bytes per record against about 620 for the string.
 ///
 /// Each transition is one Lua script over one key (`EVALSHA`; after a Redis restart or
 /// `SCRIPT FLUSH` the script is loaded again on its own). Every operation, connection
@@ -238,7 +253,7 @@ impl Store for RedisStore {
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.fenced(&RELEASE, key, &[owner.as_bytes()]).await
+        self.fenced(&RELEASE, key, &[owner.as_bytes(), RECORD_VERSION.as_bytes()]).await
     }
 
     async fn touch(
@@ -248,7 +263,8 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let lease = millis(lease).to_string();
-        self.fenced(&TOUCH, key, &[owner.as_bytes(), lease.as_bytes()]).await
+        self.fenced(&TOUCH, key, &[owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes()])
+            .await
     }
 }
 
@@ -261,7 +277,9 @@ fn parse_claim(reply: Value, owner: OwnerToken) -> Result<Claim, StoreError> {
     let Some(Value::Int(code)) = items.next() else { return Err(unexpected()) };
     match (code, items.next()) {
         (0, None) => Ok(Claim::Claimed(owner)),
-        (1, Some(Value::BulkString(response))) => Ok(Claim::Replay(Bytes::from(response))),
+        (1, Some(Value::BulkString(record))) if record.len() >= RESPONSE_OFFSET => {
+            Ok(Claim::Replay(Bytes::from(record).slice(RESPONSE_OFFSET..)))
+        }
         (2, None) => Ok(Claim::Mismatch),
         (3, Some(Value::Int(remaining_ms))) => Ok(Claim::InProgress {
             remaining: Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)),
