@@ -8,8 +8,9 @@
 //! 6. inner service: run the handler with the rebuilt request.
 //! 7. settle: store the response, or release the key so a retry can run.
 //!
-//! Steps 5 to 7 run in a task of their own, so a client that goes away while its handler runs
-//! neither cancels the handler nor leaves its key claimed until the lease ends.
+//! Steps 6 and 7 run in a task of their own, so a client that goes away while its handler runs
+//! neither cancels the handler nor leaves its key claimed until the lease ends. A request
+//! dropped during step 5 releases whatever its claim may have taken.
 
 use std::{
     any::Any,
@@ -55,9 +56,9 @@ pub const REPLAYED_HEADER: &str = "idempotency-replayed";
 /// How long a client is told to wait when the store is unavailable.
 const UNAVAILABLE_RETRY_AFTER_SECS: u64 = 1;
 
-/// How often, and how far apart, a failed `complete` is tried again after the response has
-/// been sent.
-const COMPLETE_RETRIES: [Duration; 3] =
+/// How often, and how far apart, a failed `complete` or `release` is tried again, in the
+/// background.
+const SETTLE_RETRIES: [Duration; 3] =
     [Duration::from_millis(50), Duration::from_millis(200), Duration::from_millis(800)];
 
 /// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer).
@@ -217,10 +218,48 @@ where
         let query = parts.uri.query().unwrap_or("");
         let fingerprint = Fingerprint::new(parts.method.as_str(), path, query, &body);
 
-        // 5 to 7 in a task of their own: see the module docs.
+        // 5. claim. A request dropped while its claim is on the wire, or whose claim timed out,
+        // may own the key without knowing it: the guard releases what its token may hold.
+        let owner = OwnerToken::random();
+        let config = &self.config;
+        let hash = record_key.hash();
+        let claim = {
+            let mut guard = UnsettledClaim::new(&self.store, &record_key, &owner);
+            let claim = self.store.claim(&record_key, &fingerprint, &owner, config.lease).await;
+            if !matches!(&claim, Err(error) if error.is_unavailable()) {
+                guard.disarm();
+            }
+            claim
+        };
+        match claim {
+            Ok(Claim::Claimed) => tracing::debug!(key_hash = hash, "idempotency: claimed"),
+            Ok(Claim::Replay(blob)) => return Ok(replay(blob, hash)),
+            Ok(Claim::InProgress { remaining }) => {
+                tracing::debug!(key_hash = hash, ?remaining, "idempotency: in progress");
+                let seconds = remaining.as_millis().div_ceil(1000).max(1);
+                return Ok(problem_retry_after(
+                    config.in_progress_status,
+                    ProblemType::InProgress,
+                    None,
+                    u64::try_from(seconds).unwrap_or(u64::MAX),
+                ));
+            }
+            Ok(Claim::Mismatch) => {
+                tracing::info!(key_hash = hash, "idempotency: key reused with a different request");
+                return Ok(problem(config.mismatch_status, ProblemType::Mismatch, None));
+            }
+            Err(error) if error.is_unavailable() && config.fail_open => {
+                tracing::warn!(key_hash = hash, %error, "idempotency: store unavailable; running without idempotency (fail open)");
+                let request = Request::from_parts(parts, Body::from(body));
+                return self.inner.oneshot(request).await.map(|response| response.map(Body::new));
+            }
+            Err(error) => return Ok(store_error_response(&error, hash)),
+        }
+
+        // 6 and 7 in a task of their own: see the module docs.
         let (finished_tx, finished_rx) = oneshot::channel();
         let tasks = self.config.tasks.clone();
-        let task = self.claim_and_run(record_key, fingerprint, parts, body, finished_tx);
+        let task = self.run_claimed(record_key, fingerprint, owner, parts, body, finished_tx);
         match tasks {
             Some(tracker) => drop(tracker.spawn(task)),
             None => drop(tokio::spawn(task)),
@@ -236,62 +275,17 @@ where
         }
     }
 
-    async fn claim_and_run(
+    async fn run_claimed(
         self,
         record_key: RecordKey,
         fingerprint: Fingerprint,
+        owner: OwnerToken,
         parts: Parts,
         body: Bytes,
         finished: oneshot::Sender<Finished<S::Error>>,
     ) {
         let config = &self.config;
         let hash = record_key.hash();
-
-        // 5. claim
-        let owner = match self.store.claim(&record_key, &fingerprint, config.lease).await {
-            Ok(Claim::Claimed(owner)) => {
-                tracing::debug!(key_hash = hash, "idempotency: claimed");
-                owner
-            }
-            Ok(Claim::Replay(blob)) => {
-                let _ = finished.send(Finished::Response(replay(blob, hash)));
-                return;
-            }
-            Ok(Claim::InProgress { remaining }) => {
-                tracing::debug!(key_hash = hash, ?remaining, "idempotency: in progress");
-                let seconds = remaining.as_millis().div_ceil(1000).max(1);
-                let response = problem_retry_after(
-                    config.in_progress_status,
-                    ProblemType::InProgress,
-                    None,
-                    u64::try_from(seconds).unwrap_or(u64::MAX),
-                );
-                let _ = finished.send(Finished::Response(response));
-                return;
-            }
-            Ok(Claim::Mismatch) => {
-                tracing::info!(key_hash = hash, "idempotency: key reused with a different request");
-                let response = problem(config.mismatch_status, ProblemType::Mismatch, None);
-                let _ = finished.send(Finished::Response(response));
-                return;
-            }
-            Err(error) if error.is_unavailable() && config.fail_open => {
-                tracing::warn!(key_hash = hash, %error, "idempotency: store unavailable; running without idempotency (fail open)");
-                let request = Request::from_parts(parts, Body::from(body));
-                let outcome =
-                    match AssertUnwindSafe(self.inner.oneshot(request)).catch_unwind().await {
-                        Ok(Ok(response)) => Finished::Response(response.map(Body::new)),
-                        Ok(Err(error)) => Finished::Error(error),
-                        Err(payload) => Finished::Panic(payload),
-                    };
-                let _ = finished.send(outcome);
-                return;
-            }
-            Err(error) => {
-                let _ = finished.send(Finished::Response(store_error_response(&error, hash)));
-                return;
-            }
-        };
 
         // 6. inner service. A panic is caught here only to release the key; it is then
         // resumed in the response future, as if the layer were not there.
@@ -362,7 +356,7 @@ where
                 // The client has its response; keep trying to store it, so that a retry is
                 // replayed rather than run again.
                 tracing::warn!(key_hash = hash, %error, "idempotency: storing the response failed; retrying");
-                for delay in COMPLETE_RETRIES {
+                for delay in SETTLE_RETRIES {
                     tokio::time::sleep(delay).await;
                     let again = self
                         .store
@@ -379,6 +373,34 @@ where
                     "idempotency: the response could not be stored; a retry after the lease ends will run the handler again"
                 );
             }
+        }
+    }
+}
+
+/// Releases, on drop, a claim whose outcome its request never saw: the request was dropped
+/// mid-claim, or the store did not answer in time.
+struct UnsettledClaim<'a, St: Store> {
+    armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken)>,
+}
+
+impl<'a, St: Store> UnsettledClaim<'a, St> {
+    fn new(store: &'a St, key: &'a RecordKey, owner: &'a OwnerToken) -> Self {
+        Self { armed: Some((store, key, owner)) }
+    }
+
+    fn disarm(&mut self) {
+        self.armed = None;
+    }
+}
+
+impl<St: Store> Drop for UnsettledClaim<'_, St> {
+    fn drop(&mut self) {
+        if let Some((store, key, owner)) = self.armed.take() {
+            let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
+            // Fenced by the token: deletes the record only if this request's claim landed.
+            drop(tokio::spawn(async move {
+                release(&store, &key, &owner, "the claim's outcome is unknown").await;
+            }));
         }
     }
 }
@@ -490,24 +512,43 @@ fn store_error_response(error: &StoreError, hash: &str) -> Response {
     }
 }
 
-async fn release<St: Store>(store: &St, key: &RecordKey, owner: &OwnerToken, why: &str) {
+/// Releases the key if `owner` still holds it. A release the store fails is tried again in
+/// the background (fenced, so a late one cannot delete another owner's record).
+async fn release<St: Store>(store: &St, key: &RecordKey, owner: &OwnerToken, why: &'static str) {
     let hash = key.hash();
-    match store.release(key, owner).await {
-        Ok(Fenced::Applied) => tracing::debug!(key_hash = hash, why, "idempotency: released"),
+    let error = match store.release(key, owner).await {
+        Ok(Fenced::Applied) => {
+            return tracing::debug!(key_hash = hash, why, "idempotency: released");
+        }
         Ok(Fenced::Rejected) => {
-            tracing::warn!(
+            return tracing::debug!(
                 key_hash = hash,
                 why,
-                "idempotency: not released: the key was taken over"
+                "idempotency: nothing to release: the key is not held by this request"
             );
         }
-        Err(error) => tracing::error!(
-            key_hash = hash,
+        Err(error) => error,
+    };
+    tracing::warn!(key_hash = hash, why, %error, "idempotency: release failed; retrying");
+    let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
+    drop(tokio::spawn(async move {
+        for delay in SETTLE_RETRIES {
+            tokio::time::sleep(delay).await;
+            if store.release(&key, &owner).await.is_ok() {
+                return tracing::info!(
+                    key_hash = key.hash(),
+                    why,
+                    "idempotency: released on retry"
+                );
+            }
+        }
+        tracing::error!(
+            key_hash = key.hash(),
             why,
             %error,
             "idempotency: release failed; the key stays claimed until its lease ends"
-        ),
-    }
+        );
+    }));
 }
 
 enum CollectedBody {

@@ -122,6 +122,7 @@ impl Store for MemoryStore {
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
@@ -142,7 +143,6 @@ impl Store for MemoryStore {
                 }
             });
         }
-        let owner = OwnerToken::random();
         records.map.insert(
             key.as_str().to_owned(),
             Record {
@@ -151,7 +151,7 @@ impl Store for MemoryStore {
                 expires_at: now + lease,
             },
         );
-        Ok(Claim::Claimed(owner))
+        Ok(Claim::Claimed)
     }
 
     async fn complete(

@@ -38,12 +38,14 @@ pub(crate) const RECORD_VERSION: &str = "1";
 pub trait Store: Clone + Send + Sync + 'static {
     /// Claims `key` for a request with `fingerprint`, or reports what holds it.
     ///
-    /// An absent key (never written, expired, or released) is claimed with a fresh
-    /// [`OwnerToken`] and expires after `lease` unless completed, released or touched.
+    /// An absent key (never written, expired, or released) is claimed for `owner` and expires
+    /// after `lease` unless completed, released or touched. The caller draws `owner` before the
+    /// call, so that it can release a claim whose answer it never saw.
     fn claim(
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
@@ -77,8 +79,8 @@ pub trait Store: Clone + Send + Sync + 'static {
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
-    /// The key was absent and now belongs to the caller.
-    Claimed(OwnerToken),
+    /// The key was absent and now belongs to the caller's owner token.
+    Claimed,
     /// A request with the same fingerprint completed; here is its encoded response.
     Replay(Bytes),
     /// A request with the same fingerprint is still running; its lease ends in `remaining`.

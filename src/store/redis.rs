@@ -214,9 +214,9 @@ impl Store for RedisStore {
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
+        owner: &OwnerToken,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let owner = OwnerToken::random();
         let owner_bytes = owner.as_bytes();
         let reply: Value = self
             .run(|mut connection| async move {
@@ -230,7 +230,7 @@ impl Store for RedisStore {
                     .await
             })
             .await?;
-        parse_claim(reply, owner)
+        parse_claim(reply)
     }
 
     async fn complete(
@@ -269,14 +269,14 @@ impl Store for RedisStore {
 }
 
 /// Reads the reply of `lua/claim.lua`.
-fn parse_claim(reply: Value, owner: OwnerToken) -> Result<Claim, StoreError> {
+fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
     let unexpected =
         || StoreError::CorruptRecord("unexpected reply from the claim script".to_owned());
     let Value::Array(items) = reply else { return Err(unexpected()) };
     let mut items = items.into_iter();
     let Some(Value::Int(code)) = items.next() else { return Err(unexpected()) };
     match (code, items.next()) {
-        (0, None) => Ok(Claim::Claimed(owner)),
+        (0, None) => Ok(Claim::Claimed),
         (1, Some(Value::BulkString(record))) if record.len() >= RESPONSE_OFFSET => {
             Ok(Claim::Replay(Bytes::from(record).slice(RESPONSE_OFFSET..)))
         }
