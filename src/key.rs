@@ -1,7 +1,5 @@
 //! The `Idempotency-Key` header: parsing, validation, and the record key derived from it.
 
-use std::fmt::Write as _;
-
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
 
@@ -131,8 +129,10 @@ impl RecordKey {
         full.push_str(prefix);
         full.push_str(":{");
         let hash_start = full.len();
+        const HEX: &[u8; 16] = b"0123456789abcdef";
         for byte in digest {
-            let _ = write!(full, "{byte:02x}");
+            full.push(char::from(HEX[usize::from(byte >> 4)]));
+            full.push(char::from(HEX[usize::from(byte & 0x0f)]));
         }
         full.push('}');
         Self { full, hash_start }

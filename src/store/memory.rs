@@ -11,9 +11,8 @@ use bytes::Bytes;
 use super::{Claim, Fenced, OwnerToken, Store, StoreError};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
-/// Expired records are swept out once every this many claims, so that a store nobody reads
-/// back does not grow without bound.
-const SWEEP_EVERY: u64 = 1024;
+/// The smallest map that is swept for expired records.
+const SWEEP_FROM: usize = 1024;
 
 /// Records kept in this process, with the same semantics as [`RedisStore`](super::RedisStore),
 /// expiry included.
@@ -25,10 +24,19 @@ pub struct MemoryStore {
     inner: Arc<Mutex<Records>>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Records {
     map: HashMap<String, Record>,
-    claims: u64,
+    /// The map is swept for expired records when it reaches this size, and the mark is then
+    /// set to twice what is left: a sweep costs O(records), and doubling keeps that at O(1)
+    /// per claim while holding at most twice the live records.
+    sweep_at: usize,
+}
+
+impl Default for Records {
+    fn default() -> Self {
+        Self { map: HashMap::new(), sweep_at: SWEEP_FROM }
+    }
 }
 
 #[derive(Debug)]
@@ -127,9 +135,9 @@ impl Store for MemoryStore {
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let mut records = self.lock();
-        records.claims += 1;
-        if records.claims.is_multiple_of(SWEEP_EVERY) {
+        if records.map.len() >= records.sweep_at {
             records.map.retain(|_, record| record.expires_at > now);
+            records.sweep_at = (2 * records.map.len()).max(SWEEP_FROM);
         }
         if let Some(record) = records.live(key.as_str(), now) {
             return Ok(if record.fingerprint != *fingerprint {
@@ -198,5 +206,33 @@ impl Store for MemoryStore {
                 record.expires_at = Instant::now() + lease;
             }
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn expired_records_are_swept_out() {
+        let store = MemoryStore::new();
+        let fingerprint = Fingerprint::new("POST", "/", "", b"");
+        let claim = |i: usize, lease: Duration| {
+            let store = store.clone();
+            let fingerprint = fingerprint.clone();
+            async move {
+                let key = RecordKey::new("t", b"", i.to_string().as_bytes());
+                store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await.unwrap()
+            }
+        };
+        for i in 0..SWEEP_FROM {
+            assert_eq!(claim(i, Duration::from_millis(1)).await, Claim::Claimed);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        // The next claim finds the map at the mark and sweeps the expired records out.
+        claim(SWEEP_FROM, Duration::from_secs(60)).await;
+        assert_eq!(store.lock().map.len(), 1);
+        assert_eq!(store.lock().sweep_at, SWEEP_FROM);
+        assert_eq!(store.len(), 1);
     }
 }

@@ -54,7 +54,10 @@ fn main() -> Result<(), Error> {
 
 /// The trivial JSON handler: a 256-byte body, with three headers.
 async fn handler(body: Bytes) -> Response {
-    let mut json = format!(r#"{{"id":"pay_0000000001","received":{},"status":"succeeded","note":""#, body.len());
+    let mut json = format!(
+        r#"{{"id":"pay_0000000001","received":{},"status":"succeeded","note":""#,
+        body.len()
+    );
     json.push_str(&"x".repeat(256 - json.len() - 2));
     json.push_str("\"}");
     debug_assert_eq!(json.len(), 256);
@@ -78,7 +81,8 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
         "memory" => bare().layer(IdempotencyLayer::new(MemoryStore::new())),
         "redis" => bare().layer(IdempotencyLayer::new(RedisStore::from_url(redis_url)?)),
         "peer" => {
-            let store = idempotent::store::valkey::ValkeyStore::with_url(redis_url).try_build().await?;
+            let store =
+                idempotent::store::valkey::ValkeyStore::with_url(redis_url).try_build().await?;
             bare().layer(idempotent::middleware::IdempotencyLayer::new(store))
         }
         other => return Err(format!("unknown target {other}").into()),
@@ -90,7 +94,8 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
 /// connection): two for a fresh key (claim, complete), one for a replay, none without a key.
 async fn floor(redis_url: &str) -> Result<Router, Error> {
     use axum::{extract::State, http::HeaderMap};
-    static TRIVIAL: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| redis::Script::new("return 1"));
+    static TRIVIAL: std::sync::LazyLock<redis::Script> =
+        std::sync::LazyLock::new(|| redis::Script::new("return 1"));
     async fn round_trip(connection: &mut redis::aio::MultiplexedConnection) {
         let _: i64 = TRIVIAL.key("floor").invoke_async(connection).await.expect("trivial script");
     }
@@ -123,7 +128,13 @@ async fn serve(target: &str, port: u16, redis_url: &str) -> Result<(), Error> {
 
 /// One load: `connections` HTTP/1.1 connections sending back to back for `duration` after
 /// `warmup`. Prints `requests errors p50_us p99_us seconds`.
-async fn drive(port: u16, scenario: &str, connections: usize, duration: Duration, warmup: Duration) -> Result<(), Error> {
+async fn drive(
+    port: u16,
+    scenario: &str,
+    connections: usize,
+    duration: Duration,
+    warmup: Duration,
+) -> Result<(), Error> {
     let scenario = scenario.to_owned();
     if scenario == "replay" {
         // The one completed key every request replays.
@@ -177,7 +188,12 @@ async fn drive(port: u16, scenario: &str, connections: usize, duration: Duration
     let sent = sent + usize::from(scenario == "replay");
     let seconds = duration.as_secs_f64();
     latencies.sort_unstable();
-    let at = |q: f64| latencies.get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1))).copied().unwrap_or(0);
+    let at = |q: f64| {
+        latencies
+            .get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
     println!("{} {errors} {} {} {seconds} {sent}", latencies.len(), at(0.50), at(0.99));
     Ok(())
 }
@@ -200,7 +216,9 @@ async fn send(sender: &mut Sender, key: Option<String>) -> Result<StatusCode, Er
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }
-    let response = sender.send_request(request.body(Full::new(Bytes::from_static(REQUEST_BODY.as_bytes())))?).await?;
+    let response = sender
+        .send_request(request.body(Full::new(Bytes::from_static(REQUEST_BODY.as_bytes())))?)
+        .await?;
     let status = response.status();
     response.into_body().collect().await?;
     Ok(status)
@@ -220,7 +238,10 @@ struct Cell {
 /// Runs every target, scenario and concurrency, then the memory measurement, and prints the
 /// tables.
 async fn run() -> Result<(), Error> {
-    let seconds: u64 = std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let seconds: u64 =
+        std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let rounds: usize =
+        std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
     let concurrencies: Vec<usize> = std::env::var("BENCH_CONNECTIONS")
         .unwrap_or_else(|_| "16,64".to_owned())
         .split(',')
@@ -228,7 +249,8 @@ async fn run() -> Result<(), Error> {
         .collect::<Result<_, _>>()?;
     let redis = ChildGuard::redis_server()?;
     let redis_url = format!("redis://127.0.0.1:{}", redis.port);
-    let mut control = redis::Client::open(redis_url.as_str())?.get_multiplexed_async_connection().await?;
+    let mut control =
+        redis::Client::open(redis_url.as_str())?.get_multiplexed_async_connection().await?;
     let exe = std::env::current_exe()?;
     let mut servers = BTreeMap::new();
     for target in TARGETS {
@@ -245,38 +267,55 @@ async fn run() -> Result<(), Error> {
         servers.insert(target, (port, ChildGuard { child, port }));
     }
     println!(
-        "load: {seconds} s per cell after 0.5 s warm-up; {} cores; one private redis-server; client and servers are separate processes\n",
+        "load: {rounds} rounds of {seconds} s per cell after 0.5 s warm-up, the median shown; {} cores; one private redis-server; client and servers are separate processes\n",
         std::thread::available_parallelism().map_or(0, usize::from)
     );
 
-    let mut cells: BTreeMap<(usize, &str, &str), Cell> = BTreeMap::new();
-    for &connections in &concurrencies {
-        for scenario in SCENARIOS {
-            for target in TARGETS {
-                let port = servers[target].0;
-                let () = redis::cmd("FLUSHALL").query_async(&mut control).await?;
-                let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut control).await?;
-                let output = Command::new(&exe)
-                    .args(["drive", &port.to_string(), scenario, &connections.to_string(), &(seconds * 1000).to_string(), "500"])
-                    .output()?;
-                let stderr = String::from_utf8_lossy(&output.stderr);
-                if !stderr.is_empty() {
-                    eprintln!("  {target} {scenario}: {}", stderr.trim());
-                }
-                if !output.status.success() {
-                    return Err(format!("drive {target} {scenario}: {}", String::from_utf8_lossy(&output.stderr)).into());
-                }
-                let line = String::from_utf8(output.stdout)?;
-                let fields: Vec<f64> = line.split_whitespace().map(str::parse).collect::<Result<_, _>>()?;
-                let [requests, errors, p50, p99, secs, sent] = fields[..] else {
-                    return Err(format!("unexpected drive output {line:?}").into());
-                };
-                let stats = commandstats(&mut control).await?;
-                // Every request sent in the cell, warm-up included, over the commands Redis saw.
-                let per = |names: &[&str]| names.iter().map(|n| stats.get(*n).copied().unwrap_or(0)).sum::<u64>() as f64 / sent;
-                cells.insert(
-                    (connections, scenario, target),
-                    Cell {
+    let mut runs: BTreeMap<(usize, &str, &str), Vec<Cell>> = BTreeMap::new();
+    for round in 1..=rounds {
+        eprintln!("round {round} of {rounds}");
+        for &connections in &concurrencies {
+            for scenario in SCENARIOS {
+                for target in TARGETS {
+                    let port = servers[target].0;
+                    let () = redis::cmd("FLUSHALL").query_async(&mut control).await?;
+                    let () =
+                        redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut control).await?;
+                    let output = Command::new(&exe)
+                        .args([
+                            "drive",
+                            &port.to_string(),
+                            scenario,
+                            &connections.to_string(),
+                            &(seconds * 1000).to_string(),
+                            "500",
+                        ])
+                        .output()?;
+                    let stderr = String::from_utf8_lossy(&output.stderr);
+                    if !stderr.is_empty() {
+                        eprintln!("  {target} {scenario}: {}", stderr.trim());
+                    }
+                    if !output.status.success() {
+                        return Err(format!(
+                            "drive {target} {scenario}: {}",
+                            String::from_utf8_lossy(&output.stderr)
+                        )
+                        .into());
+                    }
+                    let line = String::from_utf8(output.stdout)?;
+                    let fields: Vec<f64> =
+                        line.split_whitespace().map(str::parse).collect::<Result<_, _>>()?;
+                    let [requests, errors, p50, p99, secs, sent] = fields[..] else {
+                        return Err(format!("unexpected drive output {line:?}").into());
+                    };
+                    let stats = commandstats(&mut control).await?;
+                    // Every request sent in the cell, warm-up included, over the commands Redis saw.
+                    let per = |names: &[&str]| {
+                        names.iter().map(|n| stats.get(*n).copied().unwrap_or(0)).sum::<u64>()
+                            as f64
+                            / sent
+                    };
+                    runs.entry((connections, scenario, target)).or_default().push(Cell {
                         rps: requests / secs,
                         ok_rps: (requests - errors) / secs,
                         p50_us: p50 as u64,
@@ -284,12 +323,24 @@ async fn run() -> Result<(), Error> {
                         errors: errors as u64,
                         evalsha_per_request: per(&["evalsha", "eval"]),
                         checkout_per_request: per(&["ping", "unwatch"]),
-                    },
-                );
-                eprintln!("  {connections:>2} conns {scenario:<12} {target:<6} {:>8.0} req/s", requests / secs);
+                    });
+                    eprintln!(
+                        "  {connections:>2} conns {scenario:<12} {target:<6} {:>8.0} req/s",
+                        requests / secs
+                    );
+                }
             }
         }
     }
+    // The median round of each cell, by 2xx answers per second.
+    let cells: BTreeMap<_, Cell> = runs
+        .into_iter()
+        .map(|(key, mut cells)| {
+            cells.sort_by(|a, b| a.ok_rps.total_cmp(&b.ok_rps));
+            let median = cells.swap_remove(cells.len() / 2);
+            (key, median)
+        })
+        .collect();
     print_tables(&concurrencies, &cells);
     memory_per_record(&redis_url, &mut control).await?;
     drop(servers);
@@ -298,7 +349,9 @@ async fn run() -> Result<(), Error> {
 }
 
 fn print_tables(concurrencies: &[usize], cells: &BTreeMap<(usize, &str, &str), Cell>) {
-    println!("| conns | scenario | target | req/s | 2xx/s | p50 µs | p99 µs | non-2xx | EVALSHA/req | PING+UNWATCH/req |");
+    println!(
+        "| conns | scenario | target | req/s | 2xx/s | p50 µs | p99 µs | non-2xx | EVALSHA/req | PING+UNWATCH/req |"
+    );
     println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|");
     for &connections in concurrencies {
         for scenario in SCENARIOS {
@@ -306,7 +359,13 @@ fn print_tables(concurrencies: &[usize], cells: &BTreeMap<(usize, &str, &str), C
                 let c = &cells[&(connections, scenario, target)];
                 println!(
                     "| {connections} | {scenario} | {target} | {:.0} | {:.0} | {} | {} | {} | {:.2} | {:.2} |",
-                    c.rps, c.ok_rps, c.p50_us, c.p99_us, c.errors, c.evalsha_per_request, c.checkout_per_request
+                    c.rps,
+                    c.ok_rps,
+                    c.p50_us,
+                    c.p99_us,
+                    c.errors,
+                    c.evalsha_per_request,
+                    c.checkout_per_request
                 );
             }
         }
@@ -333,7 +392,9 @@ fn print_tables(concurrencies: &[usize], cells: &BTreeMap<(usize, &str, &str), C
     }
 }
 
-async fn commandstats(control: &mut redis::aio::MultiplexedConnection) -> Result<BTreeMap<String, u64>, Error> {
+async fn commandstats(
+    control: &mut redis::aio::MultiplexedConnection,
+) -> Result<BTreeMap<String, u64>, Error> {
     let info: String = redis::cmd("INFO").arg("commandstats").query_async(control).await?;
     Ok(info
         .lines()
@@ -348,11 +409,15 @@ async fn commandstats(control: &mut redis::aio::MultiplexedConnection) -> Result
 
 /// `used_memory` per record over 10,000 records: completed (256-byte body, three headers)
 /// and in progress, for ours and the peer.
-async fn memory_per_record(redis_url: &str, control: &mut redis::aio::MultiplexedConnection) -> Result<(), Error> {
+async fn memory_per_record(
+    redis_url: &str,
+    control: &mut redis::aio::MultiplexedConnection,
+) -> Result<(), Error> {
     const RECORDS: usize = 10_000;
     async fn used_memory(control: &mut redis::aio::MultiplexedConnection) -> Result<i64, Error> {
         let info: String = redis::cmd("INFO").arg("memory").query_async(control).await?;
-        let used = info.lines().find_map(|l| l.strip_prefix("used_memory:")).ok_or("no used_memory")?;
+        let used =
+            info.lines().find_map(|l| l.strip_prefix("used_memory:")).ok_or("no used_memory")?;
         Ok(used.trim().parse()?)
     }
     println!("\n| records ({RECORDS}) | bytes per record |");
@@ -376,10 +441,18 @@ async fn memory_per_record(redis_url: &str, control: &mut redis::aio::Multiplexe
     let store = RedisStore::from_url(redis_url)?;
     let () = redis::cmd("FLUSHALL").query_async(control).await?;
     let before = used_memory(control).await?;
-    let fingerprint = axum_idempotency::Fingerprint::new("POST", "/pay", "", REQUEST_BODY.as_bytes());
+    let fingerprint =
+        axum_idempotency::Fingerprint::new("POST", "/pay", "", REQUEST_BODY.as_bytes());
     for i in 0..RECORDS {
         let key = RecordKey::new("idempotency", b"", format!("claim-{i:08}").as_bytes());
-        store.claim(&key, &fingerprint, &axum_idempotency::OwnerToken::random(), Duration::from_secs(60)).await?;
+        store
+            .claim(
+                &key,
+                &fingerprint,
+                &axum_idempotency::OwnerToken::random(),
+                Duration::from_secs(60),
+            )
+            .await?;
     }
     let after = used_memory(control).await?;
     println!("| ours, in progress | {} |", (after - before) / RECORDS as i64);
@@ -391,7 +464,10 @@ mod tower_service_shim {
     use axum::{Router, body::Body, http::Request, response::Response};
     use std::convert::Infallible;
 
-    pub(crate) async fn oneshot(router: Router, request: Request<Body>) -> Result<Response, Infallible> {
+    pub(crate) async fn oneshot(
+        router: Router,
+        request: Request<Body>,
+    ) -> Result<Response, Infallible> {
         use tower::ServiceExt;
         router.oneshot(request).await
     }
@@ -411,7 +487,16 @@ impl ChildGuard {
     fn redis_server() -> Result<Self, Error> {
         let port = free_port();
         let child = Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .spawn()
             .map_err(|e| format!("the benchmark needs redis-server on PATH: {e}"))?;
