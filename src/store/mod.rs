@@ -14,6 +14,8 @@
 //!
 //! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
 
+#[cfg(feature = "cluster")]
+mod cluster;
 mod memory;
 mod redis;
 
@@ -24,6 +26,8 @@ use bytes::Bytes;
 pub use self::memory::MemoryStore;
 pub use self::memory::RecordState;
 pub use self::redis::RedisStore;
+#[cfg(feature = "cluster")]
+pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 
@@ -134,6 +138,9 @@ pub enum StoreError {
     Redis(deadpool_redis::redis::RedisError),
     /// No pooled connection could be had.
     Pool(deadpool_redis::PoolError),
+    /// No pooled Redis Cluster connection could be had.
+    #[cfg(feature = "cluster")]
+    ClusterPool(deadpool::managed::PoolError<deadpool_redis::redis::RedisError>),
     /// The operation did not finish within the store's command timeout. Whether it was
     /// applied is unknown.
     Timeout(Duration),
@@ -156,6 +163,8 @@ impl fmt::Display for StoreError {
         match self {
             Self::Redis(e) => write!(f, "redis error: {e}"),
             Self::Pool(e) => write!(f, "redis pool error: {e}"),
+            #[cfg(feature = "cluster")]
+            Self::ClusterPool(e) => write!(f, "redis cluster pool error: {e}"),
             Self::Timeout(after) => write!(f, "store did not answer within {after:?}"),
             Self::CorruptRecord(why) => write!(f, "record not written by this layer: {why}"),
         }
@@ -167,6 +176,8 @@ impl std::error::Error for StoreError {
         match self {
             Self::Redis(e) => Some(e),
             Self::Pool(e) => Some(e),
+            #[cfg(feature = "cluster")]
+            Self::ClusterPool(e) => Some(e),
             Self::Timeout(_) | Self::CorruptRecord(_) => None,
         }
     }

@@ -13,7 +13,10 @@ use std::{
 use bytes::Bytes;
 use deadpool_redis::{
     Config, CreatePoolError, Pool, PoolConfig, Runtime, Timeouts,
-    redis::{ErrorKind, Script, Value, aio::MultiplexedConnection},
+    redis::{
+        Cmd, ErrorKind, Pipeline, RedisFuture, Script, Value,
+        aio::{ConnectionLike, MultiplexedConnection},
+    },
 };
 use std::sync::LazyLock;
 
@@ -65,22 +68,72 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// the store warns once through `tracing` when it finds another policy.
 #[derive(Clone)]
 pub struct RedisStore {
-    pool: Pool,
+    source: Source,
     shared: Arc<Shared>,
     command_timeout: Duration,
 }
 
+/// Where the store's connection comes from.
+#[derive(Clone)]
+pub(super) enum Source {
+    Standalone(Pool),
+    #[cfg(feature = "cluster")]
+    Cluster(super::cluster::ClusterPool),
+}
+
+/// The connection every operation shares: Redis pipelines concurrent commands on it.
+#[derive(Clone)]
+enum SharedConnection {
+    Standalone(MultiplexedConnection),
+    #[cfg(feature = "cluster")]
+    Cluster(deadpool_redis::redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for SharedConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Standalone(connection) => connection.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Standalone(connection) => connection.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(connection) => connection.get_db(),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
 struct Shared {
-    connection: Mutex<Option<MultiplexedConnection>>,
+    connection: Mutex<Option<SharedConnection>>,
     eviction_checked: AtomicBool,
 }
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStore")
-            .field("pool", &self.pool.status())
-            .field("command_timeout", &self.command_timeout)
-            .finish_non_exhaustive()
+        let mut debug = f.debug_struct("RedisStore");
+        match &self.source {
+            Source::Standalone(pool) => debug.field("pool", &pool.status()),
+            #[cfg(feature = "cluster")]
+            Source::Cluster(pool) => debug.field("cluster_pool", &pool.status()),
+        };
+        debug.field("command_timeout", &self.command_timeout).finish_non_exhaustive()
     }
 }
 
@@ -96,8 +149,12 @@ impl RedisStore {
     /// ```
     #[must_use]
     pub fn new(pool: Pool) -> Self {
+        Self::with_source(Source::Standalone(pool))
+    }
+
+    pub(super) fn with_source(source: Source) -> Self {
         Self {
-            pool,
+            source,
             shared: Arc::new(Shared {
                 connection: Mutex::new(None),
                 eviction_checked: AtomicBool::new(false),
@@ -132,21 +189,19 @@ impl RedisStore {
         self
     }
 
-    /// The pool the store draws its connection from.
-    #[must_use]
-    pub fn pool(&self) -> &Pool {
-        &self.pool
-    }
-
     /// The shared connection, or a new one from the pool.
-    async fn connection(&self) -> Result<MultiplexedConnection, StoreError> {
+    async fn connection(&self) -> Result<SharedConnection, StoreError> {
         let cached = self.shared.connection.lock().unwrap_or_else(PoisonError::into_inner).clone();
         if let Some(connection) = cached {
             return Ok(connection);
         }
-        let pooled = self.pool.get().await?;
-        let mut connection: MultiplexedConnection = (*pooled).clone();
-        drop(pooled);
+        let mut connection = match &self.source {
+            Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
+            #[cfg(feature = "cluster")]
+            Source::Cluster(pool) => SharedConnection::Cluster(
+                (*pool.get().await.map_err(super::cluster::pool_error)?).clone(),
+            ),
+        };
         if !self.shared.eviction_checked.swap(true, Ordering::Relaxed) {
             warn_unless_noeviction(&mut connection).await;
         }
@@ -159,7 +214,7 @@ impl RedisStore {
     /// failed is dropped, so the next operation takes a fresh one from the pool.
     async fn run<T, F, Fut>(&self, op: F) -> Result<T, StoreError>
     where
-        F: FnOnce(MultiplexedConnection) -> Fut + Send,
+        F: FnOnce(SharedConnection) -> Fut + Send,
         Fut: Future<Output = Result<T, deadpool_redis::redis::RedisError>> + Send,
     {
         let attempt = async {
@@ -292,7 +347,7 @@ fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
 }
 
 /// Records must not be evicted: an evicted record lets a retry run the handler again.
-async fn warn_unless_noeviction(connection: &mut MultiplexedConnection) {
+async fn warn_unless_noeviction(connection: &mut SharedConnection) {
     let reply: Result<Vec<String>, _> = deadpool_redis::redis::cmd("CONFIG")
         .arg("GET")
         .arg("maxmemory-policy")

@@ -225,6 +225,8 @@ async fn send(sender: &mut Sender, key: Option<String>) -> Result<StatusCode, Er
 }
 
 struct Cell {
+    /// (max − min) / median of 2xx/s over the rounds, filled in for the median cell.
+    spread: f64,
     rps: f64,
     /// 2xx answers per second: what a client can use.
     ok_rps: f64,
@@ -316,6 +318,7 @@ async fn run() -> Result<(), Error> {
                             / sent
                     };
                     runs.entry((connections, scenario, target)).or_default().push(Cell {
+                        spread: 0.0,
                         rps: requests / secs,
                         ok_rps: (requests - errors) / secs,
                         p50_us: p50 as u64,
@@ -337,7 +340,9 @@ async fn run() -> Result<(), Error> {
         .into_iter()
         .map(|(key, mut cells)| {
             cells.sort_by(|a, b| a.ok_rps.total_cmp(&b.ok_rps));
-            let median = cells.swap_remove(cells.len() / 2);
+            let (min, max) = (cells[0].ok_rps, cells[cells.len() - 1].ok_rps);
+            let mut median = cells.swap_remove(cells.len() / 2);
+            median.spread = (max - min) / median.ok_rps;
             (key, median)
         })
         .collect();
