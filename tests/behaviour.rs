@@ -38,6 +38,17 @@ macro_rules! behaviour_suite {
                 }
             )*
         }
+        /// The same suite on a 3-master Redis Cluster shared by this test binary.
+        #[cfg(feature = "cluster")]
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    let harness = <super::ClusterHarness as super::Harness>::start().await;
+                    super::$test(harness).await;
+                }
+            )*
+        }
     };
 }
 

@@ -52,9 +52,16 @@ impl managed::Manager for ClusterManager {
         self.client.get_async_connection().await
     }
 
-    async fn recycle(&self, _: &mut ClusterConnection, _: &Metrics) -> RecycleResult<RedisError> {
-        // A cluster connection reconnects to its nodes by itself; a round trip here would only
-        // add latency to the checkout.
+    async fn recycle(
+        &self,
+        connection: &mut ClusterConnection,
+        _: &Metrics,
+    ) -> RecycleResult<RedisError> {
+        // The store comes back to the pool only after its connection failed. A cluster
+        // connection reconnects to nodes by itself, but after a master died it was seen stuck
+        // refreshing its slot map, holding every request: one that does not answer a PING is
+        // replaced.
+        let _: String = deadpool_redis::redis::cmd("PING").query_async(connection).await?;
         Ok(())
     }
 }

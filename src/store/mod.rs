@@ -23,11 +23,11 @@ use std::{fmt, future::Future, time::Duration};
 
 use bytes::Bytes;
 
+#[cfg(feature = "cluster")]
+pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 pub use self::memory::MemoryStore;
 pub use self::memory::RecordState;
 pub use self::redis::RedisStore;
-#[cfg(feature = "cluster")]
-pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 

@@ -42,7 +42,10 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
-        let port = free_port();
+        Self::start_on(free_port(), extra)
+    }
+
+    pub fn start_on(port: u16, extra: &[&str]) -> Self {
         let child = Self::spawn(port, extra);
         let server = Self { child, port };
         server.wait_until_up();
@@ -380,3 +383,9 @@ pub async fn eventually<F: AsyncFn() -> bool>(what: &str, check: F) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+#[cfg(feature = "cluster")]
+pub mod cluster;
+#[cfg(feature = "cluster")]
+#[allow(unused_imports)]
+pub use cluster::ClusterHarness;
