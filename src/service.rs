@@ -259,7 +259,9 @@ where
         // 6 and 7 in a task of their own: see the module docs.
         let (finished_tx, finished_rx) = oneshot::channel();
         let tasks = self.config.tasks.clone();
-        let task = self.run_claimed(record_key, fingerprint, owner, parts, body, finished_tx);
+        // Boxed here, so that this future does not carry the task's state inline.
+        let task =
+            Box::pin(self.run_claimed(record_key, fingerprint, owner, parts, body, finished_tx));
         match tasks {
             Some(tracker) => drop(tracker.spawn(task)),
             None => drop(tokio::spawn(task)),

@@ -221,7 +221,9 @@ impl RedisStore {
             let connection = self.connection().await?;
             op(connection).await.map_err(StoreError::from)
         };
-        let result = match tokio::time::timeout(self.command_timeout, attempt).await {
+        // Boxed: the pool checkout and redis-rs futures are large, and unboxed they made every
+        // future of the layer that awaits the store several kilobytes, copied on each move.
+        let result = match Box::pin(tokio::time::timeout(self.command_timeout, attempt)).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.command_timeout)),
         };

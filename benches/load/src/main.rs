@@ -47,6 +47,11 @@ fn main() -> Result<(), Error> {
             Duration::from_millis(millis.parse()?),
             Duration::from_millis(warmup.parse()?),
         )),
+        ["inproc", target, scenario, requests, redis_url] => {
+            // Single-threaded, in-process: for instruction counts under callgrind.
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
+        }
         [] => runtime.block_on(run()),
         _ => Err("usage: load | load serve TARGET PORT REDIS_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS".into()),
     }
@@ -78,6 +83,9 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
     Ok(match target {
         "bare" => bare(),
         "floor" => floor(redis_url).await?,
+        // Any `.layer()` on a router costs a boxed service and future of its own: this is that
+        // cost alone, with a layer that does nothing.
+        "identity" => bare().layer(tower::layer::util::Identity::new()),
         "memory" => bare().layer(IdempotencyLayer::new(MemoryStore::new())),
         "redis" => bare().layer(IdempotencyLayer::new(RedisStore::from_url(redis_url)?)),
         "peer" => {
@@ -123,6 +131,29 @@ async fn serve(target: &str, port: u16, redis_url: &str) -> Result<(), Error> {
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("ready");
     axum::serve(listener, app).await?;
+    Ok(())
+}
+
+/// Sends `requests` requests through the target's router in this process, with no network:
+/// what `valgrind --tool=callgrind` counts is the router and the layer alone.
+async fn inproc(
+    target: &str,
+    scenario: &str,
+    requests: usize,
+    redis_url: &str,
+) -> Result<(), Error> {
+    let app = app(target, redis_url).await?;
+    for n in 0..requests {
+        let mut request = Request::post("/pay").header("content-type", "application/json");
+        match scenario {
+            "fresh" => request = request.header("idempotency-key", format!("key-{n}")),
+            "replay" => request = request.header("idempotency-key", "replay-key"),
+            _ => {}
+        }
+        let response = oneshot(app.clone(), request.body(Body::from(REQUEST_BODY))?).await?;
+        assert!(response.status().is_success());
+        response.into_body().collect().await?;
+    }
     Ok(())
 }
 
