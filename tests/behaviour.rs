@@ -16,7 +16,6 @@ use axum::{
 };
 use axum_idempotency::{ExtractorScope, HeaderScope, IdempotencyLayer, RecordKey};
 use common::*;
-use futures_util::future::join_all;
 
 macro_rules! behaviour_suite {
     ($($test:ident),* $(,)?) => {
@@ -75,10 +74,6 @@ behaviour_suite!(
     keep_alive_holds_the_key_for_a_handler_four_times_its_lease,
     keep_alive_stops_at_its_ceiling,
 );
-
-fn global(key: &str) -> RecordKey {
-    RecordKey::new("idempotency", b"", key.as_bytes())
-}
 
 fn layered<H: Harness>(harness: &H, calls: &Calls) -> Router {
     app(calls).layer(IdempotencyLayer::new(harness.store()))
@@ -230,30 +225,16 @@ async fn body_over_the_limit_is_413<H: Harness>(h: H) {
 async fn retry_while_in_progress_gets_202_with_retry_after<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(h.store()).lease(Duration::from_secs(5)));
-    let slow = |key: &str| {
-        Request::post("/slow")
-            .header("idempotency-key", key)
-            .header("x-delay-ms", "400")
-            .body(Body::from("{}"))
-            .unwrap()
-    };
-    let first = tokio::spawn({
-        let app = app.clone();
-        let request = slow("k1");
-        async move { send(&app, request).await }
-    });
-    eventually("the first request holds the key", async || {
-        h.held(&global("k1")).await == Some(Held::InProgress)
-    })
-    .await;
-    let retry = send(&app, slow("k1")).await;
+    let slow = || delayed("/slow", "k1", 400, "{}");
+    let first = send_until_claimed(&h, &app, slow(), "k1").await;
+    let retry = send(&app, slow()).await;
     retry.assert_problem(202, "in-progress");
     let retry_after: u64 = retry.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=5).contains(&retry_after), "Retry-After {retry_after}");
 
     let first = first.await.unwrap();
     assert_eq!(first.status, 201);
-    let after = send(&app, slow("k1")).await;
+    let after = send(&app, slow()).await;
     assert!(after.replayed());
     assert_eq!(after.body, first.body);
     assert_eq!(calls.get(), 1);
@@ -262,21 +243,7 @@ async fn retry_while_in_progress_gets_202_with_retry_after<H: Harness>(h: H) {
 async fn different_payload_is_409_in_progress_and_completed<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = layered(&h, &calls);
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "k1")
-                .header("x-delay-ms", "300")
-                .body(Body::from("a"))
-                .unwrap();
-            send(&app, request).await
-        }
-    });
-    eventually("the first request holds the key", async || {
-        h.held(&global("k1")).await == Some(Held::InProgress)
-    })
-    .await;
+    let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 300, "a"), "k1").await;
     send(&app, keyed("POST", "/slow", "k1", "b")).await.assert_problem(409, "key-reused");
     assert_eq!(first.await.unwrap().status, 201);
     send(&app, keyed("POST", "/slow", "k1", "b")).await.assert_problem(409, "key-reused");
@@ -382,21 +349,7 @@ async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
 async fn ietf_preset_answers_409_and_422<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(h.store()).ietf_draft());
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "k1")
-                .header("x-delay-ms", "300")
-                .body(Body::from("a"))
-                .unwrap();
-            send(&app, request).await
-        }
-    });
-    eventually("the first request holds the key", async || {
-        h.held(&global("k1")).await == Some(Held::InProgress)
-    })
-    .await;
+    let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 300, "a"), "k1").await;
     let busy = send(&app, keyed("POST", "/slow", "k1", "a")).await;
     busy.assert_problem(409, "in-progress");
     assert!(busy.header("retry-after").is_some());
@@ -422,51 +375,17 @@ async fn completed_record_expires_after_retention<H: Harness>(h: H) {
 
 async fn concurrent_duplicates_run_the_handler_once<H: Harness>(h: H) {
     let calls = Calls::default();
-    let app = layered(&h, &calls);
-    let requests = (0..50).map(|_| {
-        let app = app.clone();
-        tokio::spawn(async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "k1")
-                .header("x-delay-ms", "50")
-                .body(Body::from("{}"))
-                .unwrap();
-            send(&app, request).await
-        })
-    });
-    let answers: Vec<Seen> = join_all(requests).await.into_iter().map(Result::unwrap).collect();
+    fifty_duplicates_at_once(&[layered(&h, &calls)]).await;
     assert_eq!(calls.get(), 1);
-    let originals = answers.iter().filter(|a| a.status == 201 && !a.replayed()).count();
-    assert_eq!(originals, 1);
-    for answer in &answers {
-        match answer.status.as_u16() {
-            201 => assert_eq!(answer.header("x-payment"), Some("pay_1")),
-            202 => answer.assert_problem(202, "in-progress"),
-            other => panic!("unexpected status {other}: {answer:?}"),
-        }
-    }
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
 }
 
 async fn lapsed_lease_is_taken_over_and_the_old_holder_fenced<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).lease(Duration::from_millis(150)).keep_alive(None);
     let app = app(&calls).layer(layer);
-    let request = || {
-        Request::post("/first-slow")
-            .header("idempotency-key", "k1")
-            .header("x-delay-ms", "600")
-            .body(Body::from("{}"))
-            .unwrap()
-    };
-    let first = tokio::spawn({
-        let app = app.clone();
-        let request = request();
-        async move { send(&app, request).await }
-    });
-    eventually("the first request holds the key", async || {
-        h.held(&global("k1")).await == Some(Held::InProgress)
-    })
-    .await;
+    let request = || delayed("/first-slow", "k1", 600, "{}");
+    let first = send_until_claimed(&h, &app, request(), "k1").await;
     tokio::time::sleep(Duration::from_millis(250)).await;
     // The first holder's lease has lapsed: this request takes the key over and completes.
     let second = send(&app, request()).await;
@@ -530,22 +449,8 @@ async fn extractor_scope_per_route_answers_its_rejection<H: Harness>(h: H) {
 /// Sends `/first-slow` with a 1200 ms first call, retries at about 450 ms and 1000 ms, and
 /// returns (the first answer, the retries).
 async fn outlive_the_lease<H: Harness>(h: &H, app: &Router) -> (Seen, Vec<Seen>) {
-    let request = || {
-        Request::post("/first-slow")
-            .header("idempotency-key", "k1")
-            .header("x-delay-ms", "1200")
-            .body(Body::from("{}"))
-            .unwrap()
-    };
-    let first = tokio::spawn({
-        let app = app.clone();
-        let request = request();
-        async move { send(&app, request).await }
-    });
-    eventually("the first request holds the key", async || {
-        h.held(&global("k1")).await == Some(Held::InProgress)
-    })
-    .await;
+    let request = || delayed("/first-slow", "k1", 1200, "{}");
+    let first = send_until_claimed(h, app, request(), "k1").await;
     let mut retries = Vec::new();
     for pause in [450, 550] {
         tokio::time::sleep(Duration::from_millis(pause)).await;

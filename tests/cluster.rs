@@ -11,16 +11,12 @@ use std::{
 };
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyLayer, RecordKey, deadpool_redis::redis};
+use axum_idempotency::{IdempotencyLayer, deadpool_redis::redis};
 use common::{
     cluster::{RedisCluster, key_slot},
     *,
 };
 use futures_util::future::join_all;
-
-fn global(key: &str) -> RecordKey {
-    RecordKey::new("idempotency", b"", key.as_bytes())
-}
 
 fn owner_of(masters: &[(u16, Vec<(u16, u16)>)], slot: u16) -> u16 {
     masters

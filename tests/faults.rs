@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use axum_idempotency::{IdempotencyLayer, RecordKey};
+use axum_idempotency::IdempotencyLayer;
 use common::*;
 use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
@@ -36,10 +36,6 @@ on_both_stores!(
     panic_releases_the_key_and_propagates,
     task_tracker_lets_shutdown_wait_for_running_handlers,
 );
-
-fn global(key: &str) -> RecordKey {
-    RecordKey::new("idempotency", b"", key.as_bytes())
-}
 
 async fn dropped_request_still_completes_and_the_retry_is_replayed<H: Harness>(h: H) {
     let calls = Calls::default();

@@ -7,15 +7,10 @@ use std::time::Duration;
 
 use axum::{Router, body::Body, http::Request};
 use axum_idempotency::{
-    IdempotencyLayer, RecordKey, RedisStore,
+    IdempotencyLayer, RedisStore,
     deadpool_redis::redis::{self, AsyncCommands},
 };
 use common::*;
-use futures_util::future::join_all;
-
-fn global(key: &str) -> RecordKey {
-    RecordKey::new("idempotency", b"", key.as_bytes())
-}
 
 fn redis_app(server: &RedisServer, calls: &Calls) -> Router {
     app(calls).layer(IdempotencyLayer::new(RedisStore::new(server.pool())))
@@ -33,17 +28,7 @@ async fn records_are_compact_strings_that_never_hold_the_raw_key() {
     let mut redis = server.connection().await;
     let key = global("order-secret-42");
 
-    let running = tokio::spawn({
-        let app = app.clone();
-        async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "order-secret-42")
-                .header("x-delay-ms", "300")
-                .body(Body::from("{}"))
-                .unwrap();
-            send(&app, request).await
-        }
-    });
+    let running = send_in_background(&app, delayed("/slow", "order-secret-42", 300, "{}"));
     eventually("the claim is written", async || {
         redis.clone().exists::<_, bool>(key.as_str()).await.unwrap()
     })
@@ -82,26 +67,8 @@ async fn two_app_instances_on_one_redis_run_the_handler_once() {
     let calls = Calls::default();
     // Two separately built layers and pools: two instances of the service.
     let instances = [redis_app(&server, &calls), redis_app(&server, &calls)];
-    let requests = (0..50).map(|i| {
-        let app = instances[i % 2].clone();
-        tokio::spawn(async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "k1")
-                .header("x-delay-ms", "50")
-                .body(Body::from("{}"))
-                .unwrap();
-            send(&app, request).await
-        })
-    });
-    let answers: Vec<Seen> = join_all(requests).await.into_iter().map(Result::unwrap).collect();
+    fifty_duplicates_at_once(&instances).await;
     assert_eq!(calls.get(), 1);
-    for answer in &answers {
-        match answer.status.as_u16() {
-            201 => assert_eq!(answer.header("x-payment"), Some("pay_1")),
-            202 => answer.assert_problem(202, "in-progress"),
-            other => panic!("unexpected status {other}: {answer:?}"),
-        }
-    }
     assert_eq!(server.held(&global("k1")).await, Some(Held::Completed));
 }
 

@@ -15,12 +15,12 @@ use std::{
 
 use axum::{
     Router,
-    body::{Body, Bytes},
-    http::{HeaderMap, Request, StatusCode},
+    body::Bytes,
+    http::{HeaderMap, StatusCode},
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyLayer, RecordKey, RedisStore,
+    IdempotencyLayer, RedisStore,
     deadpool_redis::redis::{self, AsyncCommands},
 };
 use common::*;
@@ -61,10 +61,6 @@ fn observe() {
 fn logs_mentioning(needle: &str) -> Vec<String> {
     let logs = String::from_utf8_lossy(&LOGS.lock().unwrap()).into_owned();
     logs.lines().filter(|line| line.contains(needle)).map(str::to_owned).collect()
-}
-
-fn global(key: &str) -> RecordKey {
-    RecordKey::new("idempotency", b"", key.as_bytes())
 }
 
 fn store(server: &RedisServer, timeout_ms: u64) -> RedisStore {
@@ -108,17 +104,7 @@ async fn complete_that_fails_after_the_handler_ran_is_retried_in_the_background(
     let mut server = RedisServer::start();
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 300)));
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "k1")
-                .header("x-delay-ms", "300")
-                .body(Body::from("{}"))
-                .unwrap();
-            send(&app, request).await
-        }
-    });
+    let first = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));
     let key = global("k1");
     eventually("the claim is written", async || {
         server.connection().await.exists::<_, bool>(key.as_str()).await.unwrap()
@@ -148,17 +134,7 @@ async fn complete_that_keeps_failing_logs_an_error_naming_the_key_hash() {
     let mut server = RedisServer::start();
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 200)));
-    let first = tokio::spawn({
-        let app = app.clone();
-        async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "k2")
-                .header("x-delay-ms", "200")
-                .body(Body::from("{}"))
-                .unwrap();
-            send(&app, request).await
-        }
-    });
+    let first = send_in_background(&app, delayed("/slow", "k2", 200, "{}"));
     let key = global("k2");
     eventually("the claim is written", async || {
         server.connection().await.exists::<_, bool>(key.as_str()).await.unwrap()

@@ -75,17 +75,7 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
     let replay = command_calls(&server).await;
     assert_eq!(replay, BTreeMap::from([("evalsha".to_owned(), n)]), "replay: claim only");
 
-    let slow = tokio::spawn({
-        let app = app.clone();
-        async move {
-            let request = Request::post("/slow")
-                .header("idempotency-key", "busy")
-                .header("x-delay-ms", "300")
-                .body(Body::from("{}"))
-                .unwrap();
-            send(&app, request).await
-        }
-    });
+    let slow = send_in_background(&app, delayed("/slow", "busy", 300, "{}"));
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     reset(&server).await;
     for _ in 0..n {

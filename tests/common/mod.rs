@@ -324,6 +324,66 @@ fn created(call: usize, body: &[u8]) -> Response<Body> {
         .unwrap()
 }
 
+/// The record key of `key` in the global scope, under the default prefix.
+pub fn global(key: &str) -> RecordKey {
+    RecordKey::new("idempotency", b"", key.as_bytes())
+}
+
+/// A POST to `uri` with `key`, whose handler (`/slow`, `/first-slow`) waits `delay_ms`.
+pub fn delayed(uri: &str, key: &str, delay_ms: u64, body: &'static str) -> Request<Body> {
+    Request::post(uri)
+        .header("idempotency-key", key)
+        .header("x-delay-ms", delay_ms.to_string())
+        .body(Body::from(body))
+        .unwrap()
+}
+
+/// Sends `request` from a task of its own; the handle yields what its client saw.
+pub fn send_in_background(app: &Router, request: Request<Body>) -> tokio::task::JoinHandle<Seen> {
+    let app = app.clone();
+    tokio::spawn(async move { send(&app, request).await })
+}
+
+/// Sends `request` (for `key`) from a task of its own and returns once the store shows its
+/// claim; the handle yields what its client saw.
+pub async fn send_until_claimed<H: Harness>(
+    h: &H,
+    app: &Router,
+    request: Request<Body>,
+    key: &str,
+) -> tokio::task::JoinHandle<Seen> {
+    let handle = send_in_background(app, request);
+    eventually("the first request holds the key", async || {
+        h.held(&global(key)).await == Some(Held::InProgress)
+    })
+    .await;
+    handle
+}
+
+/// Sends 50 requests for one key at once, spread over `instances` of the app, and asserts
+/// what their clients see: one original answer, every other one 202 or its replay.
+pub async fn fifty_duplicates_at_once(instances: &[Router]) -> Vec<Seen> {
+    let requests: Vec<_> = (0..50)
+        .map(|i| {
+            send_in_background(&instances[i % instances.len()], delayed("/slow", "k1", 50, "{}"))
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for request in requests {
+        answers.push(request.await.expect("request task"));
+    }
+    let originals = answers.iter().filter(|a| a.status == 201 && !a.replayed()).count();
+    assert_eq!(originals, 1, "{answers:?}");
+    for answer in &answers {
+        match answer.status.as_u16() {
+            201 => assert_eq!(answer.header("x-payment"), Some("pay_1")),
+            202 => answer.assert_problem(202, "in-progress"),
+            other => panic!("unexpected status {other}: {answer:?}"),
+        }
+    }
+    answers
+}
+
 /// A request builder with the key header already set.
 pub fn keyed(method: &str, uri: &str, key: &str, body: &'static str) -> Request<Body> {
     Request::builder()

@@ -386,17 +386,18 @@ async fn run() -> Result<(), Error> {
 
 fn print_tables(concurrencies: &[usize], cells: &BTreeMap<(usize, &str, &str), Cell>) {
     println!(
-        "| conns | scenario | target | req/s | 2xx/s | p50 µs | p99 µs | non-2xx | EVALSHA/req | PING+UNWATCH/req |"
+        "| conns | scenario | target | req/s | 2xx/s | spread | p50 µs | p99 µs | non-2xx | EVALSHA/req | PING+UNWATCH/req |"
     );
-    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &connections in concurrencies {
         for scenario in SCENARIOS {
             for target in TARGETS {
                 let c = &cells[&(connections, scenario, target)];
                 println!(
-                    "| {connections} | {scenario} | {target} | {:.0} | {:.0} | {} | {} | {} | {:.2} | {:.2} |",
+                    "| {connections} | {scenario} | {target} | {:.0} | {:.0} | {:.0}% | {} | {} | {} | {:.2} | {:.2} |",
                     c.rps,
                     c.ok_rps,
+                    100.0 * c.spread,
                     c.p50_us,
                     c.p99_us,
                     c.errors,
