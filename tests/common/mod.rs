@@ -42,14 +42,26 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> Self {
-        Self::start_on(free_port(), extra)
+        // A free port can be taken by a server another test starts at the same moment: then
+        // ours exits, and we try another port.
+        for _ in 0..5 {
+            if let Some(server) = Self::try_start_on(free_port(), extra) {
+                return server;
+            }
+        }
+        panic!("no redis-server could be started on a free port");
     }
 
+    /// Starts a server on `port`; panics if it cannot listen there.
     pub fn start_on(port: u16, extra: &[&str]) -> Self {
+        Self::try_start_on(port, extra)
+            .unwrap_or_else(|| panic!("redis-server could not listen on port {port}"))
+    }
+
+    fn try_start_on(port: u16, extra: &[&str]) -> Option<Self> {
         let child = Self::spawn(port, extra);
-        let server = Self { child, port };
-        server.wait_until_up();
-        server
+        let mut server = Self { child, port };
+        server.wait_until_up().then_some(server)
     }
 
     fn spawn(port: u16, extra: &[&str]) -> Child {
@@ -64,14 +76,20 @@ impl RedisServer {
             })
     }
 
-    fn wait_until_up(&self) {
+    /// Waits until the server on the port answers and is ours (its `process_id` is our
+    /// child's pid). False when our child exited: the port was taken.
+    fn wait_until_up(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return false;
+            }
             if let Ok(client) = redis::Client::open(self.url())
                 && let Ok(mut connection) = client.get_connection()
-                && redis::cmd("PING").query::<String>(&mut connection).is_ok()
+                && let Ok(info) = redis::cmd("INFO").arg("server").query::<String>(&mut connection)
+                && info.contains(&format!("process_id:{}\r", self.child.id()))
             {
-                return;
+                return true;
             }
             assert!(
                 Instant::now() < deadline,
@@ -120,7 +138,7 @@ impl RedisServer {
     pub fn restart(&mut self) {
         self.kill();
         self.child = Self::spawn(self.port, &[]);
-        self.wait_until_up();
+        assert!(self.wait_until_up(), "redis-server could not listen on port {} again", self.port);
     }
 
     pub fn kill(&mut self) {
