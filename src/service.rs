@@ -358,16 +358,23 @@ where
                 // The client has its response; keep trying to store it, so that a retry is
                 // replayed rather than run again.
                 tracing::warn!(key_hash = hash, %error, "idempotency: storing the response failed; retrying");
-                for delay in SETTLE_RETRIES {
-                    tokio::time::sleep(delay).await;
-                    let again = self
-                        .store
-                        .complete(&record_key, &owner, &fingerprint, blob.clone(), config.retention)
-                        .await;
-                    if again.is_ok() {
-                        tracing::info!(key_hash = hash, "idempotency: completed on retry");
-                        return;
-                    }
+                let stored = retry_settle(|| {
+                    self.store.complete(
+                        &record_key,
+                        &owner,
+                        &fingerprint,
+                        blob.clone(),
+                        config.retention,
+                    )
+                })
+                .await;
+                if let Some(outcome) = stored {
+                    tracing::info!(
+                        key_hash = hash,
+                        ?outcome,
+                        "idempotency: store answered on retry"
+                    );
+                    return;
                 }
                 tracing::error!(
                     key_hash = hash,
@@ -534,15 +541,13 @@ async fn release<St: Store>(store: &St, key: &RecordKey, owner: &OwnerToken, why
     tracing::warn!(key_hash = hash, why, %error, "idempotency: release failed; retrying");
     let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
     drop(tokio::spawn(async move {
-        for delay in SETTLE_RETRIES {
-            tokio::time::sleep(delay).await;
-            if store.release(&key, &owner).await.is_ok() {
-                return tracing::info!(
-                    key_hash = key.hash(),
-                    why,
-                    "idempotency: released on retry"
-                );
-            }
+        if let Some(outcome) = retry_settle(|| store.release(&key, &owner)).await {
+            return tracing::info!(
+                key_hash = key.hash(),
+                why,
+                ?outcome,
+                "idempotency: store answered the release on retry"
+            );
         }
         tracing::error!(
             key_hash = key.hash(),
@@ -551,6 +556,22 @@ async fn release<St: Store>(store: &St, key: &RecordKey, owner: &OwnerToken, why
             "idempotency: release failed; the key stays claimed until its lease ends"
         );
     }));
+}
+
+/// Tries a fenced write (`complete`, `release`) again after each of [`SETTLE_RETRIES`], until
+/// the store answers. `None` when it never did.
+async fn retry_settle<F, Fut>(mut attempt: F) -> Option<Fenced>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Fenced, StoreError>>,
+{
+    for delay in SETTLE_RETRIES {
+        tokio::time::sleep(delay).await;
+        if let Ok(outcome) = attempt().await {
+            return Some(outcome);
+        }
+    }
+    None
 }
 
 enum CollectedBody {

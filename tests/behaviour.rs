@@ -65,6 +65,9 @@ behaviour_suite!(
     server_error_releases_the_key_so_the_retry_runs,
     statuses_408_and_429_are_released_other_4xx_stored,
     response_over_the_stored_limit_is_sent_and_released,
+    streamed_response_over_the_stored_limit_is_sent_whole_and_released,
+    response_body_that_fails_is_500_and_released,
+    configuration_setters_take_effect,
     scopes_keep_tenants_apart,
     extractor_scope_per_route_answers_its_rejection,
     ietf_preset_answers_409_and_422,
@@ -490,4 +493,78 @@ async fn keep_alive_stops_at_its_ceiling<H: Harness>(h: H) {
     assert_eq!(retries[1].header("x-payment"), Some("pay_2"));
     assert_eq!(first.header("x-payment"), Some("pay_1"));
     assert_eq!(calls.get(), 2);
+}
+
+async fn streamed_response_over_the_stored_limit_is_sent_whole_and_released<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(1500));
+    for _ in 0..2 {
+        let seen = send(&app, keyed("POST", "/streamed", "k1", "")).await;
+        assert_eq!(seen.status, 200);
+        // What the layer read before it saw the limit, then the rest: nothing lost, in order.
+        let expected: String = ["a", "b", "c", "d"].iter().map(|c| c.repeat(1024)).collect();
+        assert_eq!(seen.body, expected);
+        assert!(!seen.replayed());
+        assert_eq!(h.held(&global("k1")).await, None);
+    }
+    assert_eq!(calls.get(), 2);
+}
+
+async fn response_body_that_fails_is_500_and_released<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    for call in 1..=2 {
+        send(&app, keyed("POST", "/broken-body", "k1", ""))
+            .await
+            .assert_problem(500, "handler-failed");
+        assert_eq!(h.held(&global("k1")).await, None);
+        assert_eq!(calls.get(), call);
+    }
+}
+
+async fn configuration_setters_take_effect<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store())
+        .methods([axum::http::Method::PUT])
+        .header_name(HeaderName::from_static("x-idem"))
+        .key_prefix("pay")
+        .include_replayed_header(axum::http::header::SET_COOKIE)
+        .exclude_replayed_header(HeaderName::from_static("x-payment"))
+        .store_policy(|status| status.is_server_error());
+    let app = app(&calls).layer(layer);
+    let request = |method: &str, uri: &str, header: &str, key: &str| {
+        Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(header, key)
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    // The store policy keeps only 5xx: a 201 is released and the retry runs again.
+    for _ in 0..2 {
+        let seen = send(&app, request("PUT", "/payments", "x-idem", "k1")).await;
+        assert_eq!(seen.status, 201);
+        assert!(!seen.replayed());
+    }
+    assert_eq!(calls.get(), 2);
+    // A 503 is stored, under the prefix, with Set-Cookie and without X-Payment.
+    let first = send(&app, request("PUT", "/unavailable", "x-idem", "k2")).await;
+    let replay = send(&app, request("PUT", "/unavailable", "x-idem", "k2")).await;
+    assert_eq!((first.status.as_u16(), replay.status.as_u16()), (503, 503));
+    assert!(replay.replayed());
+    assert_eq!(replay.header("set-cookie"), Some("session=secret"));
+    assert_eq!(first.header("x-payment"), Some("pay_3"));
+    assert_eq!(replay.header("x-payment"), None);
+    assert_eq!(h.held(&RecordKey::new("pay", b"", b"k2")).await, Some(Held::Completed));
+    assert_eq!(h.held(&global("k2")).await, None);
+    assert_eq!(calls.get(), 3);
+    // POST is not handled any more, and the default header name means nothing.
+    for _ in 0..2 {
+        assert!(!send(&app, request("POST", "/unavailable", "x-idem", "k3")).await.replayed());
+        assert!(
+            !send(&app, request("PUT", "/unavailable", "idempotency-key", "k4")).await.replayed()
+        );
+    }
+    assert_eq!(calls.get(), 7);
+    assert_eq!(h.record_count().await, 1);
 }

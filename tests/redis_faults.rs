@@ -125,7 +125,11 @@ async fn complete_that_fails_after_the_handler_ran_is_retried_in_the_background(
     assert_eq!(retry.header("x-payment"), Some("pay_1"));
     assert_eq!(calls.get(), 1);
     assert!(logs_mentioning(key.hash()).iter().any(|l| l.contains("storing the response failed")));
-    assert!(logs_mentioning(key.hash()).iter().any(|l| l.contains("completed on retry")));
+    assert!(
+        logs_mentioning(key.hash())
+            .iter()
+            .any(|l| l.contains("store answered on retry") && l.contains("outcome=Applied"))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -14,7 +14,7 @@ use bytes::Bytes;
 use deadpool_redis::{
     Config, CreatePoolError, Pool, PoolConfig, Runtime, Timeouts,
     redis::{
-        Cmd, ErrorKind, Pipeline, RedisFuture, Script, Value,
+        Cmd, ErrorKind, FromRedisValue, Pipeline, RedisFuture, Script, Value,
         aio::{ConnectionLike, MultiplexedConnection},
     },
 };
@@ -241,22 +241,32 @@ impl RedisStore {
         result
     }
 
+    /// Runs `script` over `key` with `args`: every transition is one such call.
+    async fn invoke<T: FromRedisValue + Send>(
+        &self,
+        script: &'static Script,
+        key: &RecordKey,
+        args: &[&[u8]],
+    ) -> Result<T, StoreError> {
+        self.run(|mut connection| async move {
+            let mut invocation = script.prepare_invoke();
+            invocation.key(key.as_str());
+            for arg in args {
+                invocation.arg(*arg);
+            }
+            invocation.invoke_async(&mut connection).await
+        })
+        .await
+    }
+
+    /// Runs a fenced script: 1 when applied, 0 when another owner holds the key.
     async fn fenced(
         &self,
         script: &'static Script,
         key: &RecordKey,
         args: &[&[u8]],
     ) -> Result<Fenced, StoreError> {
-        let reply: i64 = self
-            .run(|mut connection| async move {
-                let mut invocation = script.prepare_invoke();
-                invocation.key(key.as_str());
-                for arg in args {
-                    invocation.arg(*arg);
-                }
-                invocation.invoke_async(&mut connection).await
-            })
-            .await?;
+        let reply: i64 = self.invoke(script, key, args).await?;
         Ok(if reply == 1 { Fenced::Applied } else { Fenced::Rejected })
     }
 }
@@ -274,20 +284,10 @@ impl Store for RedisStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let owner_bytes = owner.as_bytes();
-        let reply: Value = self
-            .run(|mut connection| async move {
-                CLAIM
-                    .key(key.as_str())
-                    .arg(fingerprint.as_bytes().as_slice())
-                    .arg(owner_bytes)
-                    .arg(millis(lease))
-                    .arg(RECORD_VERSION)
-                    .invoke_async(&mut connection)
-                    .await
-            })
-            .await?;
-        parse_claim(reply)
+        let lease = millis(lease).to_string();
+        let args: [&[u8]; 4] =
+            [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes()];
+        parse_claim(self.invoke(&CLAIM, key, &args).await?)
     }
 
     async fn complete(

@@ -252,13 +252,16 @@ impl Calls {
 /// The routes the suite drives. Each response body names the call that made it, so a replay
 /// shows whose response it is.
 ///
-/// - `POST|PATCH|GET /payments`: 201 with `content-type`, `x-payment`, `set-cookie`; the body
+/// - `POST|PATCH|PUT|GET /payments`: 201 with `content-type`, `x-payment`, `set-cookie`; the body
 ///   echoes the request body.
 /// - `POST /slow`: waits `x-delay-ms` milliseconds, then answers like `/payments`.
 /// - `POST /first-slow`: the first call waits `x-delay-ms`, later calls answer at once.
 /// - `POST /flaky`: 500 on the first call, 201 afterwards.
 /// - `POST /status/{code}`: answers with that status.
 /// - `POST /big`: a 4 KiB body.
+/// - `POST|PUT /unavailable`: 503 with `set-cookie` and `x-payment`.
+/// - `POST /streamed`: 4 KiB in four chunks, with no length known in advance.
+/// - `POST /broken-body`: a body that fails after its first chunk.
 /// - `POST /panic`: panics.
 pub fn app(calls: &Calls) -> Router {
     let payment = |calls: Calls| {
@@ -299,6 +302,38 @@ pub fn app(calls: &Calls) -> Router {
             Response::builder().status(code).body(Body::from(format!("call {call}"))).unwrap()
         }
     };
+    let streamed = {
+        let calls = calls.clone();
+        move || async move {
+            calls.next();
+            // Four 1 KiB chunks with no length known in advance.
+            let chunks = (b'a'..=b'd').map(|c| Ok::<_, std::io::Error>(Bytes::from(vec![c; 1024])));
+            Body::from_stream(futures_util::stream::iter(chunks))
+        }
+    };
+    let broken = {
+        let calls = calls.clone();
+        move || async move {
+            calls.next();
+            let chunks = [
+                Ok(Bytes::from_static(b"partial")),
+                Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "upstream went away")),
+            ];
+            Body::from_stream(futures_util::stream::iter(chunks))
+        }
+    };
+    let unavailable = {
+        let calls = calls.clone();
+        move || async move {
+            let call = calls.next();
+            Response::builder()
+                .status(StatusCode::SERVICE_UNAVAILABLE)
+                .header("set-cookie", "session=secret")
+                .header("x-payment", format!("pay_{call}"))
+                .body(Body::from(format!("call {call}")))
+                .unwrap()
+        }
+    };
     let big = {
         let calls = calls.clone();
         move || async move {
@@ -318,13 +353,19 @@ pub fn app(calls: &Calls) -> Router {
     Router::new()
         .route(
             "/payments",
-            post(payment(calls.clone())).patch(payment(calls.clone())).get(payment(calls.clone())),
+            post(payment(calls.clone()))
+                .patch(payment(calls.clone()))
+                .put(payment(calls.clone()))
+                .get(payment(calls.clone())),
         )
         .route("/slow", post(payment(calls.clone())))
         .route("/first-slow", post(first_slow))
         .route("/flaky", post(flaky))
         .route("/status/{code}", post(status))
         .route("/big", post(big))
+        .route("/streamed", post(streamed))
+        .route("/unavailable", post(unavailable.clone()).put(unavailable))
+        .route("/broken-body", post(broken))
         .route("/panic", post(panics))
         .route("/health", get(|| async { "ok" }))
 }
