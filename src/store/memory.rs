@@ -235,4 +235,54 @@ mod tests {
         assert_eq!(store.lock().sweep_at, SWEEP_FROM);
         assert_eq!(store.len(), 1);
     }
+
+    /// Claims `n` keys named `{prefix}{i}` for `lease`.
+    async fn claim_many(store: &MemoryStore, prefix: &str, n: usize, lease: Duration) {
+        let fingerprint = Fingerprint::new("POST", "/", "", b"");
+        for i in 0..n {
+            let key = RecordKey::new("t", b"", format!("{prefix}{i}").as_bytes());
+            let claim = store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await;
+            assert_eq!(claim.unwrap(), Claim::Claimed);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_sweep_keeps_live_claims_and_completed_records() {
+        let store = MemoryStore::new();
+        let fingerprint = Fingerprint::new("POST", "/", "", b"");
+        let done = RecordKey::new("t", b"", b"done");
+        let owner = OwnerToken::random();
+        let long = Duration::from_secs(60);
+        store.claim(&done, &fingerprint, &owner, long).await.unwrap();
+        let response = Bytes::from_static(b"stored");
+        store.complete(&done, &owner, &fingerprint, response.clone(), long).await.unwrap();
+        // Past the mark: the map is swept with every record still live.
+        claim_many(&store, "live", SWEEP_FROM + 100, long).await;
+        assert_eq!(store.lock().map.len(), SWEEP_FROM + 101);
+        assert_eq!(store.len(), SWEEP_FROM + 101);
+        let replay = store.claim(&done, &fingerprint, &OwnerToken::random(), long).await.unwrap();
+        assert_eq!(replay, Claim::Replay(response));
+        let live = RecordKey::new("t", b"", b"live7");
+        let probe = store.claim(&live, &fingerprint, &OwnerToken::random(), long).await.unwrap();
+        assert!(matches!(probe, Claim::InProgress { .. }), "{probe:?}");
+        // The mark moved to twice what the sweep kept.
+        assert_eq!(store.lock().sweep_at, 2 * SWEEP_FROM);
+    }
+
+    #[tokio::test]
+    async fn the_sweep_runs_again_once_the_map_reaches_its_new_mark() {
+        let store = MemoryStore::new();
+        let long = Duration::from_secs(60);
+        // Live records move the mark up to 2 * SWEEP_FROM.
+        claim_many(&store, "live", SWEEP_FROM + 1, long).await;
+        assert_eq!(store.lock().sweep_at, 2 * SWEEP_FROM);
+        // Short claims fill the map up to the new mark, then lapse.
+        claim_many(&store, "short", SWEEP_FROM - 1, Duration::from_millis(1)).await;
+        assert_eq!(store.lock().map.len(), 2 * SWEEP_FROM);
+        std::thread::sleep(Duration::from_millis(5));
+        claim_many(&store, "next", 1, long).await;
+        // The expired ones went; the live ones stayed.
+        assert_eq!(store.lock().map.len(), SWEEP_FROM + 2);
+        assert_eq!(store.len(), SWEEP_FROM + 2);
+    }
 }

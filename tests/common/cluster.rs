@@ -12,7 +12,9 @@ use axum_idempotency::{
     deadpool_redis::redis::{self, AsyncCommands},
 };
 
-use super::{Harness, Held, RedisServer, free_port};
+use super::{
+    Harness, Held, RawHarness, RawValue, RedisServer, describe_with, free_port, plant_with,
+};
 
 /// Masters and replicas made into one cluster by `redis-cli --cluster create`. Stopped by pid
 /// when dropped.
@@ -157,7 +159,7 @@ impl RedisCluster {
         self.nodes.iter_mut().find(|n| n.port == port).expect("node")
     }
 
-    async fn cluster_connection(&self) -> redis::cluster_async::ClusterConnection {
+    pub async fn cluster_connection(&self) -> redis::cluster_async::ClusterConnection {
         redis::cluster::ClusterClient::new(self.urls())
             .unwrap()
             .get_async_connection()
@@ -238,6 +240,24 @@ impl Harness for ClusterHarness {
 
     async fn record_count(&self) -> usize {
         self.cluster.dbsize_per_master().await.iter().map(|(_, n)| n).sum()
+    }
+}
+
+impl RawHarness for ClusterHarness {
+    async fn describe(&self, key: &RecordKey) -> String {
+        describe_with(&mut self.cluster.cluster_connection().await, key).await
+    }
+
+    async fn raw(&self, key: &RecordKey) -> Option<Vec<u8>> {
+        self.cluster.cluster_connection().await.get(key.as_str()).await.expect("GET")
+    }
+
+    async fn pttl(&self, key: &RecordKey) -> i64 {
+        self.cluster.cluster_connection().await.pttl(key.as_str()).await.expect("PTTL")
+    }
+
+    async fn plant(&self, key: &RecordKey, value: RawValue) {
+        plant_with(&mut self.cluster.cluster_connection().await, key, value).await;
     }
 }
 

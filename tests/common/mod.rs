@@ -235,6 +235,83 @@ impl Harness for RedisHarness {
     }
 }
 
+/// A store whose records can be read and written as raw Redis values: the stores backed by
+/// Redis, standalone or Cluster.
+pub trait RawHarness: Harness {
+    /// The value under `key`, byte for byte.
+    async fn raw(&self, key: &RecordKey) -> Option<Vec<u8>>;
+    /// The key's time to live in milliseconds, as `PTTL` answers (-2 absent, -1 no expiry).
+    async fn pttl(&self, key: &RecordKey) -> i64;
+    /// Writes a value under `key` that the layer did not write, with no expiry.
+    async fn plant(&self, key: &RecordKey, value: RawValue);
+    /// The type and contents of whatever is under `key`, string or not.
+    async fn describe(&self, key: &RecordKey) -> String;
+}
+
+/// A value planted under a record key.
+#[derive(Debug, Clone)]
+pub enum RawValue {
+    String(Vec<u8>),
+    Hash,
+}
+
+async fn plant_with<C: redis::aio::ConnectionLike + Send>(
+    connection: &mut C,
+    key: &RecordKey,
+    value: RawValue,
+) {
+    match value {
+        RawValue::String(bytes) => {
+            let () = redis::cmd("SET")
+                .arg(key.as_str())
+                .arg(bytes)
+                .query_async(connection)
+                .await
+                .unwrap();
+        }
+        RawValue::Hash => {
+            let _: i64 = redis::cmd("HSET")
+                .arg(key.as_str())
+                .arg("state")
+                .arg("completed")
+                .query_async(connection)
+                .await
+                .unwrap();
+        }
+    }
+}
+
+async fn describe_with<C: redis::aio::ConnectionLike + Send>(
+    connection: &mut C,
+    key: &RecordKey,
+) -> String {
+    let kind: String = redis::cmd("TYPE").arg(key.as_str()).query_async(connection).await.unwrap();
+    let contents: redis::Value = match kind.as_str() {
+        "string" => redis::cmd("GET").arg(key.as_str()).query_async(connection).await.unwrap(),
+        "hash" => redis::cmd("HGETALL").arg(key.as_str()).query_async(connection).await.unwrap(),
+        _ => redis::Value::Nil,
+    };
+    format!("{kind} {contents:?}")
+}
+
+impl RawHarness for RedisHarness {
+    async fn describe(&self, key: &RecordKey) -> String {
+        describe_with(&mut self.server.connection().await, key).await
+    }
+
+    async fn raw(&self, key: &RecordKey) -> Option<Vec<u8>> {
+        self.server.connection().await.get(key.as_str()).await.expect("GET")
+    }
+
+    async fn pttl(&self, key: &RecordKey) -> i64 {
+        self.server.connection().await.pttl(key.as_str()).await.expect("PTTL")
+    }
+
+    async fn plant(&self, key: &RecordKey, value: RawValue) {
+        plant_with(&mut self.server.connection().await, key, value).await;
+    }
+}
+
 /// Counts how many times the test app's handlers ran.
 #[derive(Clone, Default)]
 pub struct Calls(Arc<AtomicUsize>);

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""Hand mutants that cargo-mutants cannot make: the Lua scripts, and the MemoryStore fencing
+comparisons it only flips one way. Each mutant is applied to the working tree, the store
+contract suite (and the memory unit tests) run against it, and the file is restored. A
+mutant the tests do not catch is a promise no test holds: the script exits non-zero.
+
+    python3 scripts/hand-mutants.py            # every mutant
+    python3 scripts/hand-mutants.py release    # those whose name contains "release"
+"""
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# (name, file, original text, mutated text, tests that must catch it)
+REDIS = ["--test", "store_contract", "--", "redis::", "cluster::"]
+MEMORY = ["--test", "store_contract", "--", "memory::"]
+MUTANTS = [
+    ("complete.lua without the owner comparison", "lua/complete.lua",
+     "\n      or string.sub(record, 35) ~= ARGV[1] then", " then", REDIS),
+    ("release.lua without the owner comparison", "lua/release.lua",
+     "\n    and string.sub(record, 35) == ARGV[1] then", " then", REDIS),
+    ("release.lua deleting whatever is under the key", "lua/release.lua",
+     "if type(record) == 'string' and #record == 50 and string.sub(record, 1, 2) == ARGV[2] .. 'P'\n    and string.sub(record, 35) == ARGV[1] then",
+     "if record then", REDIS),
+    ("touch.lua without the owner comparison", "lua/touch.lua",
+     "\n    and string.sub(record, 35) == ARGV[1] then", " then", REDIS),
+    ("claim.lua replaying an in-progress record", "lua/claim.lua",
+     "if state == 'C' then", "if true then", REDIS),
+    ("MemoryStore::complete without the owner comparison", "src/store/memory.rs",
+     "Some(Record { state: State::InProgress(holder), .. }) if holder == owner => {}",
+     "Some(Record { state: State::InProgress(_), .. }) => {}", MEMORY),
+    ("MemoryStore release/touch without the owner comparison", "src/store/memory.rs",
+     "Some(Record { state: State::InProgress(holder), .. }) if holder == owner\n",
+     "Some(Record { state: State::InProgress(_), .. })\n", MEMORY),
+    ("MemoryStore release/touch of any live record", "src/store/memory.rs",
+     "Some(Record { state: State::InProgress(holder), .. }) if holder == owner\n",
+     "Some(_)\n", MEMORY),
+    ("MemoryStore sweep keeping only records expiring now", "src/store/memory.rs",
+     "records.map.retain(|_, record| record.expires_at > now);",
+     "records.map.retain(|_, record| record.expires_at == now);",
+     ["--lib", "store::memory"]),
+]
+
+
+def run(mutant):
+    name, path, original, mutated, tests = mutant
+    file = ROOT / path
+    source = file.read_text()
+    if source.count(original) != 1:
+        sys.exit(f"{name}: the original text is not in {path} exactly once; update this script")
+    file.write_text(source.replace(original, mutated))
+    try:
+        built = subprocess.run(
+            ["cargo", "test", "--all-features", "--no-run", "-q"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if built.returncode != 0:
+            sys.exit(f"{name}: the mutant does not build; fix this script")
+        result = subprocess.run(
+            ["cargo", "test", "--all-features", "-q", *tests],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    finally:
+        file.write_text(source)
+    return result.returncode != 0
+
+
+def main():
+    wanted = sys.argv[1] if len(sys.argv) > 1 else ""
+    survivors = []
+    for mutant in MUTANTS:
+        if wanted not in mutant[0]:
+            continue
+        caught = run(mutant)
+        print(f"{'caught  ' if caught else 'MISSED  '} {mutant[0]}", flush=True)
+        if not caught:
+            survivors.append(mutant[0])
+    if survivors:
+        sys.exit(f"{len(survivors)} hand mutant(s) survived")
+
+
+if __name__ == "__main__":
+    main()
