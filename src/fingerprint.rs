@@ -6,8 +6,9 @@ use sha2::{Digest, Sha256};
 
 /// SHA-256 over the length-prefixed method, path, query and body of a request.
 ///
-/// The path is the matched route template where axum provides one (`/orders/{id}`), so a
-/// retry is compared field by field and no field can bleed into the next.
+/// The layer passes the request's full original path (`/orders/7/capture`, before any `nest`
+/// stripped a prefix) and its query, so that one key sent to two resources of one route is two
+/// requests. Each field is length-prefixed, so no field can bleed into the next.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Fingerprint([u8; 32]);
 

@@ -26,7 +26,7 @@ use std::{
 
 use axum::{
     body::Body,
-    extract::MatchedPath,
+    extract::OriginalUri,
     response::{IntoResponse, Response},
 };
 use bytes::{Bytes, BytesMut};
@@ -211,12 +211,12 @@ where
             Ok(body) => body,
             Err(response) => return Ok(response),
         };
-        let path = match parts.extensions.get::<MatchedPath>() {
-            Some(matched) => matched.as_str(),
-            None => parts.uri.path(),
-        };
-        let query = parts.uri.query().unwrap_or("");
-        let fingerprint = Fingerprint::new(parts.method.as_str(), path, query, &body);
+        // The concrete path, not the route template: one key sent to `/orders/1` and then
+        // `/orders/2` is two requests. axum's `OriginalUri` is the path before any `nest`
+        // stripped its prefix, so the fingerprint does not depend on where the layer sits.
+        let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
+        let query = uri.query().unwrap_or("");
+        let fingerprint = Fingerprint::new(parts.method.as_str(), uri.path(), query, &body);
 
         // 5. claim. A request dropped while its claim is on the wire, or whose claim timed out,
         // may own the key without knowing it: the guard releases what its token may hold.

@@ -29,6 +29,40 @@ use axum_idempotency::{
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
+/// Runs each named test, a generic `async fn(H: Harness)`, once per store: `memory::*`,
+/// `redis::*` (a private redis-server per test) and, with the `cluster` feature, `cluster::*`
+/// (one 3-master cluster shared by the test binary).
+#[macro_export]
+macro_rules! every_store {
+    ($($test:ident),* $(,)?) => {
+        mod memory {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::MemoryHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+        mod redis {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::RedisHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+        #[cfg(feature = "cluster")]
+        mod cluster {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::ClusterHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+    };
+}
+
 /// A private `redis-server` on a free loopback port, stopped by pid when dropped.
 pub struct RedisServer {
     child: Child,
@@ -321,7 +355,8 @@ impl Calls {
         self.0.load(Ordering::SeqCst)
     }
 
-    fn next(&self) -> usize {
+    /// Counts one more call and returns its number, from 1.
+    pub fn next_call(&self) -> usize {
         self.0.fetch_add(1, Ordering::SeqCst) + 1
     }
 }
@@ -331,6 +366,7 @@ impl Calls {
 ///
 /// - `POST|PATCH|PUT|GET /payments`: 201 with `content-type`, `x-payment`, `set-cookie`; the body
 ///   echoes the request body.
+/// - `POST /orders/{id}/capture`: answers like `/payments`.
 /// - `POST /slow`: waits `x-delay-ms` milliseconds, then answers like `/payments`.
 /// - `POST /first-slow`: the first call waits `x-delay-ms`, later calls answer at once.
 /// - `POST /flaky`: 500 on the first call, 201 afterwards.
@@ -343,7 +379,7 @@ impl Calls {
 pub fn app(calls: &Calls) -> Router {
     let payment = |calls: Calls| {
         move |headers: HeaderMap, body: Bytes| async move {
-            let call = calls.next();
+            let call = calls.next_call();
             if let Some(delay) = headers.get("x-delay-ms") {
                 let ms: u64 = delay.to_str().unwrap().parse().unwrap();
                 tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -354,7 +390,7 @@ pub fn app(calls: &Calls) -> Router {
     let first_slow = {
         let calls = calls.clone();
         move |headers: HeaderMap, body: Bytes| async move {
-            let call = calls.next();
+            let call = calls.next_call();
             if call == 1 {
                 let ms: u64 = headers["x-delay-ms"].to_str().unwrap().parse().unwrap();
                 tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -365,7 +401,7 @@ pub fn app(calls: &Calls) -> Router {
     let flaky = {
         let calls = calls.clone();
         move |body: Bytes| async move {
-            let call = calls.next();
+            let call = calls.next_call();
             if call == 1 {
                 return Response::builder().status(500).body(Body::from("boom")).unwrap();
             }
@@ -375,14 +411,14 @@ pub fn app(calls: &Calls) -> Router {
     let status = {
         let calls = calls.clone();
         move |axum::extract::Path(code): axum::extract::Path<u16>| async move {
-            let call = calls.next();
+            let call = calls.next_call();
             Response::builder().status(code).body(Body::from(format!("call {call}"))).unwrap()
         }
     };
     let streamed = {
         let calls = calls.clone();
         move || async move {
-            calls.next();
+            calls.next_call();
             // Four 1 KiB chunks with no length known in advance.
             let chunks = (b'a'..=b'd').map(|c| Ok::<_, std::io::Error>(Bytes::from(vec![c; 1024])));
             Body::from_stream(futures_util::stream::iter(chunks))
@@ -391,7 +427,7 @@ pub fn app(calls: &Calls) -> Router {
     let broken = {
         let calls = calls.clone();
         move || async move {
-            calls.next();
+            calls.next_call();
             let chunks = [
                 Ok(Bytes::from_static(b"partial")),
                 Err(std::io::Error::new(std::io::ErrorKind::BrokenPipe, "upstream went away")),
@@ -402,7 +438,7 @@ pub fn app(calls: &Calls) -> Router {
     let unavailable = {
         let calls = calls.clone();
         move || async move {
-            let call = calls.next();
+            let call = calls.next_call();
             Response::builder()
                 .status(StatusCode::SERVICE_UNAVAILABLE)
                 .header("set-cookie", "session=secret")
@@ -414,14 +450,14 @@ pub fn app(calls: &Calls) -> Router {
     let big = {
         let calls = calls.clone();
         move || async move {
-            calls.next();
+            calls.next_call();
             vec![b'x'; 4096]
         }
     };
     let panics = {
         let calls = calls.clone();
         move || async move {
-            if calls.next() > 0 {
+            if calls.next_call() > 0 {
                 panic!("handler panicked on purpose");
             }
             "unreachable"
@@ -436,6 +472,7 @@ pub fn app(calls: &Calls) -> Router {
                 .get(payment(calls.clone())),
         )
         .route("/slow", post(payment(calls.clone())))
+        .route("/orders/{id}/capture", post(payment(calls.clone())))
         .route("/first-slow", post(first_slow))
         .route("/flaky", post(flaky))
         .route("/status/{code}", post(status))

@@ -1,0 +1,199 @@
+//! Edges of the request path that each hold a promise of the README: what the fingerprint
+//! covers, where the limits fall, how a failing inner service or a panic leaves the key, and
+//! what the layer's answers say. Run against every store.
+
+#[macro_use]
+mod common;
+
+use std::time::Duration;
+
+use axum::{
+    Router,
+    body::Body,
+    http::{Request, Response},
+};
+use axum_idempotency::{Fingerprint, IdempotencyLayer, OwnerToken, Store};
+use common::*;
+use tower::{ServiceBuilder, ServiceExt};
+
+every_store!(
+    one_key_on_two_resources_of_one_route_is_409,
+    one_key_on_two_resources_through_a_nested_router_is_409,
+    the_query_string_is_part_of_the_request,
+    a_declared_length_within_the_limit_is_read,
+    a_response_of_exactly_the_stored_limit_is_stored,
+    retry_after_is_never_under_one_second,
+    an_inner_service_error_releases_the_key,
+    a_panic_is_resumed_as_the_handlers_own_and_releases_the_key,
+    a_malformed_key_problem_says_what_a_key_must_be,
+    a_large_corrupt_record_is_500_not_a_panic,
+);
+
+fn layered<H: Harness>(h: &H, calls: &Calls) -> Router {
+    app(calls).layer(IdempotencyLayer::new(h.store()))
+}
+
+async fn one_key_on_two_resources_of_one_route_is_409<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let first = send(&app, keyed("POST", "/orders/1/capture", "k1", "{}")).await;
+    assert_eq!(first.status, 201);
+    // Same route template, same key, same body: another order. Replaying order 1's answer for
+    // order 2 would be another request's result.
+    send(&app, keyed("POST", "/orders/2/capture", "k1", "{}"))
+        .await
+        .assert_problem(409, "key-reused");
+    let retry = send(&app, keyed("POST", "/orders/1/capture", "k1", "{}")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(calls.get(), 1);
+}
+
+async fn one_key_on_two_resources_through_a_nested_router_is_409<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = Router::new().nest("/v1", layered(&h, &calls));
+    assert_eq!(send(&app, keyed("POST", "/v1/orders/1/capture", "k1", "{}")).await.status, 201);
+    send(&app, keyed("POST", "/v1/orders/2/capture", "k1", "{}"))
+        .await
+        .assert_problem(409, "key-reused");
+    // The record's fingerprint is the full original path, wherever the layer sits: the same
+    // request through a router without the prefix is another request.
+    let store = h.store();
+    let nested = Fingerprint::new("POST", "/v1/orders/1/capture", "", b"{}");
+    let claim =
+        store.claim(&global("k1"), &nested, &OwnerToken::random(), Duration::from_secs(1)).await;
+    assert!(matches!(claim.unwrap(), axum_idempotency::Claim::Replay(_)));
+    assert_eq!(calls.get(), 1);
+}
+
+async fn the_query_string_is_part_of_the_request<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    assert_eq!(send(&app, keyed("POST", "/payments?amount=1", "k1", "{}")).await.status, 201);
+    send(&app, keyed("POST", "/payments?amount=2", "k1", "{}"))
+        .await
+        .assert_problem(409, "key-reused");
+    assert!(send(&app, keyed("POST", "/payments?amount=1", "k1", "{}")).await.replayed());
+    assert_eq!(calls.get(), 1);
+}
+
+async fn a_declared_length_within_the_limit_is_read<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).body_limit(8));
+    for (key, body) in [("k1", "1234567"), ("k2", "12345678")] {
+        let request = Request::post("/payments")
+            .header("idempotency-key", key)
+            .header("content-length", body.len().to_string())
+            .body(Body::from(body))
+            .unwrap();
+        let seen = send(&app, request).await;
+        assert_eq!(seen.status, 201, "{key}: {seen:?}");
+        assert!(seen.body.contains(body));
+    }
+    assert_eq!(calls.get(), 2);
+}
+
+async fn a_response_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
+    let calls = Calls::default();
+    // `/big` answers 4096 bytes; a limit of 4096 stores it, 4095 does not.
+    let at_limit = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(4096));
+    let first = send(&at_limit, keyed("POST", "/big", "k1", "")).await;
+    assert_eq!(first.body.len(), 4096);
+    let retry = send(&at_limit, keyed("POST", "/big", "k1", "")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body.len(), 4096);
+    let under = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(4095));
+    assert_eq!(send(&under, keyed("POST", "/big", "k2", "")).await.body.len(), 4096);
+    assert_eq!(h.held(&global("k2")).await, None);
+    assert_eq!(calls.get(), 2);
+}
+
+async fn retry_after_is_never_under_one_second<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store()).lease(Duration::from_millis(600)).keep_alive(None);
+    let app = app(&calls).layer(layer);
+    let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 500, "{}"), "k1").await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Under a second of lease is left: the answer rounds up, never to 0 ("retry now").
+    let retry = send(&app, delayed("/slow", "k1", 500, "{}")).await;
+    retry.assert_problem(202, "in-progress");
+    assert_eq!(retry.header("retry-after"), Some("1"));
+    first.await.unwrap();
+}
+
+async fn an_inner_service_error_releases_the_key<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let counted = calls.clone();
+    let service = ServiceBuilder::new().layer(IdempotencyLayer::new(h.store())).service_fn(
+        move |_request: Request<Body>| {
+            let call = counted.next_call();
+            async move {
+                if call == 1 {
+                    return Err("the inner service failed");
+                }
+                Ok::<_, &str>(Response::new(Body::from(format!("call {call}"))))
+            }
+        },
+    );
+    let request = || keyed("POST", "/payments", "k1", "{}");
+    let error =
+        service.clone().oneshot(request()).await.expect_err("the inner error goes out as is");
+    assert_eq!(error, "the inner service failed");
+    eventually("the key is released", async || h.held(&global("k1")).await.is_none()).await;
+    let retry = service.clone().oneshot(request()).await.expect("second call succeeds");
+    assert_eq!(retry.status(), 200);
+    assert_eq!(calls.get(), 2);
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+}
+
+async fn a_panic_is_resumed_as_the_handlers_own_and_releases_the_key<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    // No CatchPanicLayer: the panic must reach the caller as the handler's own, not as a
+    // response the layer made up.
+    let joined = tokio::spawn(app.clone().oneshot(keyed("POST", "/panic", "k1", ""))).await;
+    let panic = joined.expect_err("the panic propagates").into_panic();
+    let message = panic.downcast_ref::<&str>().copied().unwrap_or_default();
+    assert_eq!(message, "handler panicked on purpose");
+    assert_eq!(h.held(&global("k1")).await, None);
+    assert_eq!(calls.get(), 1);
+}
+
+async fn a_malformed_key_problem_says_what_a_key_must_be<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    let seen = send(&app, keyed("POST", "/payments", "caf\u{e9}", "{}")).await;
+    seen.assert_problem(400, "key-malformed");
+    let problem: serde_json::Value = serde_json::from_str(&seen.body).unwrap();
+    assert_eq!(
+        problem["detail"],
+        "the Idempotency-Key must be 1 to 255 visible ASCII characters, bare or as a quoted string"
+    );
+    let seen = send(&app, keyed("POST", "/payments", "a, b", "{}")).await;
+    let problem: serde_json::Value = serde_json::from_str(&seen.body).unwrap();
+    assert_eq!(
+        problem["detail"],
+        "the Idempotency-Key header must appear exactly once, with one value"
+    );
+    assert_eq!(calls.get(), 0);
+}
+
+async fn a_large_corrupt_record_is_500_not_a_panic<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    // A stored response of 400,000 bytes whose header count reads 0xffff: more headers than
+    // `HeaderMap` can hold, in a blob large enough to seem to have room for them.
+    let mut blob = vec![0u8; 400_000];
+    blob[..5].copy_from_slice(&[1, 0, 200, 0xff, 0xff]);
+    let store = h.store();
+    let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
+    let owner = OwnerToken::random();
+    let long = Duration::from_secs(60);
+    store.claim(&global("k1"), &fingerprint, &owner, long).await.unwrap();
+    store.complete(&global("k1"), &owner, &fingerprint, blob.into(), long).await.unwrap();
+    let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    seen.assert_problem(500, "corrupt-record");
+    // Left alone, and the handler did not run.
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+    assert_eq!(calls.get(), 0);
+}
