@@ -14,8 +14,6 @@
 //!
 //! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
 
-#[cfg(feature = "cluster")]
-mod cluster;
 mod memory;
 mod redis;
 
@@ -23,11 +21,11 @@ use std::{fmt, future::Future, time::Duration};
 
 use bytes::Bytes;
 
-#[cfg(feature = "cluster")]
-pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 pub use self::memory::MemoryStore;
 pub use self::memory::RecordState;
 pub use self::redis::RedisStore;
+#[cfg(feature = "cluster")]
+pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 

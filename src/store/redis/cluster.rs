@@ -3,7 +3,7 @@
 //!
 //! deadpool-redis's own cluster configuration exposes no retry or timeout settings, and with
 //! redis-rs's defaults a script against a slot whose master is down went unanswered for over
-//! 90 s. [`RedisStore::cluster_from_urls`] sets them; [`ClusterManager`] takes any
+//! 90 s. [`RedisStore::cluster_from_urls`](crate::RedisStore::cluster_from_urls) sets them; [`ClusterManager`] takes any
 //! [`ClusterClient`] you build yourself.
 
 use std::{fmt, time::Duration};
@@ -15,9 +15,9 @@ use deadpool_redis::redis::{
     cluster_async::ClusterConnection,
 };
 
-use super::RedisStore;
+use crate::store::StoreError;
 
-/// A pool of Redis Cluster connections for [`RedisStore::cluster`].
+/// A pool of Redis Cluster connections for [`RedisStore::cluster`](crate::RedisStore::cluster).
 pub type ClusterPool = managed::Pool<ClusterManager>;
 
 /// Makes Redis Cluster connections from a [`ClusterClient`].
@@ -94,60 +94,36 @@ impl std::error::Error for ClusterConfigError {
     }
 }
 
-pub(super) fn pool_error(error: managed::PoolError<RedisError>) -> super::StoreError {
-    super::StoreError::ClusterPool(error)
+pub(super) fn pool_error(error: managed::PoolError<RedisError>) -> StoreError {
+    StoreError::ClusterPool(error)
 }
 
 /// How long one attempt at a node, and one whole command with its retries, may take.
 const NODE_TIMEOUT: Duration = Duration::from_millis(500);
 
-impl RedisStore {
-    /// A store over a Redis Cluster pool.
-    ///
-    /// Every script touches one key, whose `{hash tag}` puts the whole record in one slot, so
-    /// each transition is atomic on the master that owns the slot.
-    #[must_use]
-    pub fn cluster(pool: ClusterPool) -> Self {
-        Self::with_source(super::redis::Source::Cluster(pool))
-    }
-
-    /// A store over a new cluster pool for the seed nodes `urls`, with bounded timeouts: each
-    /// attempt at a node 500 ms, two retries, and at most one second per command, so a dead
-    /// shard is answered with 503 within the store's command timeout.
-    ///
-    /// ```no_run
-    /// use axum_idempotency::RedisStore;
-    ///
-    /// let store = RedisStore::cluster_from_urls(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])?;
-    /// # Ok::<_, Box<dyn std::error::Error>>(())
-    /// ```
-    ///
-    /// # Errors
-    ///
-    /// When a URL is not a Redis URL. No connection is made until the first request.
-    pub fn cluster_from_urls<I, U>(urls: I) -> Result<Self, ClusterConfigError>
-    where
-        I: IntoIterator<Item = U>,
-        U: AsRef<str>,
-    {
-        let urls: Vec<String> = urls.into_iter().map(|url| url.as_ref().to_owned()).collect();
-        let client = ClusterClientBuilder::new(urls)
-            .retries(2)
-            .min_retry_wait(10)
-            .max_retry_wait(100)
-            .connection_timeout(NODE_TIMEOUT)
-            .response_timeout(NODE_TIMEOUT)
-            .overall_response_timeout(Some(Duration::from_secs(1)))
-            .build()
-            .map_err(ClusterConfigError::Redis)?;
-        let pool = ClusterPool::builder(ClusterManager::new(client))
-            .max_size(8)
-            .wait_timeout(Some(Duration::from_secs(1)))
-            .create_timeout(Some(Duration::from_secs(1)))
-            .recycle_timeout(Some(Duration::from_secs(1)))
-            .runtime(deadpool::Runtime::Tokio1)
-            .build()
-            .map_err(ClusterConfigError::Pool)?;
-        Ok(Self::cluster(pool))
-    }
+/// A pool for the seed nodes `urls`, with bounded timeouts: each attempt at a node 500 ms, two
+/// retries, and at most one second per command.
+pub(super) fn pool_from_urls<I, U>(urls: I) -> Result<ClusterPool, ClusterConfigError>
+where
+    I: IntoIterator<Item = U>,
+    U: AsRef<str>,
+{
+    let urls: Vec<String> = urls.into_iter().map(|url| url.as_ref().to_owned()).collect();
+    let client = ClusterClientBuilder::new(urls)
+        .retries(2)
+        .min_retry_wait(10)
+        .max_retry_wait(100)
+        .connection_timeout(NODE_TIMEOUT)
+        .response_timeout(NODE_TIMEOUT)
+        .overall_response_timeout(Some(Duration::from_secs(1)))
+        .build()
+        .map_err(ClusterConfigError::Redis)?;
+    ClusterPool::builder(ClusterManager::new(client))
+        .max_size(8)
+        .wait_timeout(Some(Duration::from_secs(1)))
+        .create_timeout(Some(Duration::from_secs(1)))
+        .recycle_timeout(Some(Duration::from_secs(1)))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .map_err(ClusterConfigError::Pool)
 }

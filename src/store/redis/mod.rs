@@ -1,25 +1,24 @@
 //! [`RedisStore`]: records in Redis, shared by every instance of the service.
 
+#[cfg(feature = "cluster")]
+mod cluster;
+mod connection;
+
 use std::{
     fmt,
-    future::Future,
-    sync::{
-        Arc, Mutex, PoisonError,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, LazyLock},
     time::Duration,
 };
 
 use bytes::Bytes;
 use deadpool_redis::{
     Config, CreatePoolError, Pool, PoolConfig, Runtime, Timeouts,
-    redis::{
-        Cmd, ErrorKind, FromRedisValue, Pipeline, RedisFuture, Script, Value,
-        aio::{ConnectionLike, MultiplexedConnection},
-    },
+    redis::{FromRedisValue, Script, Value},
 };
-use std::sync::LazyLock;
 
+#[cfg(feature = "cluster")]
+pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
+use self::connection::{Connections, Source};
 use super::{Claim, Fenced, OwnerToken, RECORD_VERSION, Store, StoreError};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
@@ -68,67 +67,14 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// the store warns once through `tracing` when it finds another policy.
 #[derive(Clone)]
 pub struct RedisStore {
-    source: Source,
-    shared: Arc<Shared>,
+    connections: Arc<Connections>,
     command_timeout: Duration,
-}
-
-/// Where the store's connection comes from.
-#[derive(Clone)]
-pub(super) enum Source {
-    Standalone(Pool),
-    #[cfg(feature = "cluster")]
-    Cluster(super::cluster::ClusterPool),
-}
-
-/// The connection every operation shares: Redis pipelines concurrent commands on it.
-#[derive(Clone)]
-enum SharedConnection {
-    Standalone(MultiplexedConnection),
-    #[cfg(feature = "cluster")]
-    Cluster(deadpool_redis::redis::cluster_async::ClusterConnection),
-}
-
-impl ConnectionLike for SharedConnection {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self {
-            Self::Standalone(connection) => connection.req_packed_command(cmd),
-            #[cfg(feature = "cluster")]
-            Self::Cluster(connection) => connection.req_packed_command(cmd),
-        }
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        match self {
-            Self::Standalone(connection) => connection.req_packed_commands(pipeline, offset, count),
-            #[cfg(feature = "cluster")]
-            Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
-        }
-    }
-
-    fn get_db(&self) -> i64 {
-        match self {
-            Self::Standalone(connection) => connection.get_db(),
-            #[cfg(feature = "cluster")]
-            Self::Cluster(connection) => connection.get_db(),
-        }
-    }
-}
-
-struct Shared {
-    connection: Mutex<Option<SharedConnection>>,
-    eviction_checked: AtomicBool,
 }
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut debug = f.debug_struct("RedisStore");
-        match &self.source {
+        match &self.connections.source {
             Source::Standalone(pool) => debug.field("pool", &pool.status()),
             #[cfg(feature = "cluster")]
             Source::Cluster(pool) => debug.field("cluster_pool", &pool.status()),
@@ -152,13 +98,9 @@ impl RedisStore {
         Self::with_source(Source::Standalone(pool))
     }
 
-    pub(super) fn with_source(source: Source) -> Self {
+    fn with_source(source: Source) -> Self {
         Self {
-            source,
-            shared: Arc::new(Shared {
-                connection: Mutex::new(None),
-                eviction_checked: AtomicBool::new(false),
-            }),
+            connections: Arc::new(Connections::new(source)),
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
         }
     }
@@ -180,6 +122,39 @@ impl RedisStore {
         Ok(Self::new(config.create_pool(Some(Runtime::Tokio1))?))
     }
 
+    /// A store over a Redis Cluster pool.
+    ///
+    /// Every script touches one key, whose `{hash tag}` puts the whole record in one slot, so
+    /// each transition is atomic on the master that owns the slot.
+    #[cfg(feature = "cluster")]
+    #[must_use]
+    pub fn cluster(pool: ClusterPool) -> Self {
+        Self::with_source(Source::Cluster(pool))
+    }
+
+    /// A store over a new cluster pool for the seed nodes `urls`, with bounded timeouts: each
+    /// attempt at a node 500 ms, two retries, and at most one second per command, so a dead
+    /// shard is answered with 503 within the store's command timeout.
+    ///
+    /// ```no_run
+    /// use axum_idempotency::RedisStore;
+    ///
+    /// let store = RedisStore::cluster_from_urls(["redis://10.0.0.1:7000", "redis://10.0.0.2:7000"])?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When a URL is not a Redis URL. No connection is made until the first request.
+    #[cfg(feature = "cluster")]
+    pub fn cluster_from_urls<I, U>(urls: I) -> Result<Self, ClusterConfigError>
+    where
+        I: IntoIterator<Item = U>,
+        U: AsRef<str>,
+    {
+        Ok(Self::cluster(cluster::pool_from_urls(urls)?))
+    }
+
     /// Sets the longest time one store operation may take, connection checkout included.
     /// An operation that takes longer fails with [`StoreError::Timeout`], and the layer answers
     /// 503 without running the handler. Defaults to one second.
@@ -189,58 +164,6 @@ impl RedisStore {
         self
     }
 
-    /// The shared connection, or a new one from the pool.
-    async fn connection(&self) -> Result<SharedConnection, StoreError> {
-        let cached = self.shared.connection.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        if let Some(connection) = cached {
-            return Ok(connection);
-        }
-        let mut connection = match &self.source {
-            Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
-            #[cfg(feature = "cluster")]
-            Source::Cluster(pool) => SharedConnection::Cluster(
-                (*pool.get().await.map_err(super::cluster::pool_error)?).clone(),
-            ),
-        };
-        if !self.shared.eviction_checked.swap(true, Ordering::Relaxed) {
-            warn_unless_noeviction(&mut connection).await;
-        }
-        *self.shared.connection.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some(connection.clone());
-        Ok(connection)
-    }
-
-    /// Runs `op` on the shared connection within the command timeout. A connection that
-    /// failed is dropped, so the next operation takes a fresh one from the pool.
-    async fn run<T, F, Fut>(&self, op: F) -> Result<T, StoreError>
-    where
-        F: FnOnce(SharedConnection) -> Fut + Send,
-        Fut: Future<Output = Result<T, deadpool_redis::redis::RedisError>> + Send,
-    {
-        let attempt = async {
-            let connection = self.connection().await?;
-            op(connection).await.map_err(StoreError::from)
-        };
-        // Boxed: the pool checkout and redis-rs futures are large, and unboxed they made every
-        // future of the layer that awaits the store several kilobytes, copied on each move.
-        let result = match Box::pin(tokio::time::timeout(self.command_timeout, attempt)).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.command_timeout)),
-        };
-        if let Err(error) = &result {
-            // A server's error reply leaves the connection sound; anything else may not.
-            let server_replied = match error {
-                StoreError::Redis(e) => matches!(e.kind(), ErrorKind::Server(_)),
-                StoreError::CorruptRecord(_) => true,
-                _ => false,
-            };
-            if !server_replied {
-                *self.shared.connection.lock().unwrap_or_else(PoisonError::into_inner) = None;
-            }
-        }
-        result
-    }
-
     /// Runs `script` over `key` with `args`: every transition is one such call.
     async fn invoke<T: FromRedisValue + Send>(
         &self,
@@ -248,15 +171,16 @@ impl RedisStore {
         key: &RecordKey,
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
-        self.run(|mut connection| async move {
-            let mut invocation = script.prepare_invoke();
-            invocation.key(key.as_str());
-            for arg in args {
-                invocation.arg(*arg);
-            }
-            invocation.invoke_async(&mut connection).await
-        })
-        .await
+        self.connections
+            .run(self.command_timeout, |mut connection| async move {
+                let mut invocation = script.prepare_invoke();
+                invocation.key(key.as_str());
+                for arg in args {
+                    invocation.arg(*arg);
+                }
+                invocation.invoke_async(&mut connection).await
+            })
+            .await
     }
 
     /// Runs a fenced script: 1 when applied, 0 when another owner holds the key.
@@ -345,23 +269,5 @@ fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
             Err(StoreError::CorruptRecord(String::from_utf8_lossy(&reason).into_owned()))
         }
         _ => Err(unexpected()),
-    }
-}
-
-/// Records must not be evicted: an evicted record lets a retry run the handler again.
-async fn warn_unless_noeviction(connection: &mut SharedConnection) {
-    let reply: Result<Vec<String>, _> = deadpool_redis::redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("maxmemory-policy")
-        .query_async(connection)
-        .await;
-    match reply.as_deref() {
-        Ok([_, policy]) if policy == "noeviction" => {}
-        Ok([_, policy]) => tracing::warn!(
-            policy = policy.as_str(),
-            "idempotency: Redis maxmemory-policy is not noeviction; an evicted record lets a retry run its handler again"
-        ),
-        // CONFIG is often disabled on managed Redis: nothing to learn, nothing to warn.
-        _ => tracing::debug!("idempotency: could not read Redis maxmemory-policy"),
     }
 }

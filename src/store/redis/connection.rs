@@ -1,0 +1,152 @@
+//! The connection every operation of a [`RedisStore`](super::RedisStore) shares, and where it
+//! comes from.
+
+use std::{
+    future::Future,
+    sync::{
+        Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use deadpool_redis::{
+    Pool,
+    redis::{
+        Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Value,
+        aio::{ConnectionLike, MultiplexedConnection},
+    },
+};
+
+#[cfg(feature = "cluster")]
+use super::cluster::{ClusterPool, pool_error};
+use crate::store::StoreError;
+
+/// Where the store's connection comes from.
+#[derive(Clone)]
+pub(super) enum Source {
+    Standalone(Pool),
+    #[cfg(feature = "cluster")]
+    Cluster(ClusterPool),
+}
+
+/// A connection Redis pipelines concurrent commands on.
+#[derive(Clone)]
+pub(super) enum SharedConnection {
+    Standalone(MultiplexedConnection),
+    #[cfg(feature = "cluster")]
+    Cluster(deadpool_redis::redis::cluster_async::ClusterConnection),
+}
+
+impl ConnectionLike for SharedConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Standalone(connection) => connection.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Standalone(connection) => connection.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Standalone(connection) => connection.get_db(),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
+/// One shared connection, taken from the pool when there is none or the last one failed.
+pub(super) struct Connections {
+    pub(super) source: Source,
+    shared: Mutex<Option<SharedConnection>>,
+    eviction_checked: AtomicBool,
+}
+
+impl Connections {
+    pub(super) fn new(source: Source) -> Self {
+        Self { source, shared: Mutex::new(None), eviction_checked: AtomicBool::new(false) }
+    }
+
+    /// The shared connection, or a new one from the pool.
+    async fn connection(&self) -> Result<SharedConnection, StoreError> {
+        let cached = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if let Some(connection) = cached {
+            return Ok(connection);
+        }
+        let mut connection = match &self.source {
+            Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
+            #[cfg(feature = "cluster")]
+            Source::Cluster(pool) => {
+                SharedConnection::Cluster((*pool.get().await.map_err(pool_error)?).clone())
+            }
+        };
+        if !self.eviction_checked.swap(true, Ordering::Relaxed) {
+            warn_unless_noeviction(&mut connection).await;
+        }
+        *self.shared.lock().unwrap_or_else(PoisonError::into_inner) = Some(connection.clone());
+        Ok(connection)
+    }
+
+    /// Runs `op` on the shared connection within `timeout`. A connection that failed is
+    /// dropped, so the next operation takes a fresh one from the pool.
+    pub(super) async fn run<T, F, Fut>(&self, timeout: Duration, op: F) -> Result<T, StoreError>
+    where
+        F: FnOnce(SharedConnection) -> Fut + Send,
+        Fut: Future<Output = Result<T, RedisError>> + Send,
+    {
+        let attempt = async {
+            let connection = self.connection().await?;
+            op(connection).await.map_err(StoreError::from)
+        };
+        // Boxed: the pool checkout and redis-rs futures are large, and unboxed they made every
+        // future of the layer that awaits the store several kilobytes, copied on each move.
+        let result = match Box::pin(tokio::time::timeout(timeout, attempt)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        };
+        if let Err(error) = &result {
+            // A server's error reply leaves the connection sound; anything else may not.
+            let server_replied = match error {
+                StoreError::Redis(e) => matches!(e.kind(), ErrorKind::Server(_)),
+                StoreError::CorruptRecord(_) => true,
+                _ => false,
+            };
+            if !server_replied {
+                *self.shared.lock().unwrap_or_else(PoisonError::into_inner) = None;
+            }
+        }
+        result
+    }
+}
+
+/// Records must not be evicted: an evicted record lets a retry run the handler again.
+async fn warn_unless_noeviction(connection: &mut SharedConnection) {
+    let reply: Result<Vec<String>, _> = deadpool_redis::redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(connection)
+        .await;
+    match reply.as_deref() {
+        Ok([_, policy]) if policy == "noeviction" => {}
+        Ok([_, policy]) => tracing::warn!(
+            policy = policy.as_str(),
+            "idempotency: Redis maxmemory-policy is not noeviction; an evicted record lets a retry run its handler again"
+        ),
+        // CONFIG is often disabled on managed Redis: nothing to learn, nothing to warn.
+        _ => tracing::debug!("idempotency: could not read Redis maxmemory-policy"),
+    }
+}
