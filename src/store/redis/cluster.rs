@@ -66,7 +66,7 @@ impl managed::Manager for ClusterManager {
     }
 }
 
-/// Why [`RedisStore::cluster_from_urls`] could not build a store.
+/// Why [`RedisStore::cluster_from_urls`](crate::RedisStore::cluster_from_urls) could not build a store.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum ClusterConfigError {
