@@ -1,22 +1,24 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+// Front doors → engine → store; `key` and `fingerprint` are the vocabulary all three share.
+pub mod consumer;
+mod engine;
 mod fingerprint;
+mod http;
 mod key;
-mod layer;
-mod problem;
-mod record;
-pub mod scope;
-mod service;
 pub mod store;
 
 pub use deadpool_redis;
 
 pub use crate::{
+    consumer::Idempotent,
     fingerprint::Fingerprint,
-    key::{KeyError, MAX_KEY_LEN, RecordKey, parse_key},
-    layer::{IdempotencyLayer, StorePolicy, default_store_policy},
-    scope::{ExtractorScope, GlobalScope, HeaderScope, ScopeExtractor},
-    service::{Idempotency, REPLAYED_HEADER, ResponseFuture},
+    http::{
+        Idempotency, IdempotencyLayer, KeyError, MAX_KEY_LEN, REPLAYED_HEADER, ResponseFuture,
+        StorePolicy, default_store_policy, parse_key, scope,
+        scope::{ExtractorScope, GlobalScope, HeaderScope, ScopeExtractor},
+    },
+    key::RecordKey,
     store::{Claim, Fenced, MemoryStore, OwnerToken, RedisStore, Store, StoreError},
 };

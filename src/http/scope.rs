@@ -13,7 +13,7 @@ use axum::{
 };
 use http::{HeaderName, StatusCode, request::Parts};
 
-use crate::problem::{ProblemType, problem};
+use super::problem::{ProblemType, problem};
 
 /// Finds the scope of a request from its parts.
 ///

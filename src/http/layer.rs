@@ -6,10 +6,13 @@ use http::{HeaderName, Method, StatusCode};
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
-use crate::{
-    record::HeaderFilter,
+use super::{
+    config::{Config, StorePolicy},
     scope::{GlobalScope, ScopeExtractor},
     service::Idempotency,
+};
+use crate::{
+    engine::{Engine, Settings},
     store::Store,
 };
 
@@ -46,76 +49,18 @@ pub struct IdempotencyLayer<St, Sc = GlobalScope> {
     store: St,
     scope: Sc,
     config: Arc<Config>,
-}
-
-/// Decides from the status whether a response is stored for replay (`true`) or the key is
-/// released so that a retry runs the handler again (`false`).
-pub type StorePolicy = fn(StatusCode) -> bool;
-
-/// The default [`StorePolicy`]: store 2xx and 4xx, except 408 and 429; release on
-/// everything else (5xx, 408, 429, 1xx, 3xx).
-///
-/// ```
-/// use axum_idempotency::default_store_policy;
-/// use http::StatusCode;
-///
-/// assert!(default_store_policy(StatusCode::CREATED));
-/// assert!(default_store_policy(StatusCode::UNPROCESSABLE_ENTITY));
-/// assert!(!default_store_policy(StatusCode::TOO_MANY_REQUESTS));
-/// assert!(!default_store_policy(StatusCode::SERVICE_UNAVAILABLE));
-/// ```
-#[must_use]
-pub fn default_store_policy(status: StatusCode) -> bool {
-    (status.is_success() || status.is_client_error())
-        && status != StatusCode::REQUEST_TIMEOUT
-        && status != StatusCode::TOO_MANY_REQUESTS
-}
-
-#[derive(Debug, Clone)]
-pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
-    pub(crate) header: HeaderName,
-    pub(crate) require_key: bool,
-    pub(crate) prefix: String,
-    pub(crate) body_limit: usize,
-    pub(crate) stored_body_limit: usize,
-    pub(crate) lease: Duration,
-    pub(crate) retention: Duration,
-    pub(crate) in_progress_status: StatusCode,
-    pub(crate) mismatch_status: StatusCode,
-    pub(crate) store_policy: StorePolicy,
-    pub(crate) header_filter: HeaderFilter,
-    pub(crate) fail_open: bool,
-    pub(crate) keep_alive: Option<Duration>,
-    pub(crate) tasks: Option<TaskTracker>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            methods: vec![Method::POST, Method::PATCH],
-            header: HeaderName::from_static("idempotency-key"),
-            require_key: false,
-            prefix: "idempotency".to_owned(),
-            body_limit: 1024 * 1024,
-            stored_body_limit: 1024 * 1024,
-            lease: Duration::from_secs(30),
-            retention: Duration::from_secs(24 * 60 * 60),
-            in_progress_status: StatusCode::ACCEPTED,
-            mismatch_status: StatusCode::CONFLICT,
-            store_policy: default_store_policy,
-            header_filter: HeaderFilter::default(),
-            fail_open: false,
-            keep_alive: Some(Duration::from_secs(5 * 60)),
-            tasks: None,
-        }
-    }
+    settings: Arc<Settings>,
 }
 
 impl<St: Store> IdempotencyLayer<St> {
     /// A layer keeping its records in `store`, with the default settings and [`GlobalScope`].
     pub fn new(store: St) -> Self {
-        Self { store, scope: GlobalScope, config: Arc::new(Config::default()) }
+        Self {
+            store,
+            scope: GlobalScope,
+            config: Arc::new(Config::default()),
+            settings: Arc::new(Settings::default()),
+        }
     }
 }
 
@@ -124,10 +69,14 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         Arc::make_mut(&mut self.config)
     }
 
+    fn settings(&mut self) -> &mut Settings {
+        Arc::make_mut(&mut self.settings)
+    }
+
     /// Sets how a request's scope is found (see [`ScopeExtractor`]). Defaults to
     /// [`GlobalScope`].
     pub fn scope<Sc2: ScopeExtractor>(self, scope: Sc2) -> IdempotencyLayer<St, Sc2> {
-        IdempotencyLayer { store: self.store, scope, config: self.config }
+        IdempotencyLayer { store: self.store, scope, config: self.config, settings: self.settings }
     }
 
     /// Sets the methods made idempotent. Defaults to POST and PATCH.
@@ -174,13 +123,13 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// renews the lease (see [`keep_alive`](Self::keep_alive)); a holder that stops renewing,
     /// because its process died, frees the key within one lease. Defaults to 30 seconds.
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.config().lease = lease;
+        self.settings().lease = lease;
         self
     }
 
     /// Sets how long a completed response is kept for replay. Defaults to 24 hours.
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.config().retention = retention;
+        self.settings().retention = retention;
         self
     }
 
@@ -208,7 +157,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
             .mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
     }
 
-    /// Sets which responses are stored for replay. Defaults to [`default_store_policy`].
+    /// Sets which responses are stored for replay. Defaults to [`default_store_policy`](crate::default_store_policy).
     pub fn store_policy(mut self, policy: StorePolicy) -> Self {
         self.config().store_policy = policy;
         self
@@ -232,7 +181,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// handler that outlives its lease can be taken over by a retry, which then runs the
     /// handler again (the first holder's response is not stored). Defaults to 5 minutes.
     pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
-        self.config().keep_alive = ceiling;
+        self.settings().keep_alive = ceiling;
         self
     }
 
@@ -255,7 +204,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// Without it the tasks are plain `tokio::spawn` tasks. A claimed request runs in a task of
     /// its own either way, so that a client that goes away does not cancel its handler.
     pub fn task_tracker(mut self, tracker: TaskTracker) -> Self {
-        self.config().tasks = Some(tracker);
+        self.settings().tasks = Some(tracker);
         self
     }
 
@@ -268,10 +217,11 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     }
 }
 
-impl<S, St: Clone, Sc: Clone> Layer<S> for IdempotencyLayer<St, Sc> {
+impl<S, St: Store, Sc: Clone> Layer<S> for IdempotencyLayer<St, Sc> {
     type Service = Idempotency<S, St, Sc>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::from_parts(inner, self.store.clone(), self.scope.clone(), self.config.clone())
+        let engine = Engine::new(self.store.clone(), self.settings.clone());
+        Idempotency::from_parts(inner, engine, self.scope.clone(), self.config.clone())
     }
 }

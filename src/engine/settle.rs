@@ -1,0 +1,111 @@
+//! Settling a claim: complete and release, fenced by the owner token, retried in the
+//! background when the store fails.
+
+use std::{future::Future, time::Duration};
+
+use bytes::Bytes;
+
+use crate::{
+    fingerprint::Fingerprint,
+    key::RecordKey,
+    store::{Fenced, OwnerToken, Store, StoreError},
+};
+
+/// How often, and how far apart, a failed `complete` or `release` is tried again.
+const SETTLE_RETRIES: [Duration; 3] =
+    [Duration::from_millis(50), Duration::from_millis(200), Duration::from_millis(800)];
+
+/// Stores `outcome`, calls `answered` after the first attempt, then retries a failed first
+/// attempt so that a retry is replayed rather than run again.
+pub(super) async fn complete_with_retries<St: Store>(
+    store: &St,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    fingerprint: &Fingerprint,
+    outcome: Bytes,
+    retention: Duration,
+    answered: impl FnOnce(),
+) {
+    let hash = key.hash();
+    let first = store.complete(key, owner, fingerprint, outcome.clone(), retention).await;
+    answered();
+    let error = match first {
+        Ok(Fenced::Applied) => return tracing::debug!(key_hash = hash, "idempotency: completed"),
+        Ok(Fenced::Rejected) => {
+            return tracing::warn!(
+                key_hash = hash,
+                "idempotency: lease lapsed and the key was taken over; outcome not stored"
+            );
+        }
+        Err(error) => error,
+    };
+    tracing::warn!(key_hash = hash, %error, "idempotency: storing the response failed; retrying");
+    let stored =
+        retry_settle(|| store.complete(key, owner, fingerprint, outcome.clone(), retention)).await;
+    if let Some(outcome) = stored {
+        return tracing::info!(key_hash = hash, ?outcome, "idempotency: store answered on retry");
+    }
+    tracing::error!(
+        key_hash = hash,
+        %error,
+        "idempotency: the response could not be stored; a retry after the lease ends will run the handler again"
+    );
+}
+
+/// Releases the key if `owner` still holds it. A release the store fails is tried again in
+/// the background (fenced, so a late one cannot delete another owner's record).
+pub(super) async fn release<St: Store>(
+    store: &St,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    why: &'static str,
+) {
+    let hash = key.hash();
+    let error = match store.release(key, owner).await {
+        Ok(Fenced::Applied) => {
+            return tracing::debug!(key_hash = hash, why, "idempotency: released");
+        }
+        Ok(Fenced::Rejected) => {
+            return tracing::debug!(
+                key_hash = hash,
+                why,
+                "idempotency: nothing to release: the key is not held by this request"
+            );
+        }
+        Err(error) => error,
+    };
+    tracing::warn!(key_hash = hash, why, %error, "idempotency: release failed; retrying");
+    let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
+    drop(tokio::spawn(async move {
+        if let Some(outcome) = retry_settle(|| store.release(&key, &owner)).await {
+            return tracing::info!(
+                key_hash = key.hash(),
+                why,
+                ?outcome,
+                "idempotency: store answered the release on retry"
+            );
+        }
+        tracing::error!(
+            key_hash = key.hash(),
+            why,
+            %error,
+            "idempotency: release failed; the key stays claimed until its lease ends"
+        );
+    }));
+}
+
+/// Tries a fenced write again after each of [`SETTLE_RETRIES`], until the store answers.
+/// `None` when it never did.
+async fn retry_settle<F, Fut>(mut attempt: F) -> Option<Fenced>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Fenced, StoreError>>,
+{
+    for delay in SETTLE_RETRIES {
+        tokio::time::sleep(delay).await;
+        if let Ok(outcome) = attempt().await {
+            return Some(outcome);
+        }
+    }
+    None
+}

@@ -1,0 +1,130 @@
+//! Bodies: the request body buffered once, with a limit; the response body collected for the
+//! store without losing what was read when it is over the limit.
+
+use std::{
+    collections::VecDeque,
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+use axum::{body::Body, response::Response};
+use bytes::{Bytes, BytesMut};
+use http::{StatusCode, header, request::Parts};
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+
+use super::{
+    BoxError,
+    problem::{ProblemType, problem},
+};
+
+/// Buffers the request body, answering 413 for one over `limit` (before reading a byte when
+/// `Content-Length` says so).
+pub(super) async fn read_body<B>(parts: &Parts, body: B, limit: usize) -> Result<Bytes, Response>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            ProblemType::BodyTooLarge,
+            Some(&format!("the limit is {limit} bytes")),
+        )
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.parse::<u64>().ok());
+    if declared.is_some_and(|length| length > limit as u64)
+        || body.size_hint().lower() > limit as u64
+    {
+        return Err(too_large());
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(error) if error.is::<LengthLimitError>() => Err(too_large()),
+        Err(_) => Err(problem(StatusCode::BAD_REQUEST, ProblemType::BodyUnreadable, None)),
+    }
+}
+
+pub(super) enum CollectedBody {
+    Whole(Bytes),
+    /// Over the limit: what was read, followed by the rest, unread.
+    TooLarge(Body),
+    Failed(BoxError),
+}
+
+/// Reads a response body up to `limit` bytes without losing what is read when it is larger.
+pub(super) async fn collect_response<B>(body: B, limit: usize) -> CollectedBody
+where
+    B: HttpBody<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let mut body = Body::new(body);
+    if body.size_hint().lower() > limit as u64 {
+        return CollectedBody::TooLarge(body);
+    }
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut read = 0usize;
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => return CollectedBody::Failed(error.into()),
+        };
+        // Trailers are not stored: a replay has none.
+        let Ok(data) = frame.into_data() else { continue };
+        read += data.len();
+        chunks.push(data);
+        if read > limit {
+            return CollectedBody::TooLarge(Body::new(Prefixed {
+                read: chunks.into(),
+                rest: body,
+            }));
+        }
+    }
+    CollectedBody::Whole(match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut whole = BytesMut::with_capacity(read);
+            for chunk in chunks {
+                whole.extend_from_slice(&chunk);
+            }
+            whole.freeze()
+        }
+    })
+}
+
+/// A body that yields chunks already read, then the rest of the original body.
+struct Prefixed {
+    read: VecDeque<Bytes>,
+    rest: Body,
+}
+
+impl HttpBody for Prefixed {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if let Some(chunk) = self.read.pop_front() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        Pin::new(&mut self.rest).poll_frame(cx)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let read: u64 = self.read.iter().map(|chunk| chunk.len() as u64).sum();
+        let rest = self.rest.size_hint();
+        let mut hint = SizeHint::new();
+        hint.set_lower(rest.lower() + read);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + read);
+        }
+        hint
+    }
+}

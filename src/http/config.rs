@@ -1,0 +1,62 @@
+//! The HTTP front door's configuration, shared by the layer that builds it and the service
+//! that reads it.
+
+use http::{HeaderName, Method, StatusCode};
+
+use super::record::HeaderFilter;
+
+/// Decides from the status whether a response is stored for replay (`true`) or the key is
+/// released so that a retry runs the handler again (`false`).
+pub type StorePolicy = fn(StatusCode) -> bool;
+
+/// The default [`StorePolicy`]: store 2xx and 4xx, except 408 and 429; release on
+/// everything else (5xx, 408, 429, 1xx, 3xx).
+///
+/// ```
+/// use axum_idempotency::default_store_policy;
+/// use http::StatusCode;
+///
+/// assert!(default_store_policy(StatusCode::CREATED));
+/// assert!(default_store_policy(StatusCode::UNPROCESSABLE_ENTITY));
+/// assert!(!default_store_policy(StatusCode::TOO_MANY_REQUESTS));
+/// assert!(!default_store_policy(StatusCode::SERVICE_UNAVAILABLE));
+/// ```
+#[must_use]
+pub fn default_store_policy(status: StatusCode) -> bool {
+    (status.is_success() || status.is_client_error())
+        && status != StatusCode::REQUEST_TIMEOUT
+        && status != StatusCode::TOO_MANY_REQUESTS
+}
+
+#[derive(Debug, Clone)]
+pub(super) struct Config {
+    pub(super) methods: Vec<Method>,
+    pub(super) header: HeaderName,
+    pub(super) require_key: bool,
+    pub(super) prefix: String,
+    pub(super) body_limit: usize,
+    pub(super) stored_body_limit: usize,
+    pub(super) in_progress_status: StatusCode,
+    pub(super) mismatch_status: StatusCode,
+    pub(super) store_policy: StorePolicy,
+    pub(super) header_filter: HeaderFilter,
+    pub(super) fail_open: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            methods: vec![Method::POST, Method::PATCH],
+            header: HeaderName::from_static("idempotency-key"),
+            require_key: false,
+            prefix: "idempotency".to_owned(),
+            body_limit: 1024 * 1024,
+            stored_body_limit: 1024 * 1024,
+            in_progress_status: StatusCode::ACCEPTED,
+            mismatch_status: StatusCode::CONFLICT,
+            store_policy: default_store_policy,
+            header_filter: HeaderFilter::default(),
+            fail_open: false,
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The path of one request that carries a valid key: scope, body and fingerprint, the claim,
+//! and the claimed request's task (the handler, then the settle).
+
+use std::sync::Arc;
+
+use axum::{body::Body, extract::OriginalUri, response::Response};
+use bytes::Bytes;
+use http::{HeaderValue, Request, StatusCode};
+use http_body::Body as HttpBody;
+use tokio::sync::oneshot;
+use tower::ServiceExt as _;
+use tower_service::Service;
+
+use super::{
+    BoxError, REPLAYED_HEADER,
+    body::{CollectedBody, collect_response, read_body},
+    config::Config,
+    problem::{ProblemType, problem, problem_retry_after},
+    record,
+    scope::ScopeExtractor,
+};
+use crate::{
+    engine::{Claimed, Engine, Holder, Panic},
+    fingerprint::Fingerprint,
+    key::RecordKey,
+    store::{Store, StoreError},
+};
+
+/// How long a client is told to wait when the store is unavailable.
+const UNAVAILABLE_RETRY_AFTER_SECS: u64 = 1;
+
+/// A request that carries a valid key, with what it needs to be handled.
+pub(super) struct KeyedRequest<S, St, Sc> {
+    pub(super) inner: S,
+    pub(super) engine: Engine<St>,
+    pub(super) scope: Sc,
+    pub(super) config: Arc<Config>,
+}
+
+/// How a claimed request ended, as sent from its task to the response future.
+enum Finished<E> {
+    Response(Response),
+    Error(E),
+    Panic(Panic),
+}
+
+impl<S, St, Sc, ResBody> KeyedRequest<S, St, Sc>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    Sc: ScopeExtractor,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    pub(super) async fn handle<ReqBody>(
+        self,
+        req: Request<ReqBody>,
+        key: Vec<u8>,
+    ) -> Result<Response, S::Error>
+    where
+        ReqBody: HttpBody<Data = Bytes> + Send + 'static,
+        ReqBody::Error: Into<BoxError>,
+    {
+        let (mut parts, body) = req.into_parts();
+
+        // 3. scope
+        let scope = match self.scope.scope(&mut parts).await {
+            Ok(scope) => scope,
+            Err(response) => return Ok(response),
+        };
+        let record_key = RecordKey::new(&self.config.prefix, &scope, &key);
+
+        // 4. body + fingerprint
+        let body = match read_body(&parts, body, self.config.body_limit).await {
+            Ok(body) => body,
+            Err(response) => return Ok(response),
+        };
+        // The concrete path, not the route template: one key sent to `/orders/1` and then
+        // `/orders/2` is two requests. axum's `OriginalUri` is the path before any `nest`
+        // stripped its prefix, so the fingerprint does not depend on where the layer sits.
+        let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
+        let query = uri.query().unwrap_or("");
+        let fingerprint = Fingerprint::new(parts.method.as_str(), uri.path(), query, &body);
+
+        // 5. claim
+        let config = &self.config;
+        let hash = record_key.hash().to_owned();
+        let holder = match self.engine.claim(record_key, fingerprint).await {
+            Ok(Claimed::Run(holder)) => holder,
+            Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash)),
+            Ok(Claimed::InProgress { remaining }) => {
+                tracing::debug!(key_hash = hash, ?remaining, "idempotency: in progress");
+                let seconds = remaining.as_millis().div_ceil(1000).max(1);
+                return Ok(problem_retry_after(
+                    config.in_progress_status,
+                    ProblemType::InProgress,
+                    None,
+                    u64::try_from(seconds).unwrap_or(u64::MAX),
+                ));
+            }
+            Ok(Claimed::Mismatch) => {
+                tracing::info!(key_hash = hash, "idempotency: key reused with a different request");
+                return Ok(problem(config.mismatch_status, ProblemType::Mismatch, None));
+            }
+            Err(error) if error.is_unavailable() && config.fail_open => {
+                tracing::warn!(key_hash = hash, %error, "idempotency: store unavailable; running without idempotency (fail open)");
+                let request = Request::from_parts(parts, Body::from(body));
+                return self.inner.oneshot(request).await.map(|response| response.map(Body::new));
+            }
+            Err(error) => return Ok(store_error_response(&error, &hash)),
+        };
+
+        // 6 and 7 in a task of their own, so that a client that goes away neither cancels
+        // its handler nor leaves its key claimed until the lease ends.
+        let (finished_tx, finished_rx) = oneshot::channel();
+        let request = Request::from_parts(parts, Body::from(body));
+        let engine = self.engine.clone();
+        engine.spawn(run_claimed(self.inner, self.config, holder, request, finished_tx));
+        match finished_rx.await {
+            Ok(Finished::Response(response)) => Ok(response),
+            Ok(Finished::Error(error)) => Err(error),
+            Ok(Finished::Panic(payload)) => std::panic::resume_unwind(payload),
+            // The task was dropped unfinished: the runtime is shutting down.
+            Err(_) => {
+                Ok(problem(StatusCode::SERVICE_UNAVAILABLE, ProblemType::HandlerFailed, None))
+            }
+        }
+    }
+}
+
+/// 6. the inner service, then 7. the settle. A panic is caught only to release the key; it
+/// is then resumed in the response future, as if the layer were not there.
+async fn run_claimed<S, St, ResBody>(
+    inner: S,
+    config: Arc<Config>,
+    holder: Holder<St>,
+    request: Request<Body>,
+    finished: oneshot::Sender<Finished<S::Error>>,
+) where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    ResBody: HttpBody<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (holder, response) = match holder.run(inner.oneshot(request)).await {
+        Ok((holder, Ok(response))) => (holder, response),
+        Ok((holder, Err(error))) => {
+            holder.release("the inner service failed").await;
+            let _ = finished.send(Finished::Error(error));
+            return;
+        }
+        Err(payload) => {
+            let _ = finished.send(Finished::Panic(payload));
+            return;
+        }
+    };
+
+    let (head, body) = response.into_parts();
+    if !(config.store_policy)(head.status) {
+        holder.release("the status is not stored").await;
+        let _ = finished.send(Finished::Response(Response::from_parts(head, Body::new(body))));
+        return;
+    }
+    let body = match collect_response(body, config.stored_body_limit).await {
+        CollectedBody::Whole(body) => body,
+        CollectedBody::TooLarge(body) => {
+            holder.release("the response is over the stored body limit").await;
+            let _ = finished.send(Finished::Response(Response::from_parts(head, body)));
+            return;
+        }
+        CollectedBody::Failed(error) => {
+            tracing::error!(key_hash = holder.key().hash(), error = %error, "idempotency: response body failed");
+            holder.release("the response body failed").await;
+            let response =
+                problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::HandlerFailed, None);
+            let _ = finished.send(Finished::Response(response));
+            return;
+        }
+    };
+    let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
+    // The client gets its response once the first attempt to store it has answered, so that
+    // its own next retry finds the record.
+    holder
+        .complete(blob, move || {
+            let _ = finished.send(Finished::Response(Response::from_parts(head, Body::from(body))));
+        })
+        .await;
+}
+
+fn replay(blob: Bytes, hash: &str) -> Response {
+    match record::decode(blob) {
+        Ok(stored) => {
+            tracing::debug!(key_hash = hash, "idempotency: replayed");
+            let mut response = Response::new(Body::from(stored.body));
+            *response.status_mut() = stored.status;
+            *response.headers_mut() = stored.headers;
+            response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+            response
+        }
+        Err(error) => {
+            tracing::error!(
+                key_hash = hash,
+                reason = error.0,
+                "idempotency: stored response is unreadable"
+            );
+            problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::CorruptRecord, None)
+        }
+    }
+}
+
+fn store_error_response(error: &StoreError, hash: &str) -> Response {
+    if error.is_unavailable() {
+        tracing::error!(key_hash = hash, %error, "idempotency: store unavailable");
+        problem_retry_after(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ProblemType::StoreUnavailable,
+            None,
+            UNAVAILABLE_RETRY_AFTER_SECS,
+        )
+    } else {
+        tracing::error!(key_hash = hash, %error, "idempotency: record not written by this layer");
+        problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::CorruptRecord, None)
+    }
+}

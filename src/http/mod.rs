@@ -1,0 +1,35 @@
+//! The HTTP front door: [`IdempotencyLayer`] and the [`Idempotency`] middleware it makes.
+//!
+//! It turns a request into the engine's terms (a record key from the scope and the
+//! `Idempotency-Key`, a fingerprint of the request, the response encoded for the store) and the
+//! engine's answers back into HTTP (the handler's response, a replay, a problem+json answer).
+//!
+//! - `layer.rs`: the builder; `config.rs`: what it configures.
+//! - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
+//!   `future.rs`: its response future; `body.rs`: request and response bodies.
+//! - `key.rs`: the key header; `scope.rs`: whose key it is; `record.rs`: the stored response;
+//!   `problem.rs`: the layer's own answers.
+
+mod body;
+mod config;
+mod future;
+mod handle;
+mod key;
+mod layer;
+mod problem;
+mod record;
+pub mod scope;
+mod service;
+
+pub use self::{
+    config::{StorePolicy, default_store_policy},
+    future::ResponseFuture,
+    key::{KeyError, MAX_KEY_LEN, parse_key},
+    layer::IdempotencyLayer,
+    service::Idempotency,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The header that marks a replayed response.
+pub const REPLAYED_HEADER: &str = "idempotency-replayed";
