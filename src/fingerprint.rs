@@ -32,6 +32,21 @@ impl Fingerprint {
         Self(hasher.finalize().into())
     }
 
+    /// Fingerprints an opaque payload, such as an event's canonical bytes: what the consumer
+    /// door ([`Idempotent`](crate::Idempotent)) compares a redelivery by.
+    ///
+    /// ```
+    /// use axum_idempotency::Fingerprint;
+    ///
+    /// assert_eq!(Fingerprint::of_payload(b"charge 100"), Fingerprint::of_payload(b"charge 100"));
+    /// assert_ne!(Fingerprint::of_payload(b"charge 100"), Fingerprint::of_payload(b"charge 101"));
+    /// ```
+    #[must_use]
+    pub fn of_payload(payload: &[u8]) -> Self {
+        // Tagged, so that no payload fingerprints like an HTTP request.
+        Self::new("", "payload", "", payload)
+    }
+
     /// The 32 digest bytes, as written to the store.
     #[must_use]
     pub fn as_bytes(&self) -> &[u8; 32] {

@@ -1,2 +1,249 @@
-//! placeholder
-pub struct Idempotent;
+//! The consumer front door: [`Idempotent`], for code that is not behind HTTP.
+//!
+//! A queue consumer, a webhook receiver or a job runner gets the same claim, fencing,
+//! keep-alive and replay as [`IdempotencyLayer`](crate::IdempotencyLayer), over the same
+//! stores: the operation runs once per key and scope, and every redelivery gets its stored
+//! result back through serde.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum_idempotency::{Idempotent, MemoryStore, consumer::Outcome};
+//!
+//! #[derive(serde::Serialize, serde::Deserialize, Debug, PartialEq)]
+//! struct Receipt { charge: String }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let idem = Idempotent::new(MemoryStore::new()).retention(Duration::from_secs(7 * 24 * 3600));
+//! let event_id = "evt_1";
+//! let payload = br#"{"amount":100}"#;
+//! for delivery in 0..2 {
+//!     let outcome = idem
+//!         .run("payments-consumer", event_id, payload, || async {
+//!             Ok::<_, std::io::Error>(Receipt { charge: "ch_1".into() }) // the side effect
+//!         })
+//!         .await?;
+//!     match outcome {
+//!         Outcome::Ran(receipt) => assert_eq!(delivery, 0),
+//!         Outcome::Replayed(receipt) => assert_eq!(receipt.charge, "ch_1"),
+//!         Outcome::InProgress { .. } => { /* another worker holds it: requeue later */ }
+//!         Outcome::Mismatch => { /* same id, other payload: dead-letter */ }
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! - **key and scope** are the caller's: the event id, and the consumer's name, so that two
+//!   consumers of one topic each process an event once.
+//! - **the fingerprint** is SHA-256 of the payload bytes the caller passes (an event's
+//!   canonical payload): the same id with another payload is [`Outcome::Mismatch`].
+//! - **the operation** runs in a task of its own, with its lease renewed while it runs. `Ok`
+//!   is stored (as JSON) and replayed. `Err` releases the key, so a redelivery runs it again,
+//!   and comes back as [`Error::Operation`]. A failure that must not be retried (a declined
+//!   card) is a result: return it inside `Ok` (`T = Result<Receipt, Declined>`), and it is
+//!   stored and replayed like any other. A panic releases the key and is resumed in the caller.
+//! - **store errors** are errors ([`Error::Store`]): nothing runs without its claim.
+
+mod outcome;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::{Serialize, de::DeserializeOwned};
+use tokio::sync::oneshot;
+use tokio_util::task::TaskTracker;
+
+pub use self::outcome::{Error, Outcome};
+use crate::{
+    engine::{Claimed, Engine, Panic, Settings},
+    fingerprint::Fingerprint,
+    key::RecordKey,
+    store::Store,
+};
+
+/// The first byte of a stored result: JSON, format 1. An HTTP record starts with 1, so
+/// neither door can mistake the other's record for its own.
+const RESULT_FORMAT: u8 = b'j';
+
+/// Runs operations once per key and scope, and replays their results: the consumer door.
+///
+/// Cloning is cheap; clones share the store.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct Idempotent<St> {
+    store: St,
+    settings: Arc<Settings>,
+    prefix: String,
+    stored_limit: usize,
+}
+
+/// How a claimed operation ended, as sent from its task to the caller.
+enum Finished<T, E> {
+    Ran(T),
+    Failed(E),
+    Panic(Panic),
+}
+
+impl<St: Store> Idempotent<St> {
+    /// Records in `store`, with the default settings.
+    pub fn new(store: St) -> Self {
+        Self {
+            store,
+            settings: Arc::new(Settings::default()),
+            prefix: "idempotency-consumer".to_owned(),
+            stored_limit: 1024 * 1024,
+        }
+    }
+
+    fn settings(&mut self) -> &mut Settings {
+        Arc::make_mut(&mut self.settings)
+    }
+
+    /// Sets the prefix of every record key in the store. Defaults to `idempotency-consumer`.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Sets how long a claim holds its key without renewal. Defaults to 30 seconds.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.settings().lease = lease;
+        self
+    }
+
+    /// Sets how long a result is kept for replay. Defaults to 24 hours; set it to at least
+    /// how long your broker may redeliver.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.settings().retention = retention;
+        self
+    }
+
+    /// Renews the lease of a running operation every third of a lease, for at most `ceiling`
+    /// from the claim; `None` turns renewal off. Defaults to 5 minutes.
+    pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
+        self.settings().keep_alive = ceiling;
+        self
+    }
+
+    /// Spawns every claimed operation on `tracker`, so that a worker shutting down can wait
+    /// for them. Defaults to plain `tokio::spawn`.
+    pub fn task_tracker(mut self, tracker: TaskTracker) -> Self {
+        self.settings().tasks = Some(tracker);
+        self
+    }
+
+    /// Sets the largest encoded result stored, in bytes. A larger one is returned to the
+    /// caller and its key released, so a redelivery runs the operation again. Defaults to
+    /// 1 MiB.
+    pub fn stored_limit(mut self, bytes: usize) -> Self {
+        self.stored_limit = bytes;
+        self
+    }
+
+    /// Runs `operation` once for `key` in `scope`, or answers with what holds the key.
+    ///
+    /// `payload` is fingerprinted: a redelivery must carry the same bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Operation`] when the operation failed (its key is released);
+    /// [`Error::Store`] when the store could not be reached or holds a value this crate did not
+    /// write (nothing ran); [`Error::Corrupt`] when the stored result does not deserialize into
+    /// `T`.
+    ///
+    /// # Panics
+    ///
+    /// When `operation` panics: its key is released and the panic resumed here.
+    pub async fn run<T, E, F, Fut>(
+        &self,
+        scope: &str,
+        key: impl AsRef<[u8]>,
+        payload: impl AsRef<[u8]>,
+        operation: F,
+    ) -> Result<Outcome<T>, Error<E>>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Send + 'static,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+    {
+        let engine = Engine::new(self.store.clone(), self.settings.clone());
+        let record_key = RecordKey::new(&self.prefix, scope.as_bytes(), key.as_ref());
+        let fingerprint = Fingerprint::of_payload(payload.as_ref());
+        let hash = record_key.hash().to_owned();
+        let holder = match engine.claim(record_key, fingerprint).await.map_err(Error::Store)? {
+            Claimed::Run(holder) => holder,
+            Claimed::Replay(stored) => return decode(&stored, &hash).map(Outcome::Replayed),
+            Claimed::InProgress { remaining } => {
+                return Ok(Outcome::InProgress { retry_after: remaining });
+            }
+            Claimed::Mismatch => return Ok(Outcome::Mismatch),
+        };
+
+        let (finished_tx, finished_rx) = oneshot::channel();
+        let stored_limit = self.stored_limit;
+        engine.spawn(async move {
+            let (holder, value) = match holder.run(operation()).await {
+                Ok((holder, Ok(value))) => (holder, value),
+                Ok((holder, Err(error))) => {
+                    holder.release("the operation failed").await;
+                    let _ = finished_tx.send(Finished::Failed(error));
+                    return;
+                }
+                Err(panic) => {
+                    let _ = finished_tx.send(Finished::Panic(panic));
+                    return;
+                }
+            };
+            match encode(&value, stored_limit) {
+                Ok(stored) => {
+                    holder
+                        .complete(stored, move || drop(finished_tx.send(Finished::Ran(value))))
+                        .await;
+                }
+                Err(why) => {
+                    tracing::warn!(
+                        key_hash = holder.key().hash(),
+                        why,
+                        "idempotency: result not stored"
+                    );
+                    holder.release(why).await;
+                    let _ = finished_tx.send(Finished::Ran(value));
+                }
+            }
+        });
+        match finished_rx.await {
+            Ok(Finished::Ran(value)) => Ok(Outcome::Ran(value)),
+            Ok(Finished::Failed(error)) => Err(Error::Operation(error)),
+            Ok(Finished::Panic(panic)) => std::panic::resume_unwind(panic),
+            // The task was dropped unfinished: the runtime is shutting down.
+            Err(_) => Err(Error::Cancelled),
+        }
+    }
+}
+
+/// The stored form of a result: [`RESULT_FORMAT`], then JSON. JSON rather than a denser binary
+/// form because it describes itself: a result type that changed between deploys is an
+/// [`Error::Corrupt`], never another value read from the same bytes.
+fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, &'static str> {
+    let mut out = BytesMut::with_capacity(64).writer();
+    out.get_mut().put_u8(RESULT_FORMAT);
+    serde_json::to_writer(&mut out, value).map_err(|_| "the result could not be encoded")?;
+    let out = out.into_inner();
+    if out.len() - 1 > limit {
+        return Err("the result is over the stored limit");
+    }
+    Ok(out.freeze())
+}
+
+fn decode<T: DeserializeOwned, E>(stored: &[u8], hash: &str) -> Result<T, Error<E>> {
+    let corrupt = |reason: String| {
+        tracing::error!(key_hash = hash, reason, "idempotency: stored result is unreadable");
+        Error::Corrupt { key_hash: hash.to_owned(), reason }
+    };
+    match stored.split_first() {
+        Some((&RESULT_FORMAT, json)) => {
+            serde_json::from_slice(json).map_err(|error| corrupt(error.to_string()))
+        }
+        _ => Err(corrupt("not a result stored by the consumer door".to_owned())),
+    }
+}

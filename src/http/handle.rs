@@ -130,8 +130,8 @@ where
     }
 }
 
-/// 6. the inner service, then 7. the settle. A panic is caught only to release the key; it
-/// is then resumed in the response future, as if the layer were not there.
+/// Steps 6 (the inner service) and 7 (the settle). A panic is caught only to release the key;
+/// it is then resumed in the response future, as if the layer were not there.
 async fn run_claimed<S, St, ResBody>(
     inner: S,
     config: Arc<Config>,

@@ -234,6 +234,10 @@ impl Harness for ClusterHarness {
         self.store.clone()
     }
 
+    fn second_store(&self) -> RedisStore {
+        self.cluster.store()
+    }
+
     async fn held(&self, key: &RecordKey) -> Option<Held> {
         self.cluster.held(key).await
     }

@@ -211,6 +211,8 @@ pub trait Harness: Sized {
     type Store: Store;
     async fn start() -> Self;
     fn store(&self) -> Self::Store;
+    /// A second store over the same records, as a second instance of the service has.
+    fn second_store(&self) -> Self::Store;
     async fn held(&self, key: &RecordKey) -> Option<Held>;
     async fn record_count(&self) -> usize;
 }
@@ -225,6 +227,10 @@ impl Harness for MemoryHarness {
     }
 
     fn store(&self) -> MemoryStore {
+        self.0.clone()
+    }
+
+    fn second_store(&self) -> MemoryStore {
         self.0.clone()
     }
 
@@ -257,6 +263,10 @@ impl Harness for RedisHarness {
 
     fn store(&self) -> RedisStore {
         self.store.clone()
+    }
+
+    fn second_store(&self) -> RedisStore {
+        RedisStore::new(self.server.pool())
     }
 
     async fn held(&self, key: &RecordKey) -> Option<Held> {

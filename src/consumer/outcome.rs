@@ -1,0 +1,76 @@
+//! What [`Idempotent::run`](super::Idempotent::run) answers.
+
+use std::{fmt, time::Duration};
+
+use crate::store::StoreError;
+
+/// What became of one delivery.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome<T> {
+    /// The operation ran now, and this is its result (stored for replay).
+    Ran(T),
+    /// The operation ran before, for this key and payload: its stored result.
+    Replayed(T),
+    /// Another delivery of the same payload is running it; ask again after `retry_after`.
+    InProgress {
+        /// Time left on the running delivery's lease, by the store's clock.
+        retry_after: Duration,
+    },
+    /// The key was used with a different payload.
+    Mismatch,
+}
+
+impl<T> Outcome<T> {
+    /// The result, ran now or replayed; `None` for [`InProgress`](Self::InProgress) and
+    /// [`Mismatch`](Self::Mismatch).
+    pub fn into_result(self) -> Option<T> {
+        match self {
+            Self::Ran(value) | Self::Replayed(value) => Some(value),
+            Self::InProgress { .. } | Self::Mismatch => None,
+        }
+    }
+}
+
+/// Why [`Idempotent::run`](super::Idempotent::run) has no outcome.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Error<E> {
+    /// The operation failed. Its key was released, so a redelivery runs it again.
+    Operation(E),
+    /// The store could not be reached, did not answer, or holds a value this crate did not
+    /// write under the key. The operation did not run.
+    Store(StoreError),
+    /// The stored result does not deserialize into the result type (it changed between
+    /// deploys, or the record was written by something else). The operation did not run.
+    Corrupt {
+        /// The record's key hash, as the logs show it.
+        key_hash: String,
+        /// What the decoder said.
+        reason: String,
+    },
+    /// The operation's task ended without an answer: the runtime is shutting down.
+    Cancelled,
+}
+
+impl<E: fmt::Display> fmt::Display for Error<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Operation(error) => write!(f, "the operation failed: {error}"),
+            Self::Store(error) => write!(f, "idempotency store: {error}"),
+            Self::Corrupt { key_hash, reason } => {
+                write!(f, "the stored result under key hash {key_hash} is unreadable: {reason}")
+            }
+            Self::Cancelled => f.write_str("the operation's task was cancelled"),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Operation(error) => Some(error),
+            Self::Store(error) => Some(error),
+            Self::Corrupt { .. } | Self::Cancelled => None,
+        }
+    }
+}
