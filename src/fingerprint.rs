@@ -79,6 +79,20 @@ mod tests {
     }
 
     #[test]
+    fn debug_shows_the_first_eight_bytes_in_hex() {
+        let fingerprint = Fingerprint::new("POST", "/a", "", b"");
+        let hex: String = fingerprint.as_bytes()[..8].iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(format!("{fingerprint:?}"), format!("Fingerprint({hex}..)"));
+    }
+
+    #[test]
+    fn a_payload_never_fingerprints_like_a_request() {
+        assert_eq!(Fingerprint::of_payload(b"x"), Fingerprint::of_payload(b"x"));
+        assert_ne!(Fingerprint::of_payload(b"x"), Fingerprint::of_payload(b"y"));
+        assert_ne!(Fingerprint::of_payload(b"x"), Fingerprint::new("", "", "", b"x"));
+    }
+
+    #[test]
     fn fields_cannot_bleed_into_each_other() {
         assert_ne!(
             Fingerprint::new("POST", "/a", "b", b""),

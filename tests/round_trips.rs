@@ -93,3 +93,48 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
     let pass_through = command_calls(&server).await;
     assert_eq!(pass_through, BTreeMap::new(), "pass-through: no command");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_door_fresh_is_two_replay_one_in_progress_one() {
+    use axum_idempotency::{Idempotent, consumer::Outcome};
+
+    let server = RedisServer::start();
+    let idem = Idempotent::new(RedisStore::new(server.pool()));
+    let run = |id: String, delay_ms: u64| {
+        let idem = idem.clone();
+        async move {
+            idem.run("consumer", id, b"payload", move || async move {
+                tokio::time::sleep(std::time::Duration::from_millis(delay_ms)).await;
+                Ok::<_, std::io::Error>(42u32)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    run("warm".into(), 0).await;
+    let n = 20;
+
+    reset(&server).await;
+    for i in 0..n {
+        assert_eq!(run(format!("fresh-{i}"), 0).await, Outcome::Ran(42));
+    }
+    let fresh = command_calls(&server).await;
+    assert_eq!(fresh, BTreeMap::from([("evalsha".to_owned(), 2 * n)]), "fresh: claim + complete");
+
+    reset(&server).await;
+    for _ in 0..n {
+        assert_eq!(run("fresh-0".into(), 0).await, Outcome::Replayed(42));
+    }
+    let replay = command_calls(&server).await;
+    assert_eq!(replay, BTreeMap::from([("evalsha".to_owned(), n)]), "replay: claim only");
+
+    let slow = tokio::spawn(run("busy".into(), 300));
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    reset(&server).await;
+    for _ in 0..n {
+        assert!(matches!(run("busy".into(), 0).await, Outcome::InProgress { .. }));
+    }
+    let in_progress = command_calls(&server).await;
+    assert_eq!(in_progress, BTreeMap::from([("evalsha".to_owned(), n)]), "in progress: claim only");
+    slow.await.unwrap();
+}
