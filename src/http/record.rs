@@ -179,6 +179,16 @@ mod tests {
     }
 
     #[test]
+    fn a_last_header_with_an_empty_value_and_no_body_decodes() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-empty", HeaderValue::from_static(""));
+        let stored =
+            decode(encode(StatusCode::OK, &headers, &HeaderFilter::default(), b"")).unwrap();
+        assert_eq!(stored.headers, headers);
+        assert!(stored.body.is_empty());
+    }
+
+    #[test]
     fn exclusions_are_configurable() {
         let mut filter = HeaderFilter::default();
         filter.include(&header::SET_COOKIE);

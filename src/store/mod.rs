@@ -192,3 +192,22 @@ impl From<deadpool_redis::PoolError> for StoreError {
         Self::Pool(e)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_owner_token_is_sixteen_random_bytes_kept_out_of_logs() {
+        let (a, b) = (OwnerToken::random(), OwnerToken::random());
+        assert_eq!(a.as_bytes().len(), 16);
+        assert_ne!(a, b);
+        assert_eq!(format!("{a:?}"), "OwnerToken(..)");
+    }
+
+    #[test]
+    fn only_a_record_the_layer_cannot_read_is_available() {
+        assert!(!StoreError::CorruptRecord("x".to_owned()).is_unavailable());
+        assert!(StoreError::Timeout(Duration::from_secs(1)).is_unavailable());
+    }
+}
