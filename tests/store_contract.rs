@@ -6,6 +6,7 @@
 //! Each test names the promise it pins; `TESTING.md` lists the mutants of `lua/*.lua` and
 //! `src/store/memory.rs` that these tests kill.
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -14,50 +15,7 @@ use axum_idempotency::{Claim, Fenced, Fingerprint, OwnerToken, RecordKey, Store,
 use bytes::Bytes;
 use common::*;
 
-macro_rules! contract_suite {
-    (every store: $($test:ident),* $(,)?; redis stores: $($raw:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(<super::MemoryHarness as super::Harness>::start().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(<super::RedisHarness as super::Harness>::start().await).await;
-                }
-            )*
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $raw() {
-                    super::$raw(<super::RedisHarness as super::Harness>::start().await).await;
-                }
-            )*
-        }
-        #[cfg(feature = "cluster")]
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(<super::ClusterHarness as super::Harness>::start().await).await;
-                }
-            )*
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $raw() {
-                    super::$raw(<super::ClusterHarness as super::Harness>::start().await).await;
-                }
-            )*
-        }
-    };
-}
-
-contract_suite!(
-    every store:
+every_store!(
     claim_on_absent_claims_for_the_lease,
     claim_while_in_progress_reports_the_remaining_lease_or_mismatch,
     claim_on_completed_replays_the_exact_bytes_or_mismatches,

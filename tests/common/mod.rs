@@ -31,10 +31,14 @@ use tower::ServiceExt;
 
 /// Runs each named test, a generic `async fn(H: Harness)`, once per store: `memory::*`,
 /// `redis::*` (a private redis-server per test) and, with the `cluster` feature, `cluster::*`
-/// (one 3-master cluster shared by the test binary).
+/// (one 3-master cluster shared by the test binary). Tests listed after `redis stores:` take a
+/// [`RawHarness`] and run on the Redis stores only.
 #[macro_export]
 macro_rules! every_store {
     ($($test:ident),* $(,)?) => {
+        every_store!($($test),*; redis stores:);
+    };
+    ($($test:ident),* $(,)?; redis stores: $($raw:ident),* $(,)?) => {
         mod memory {
             $(
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -50,6 +54,12 @@ macro_rules! every_store {
                     super::$test(<super::RedisHarness as super::Harness>::start().await).await;
                 }
             )*
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $raw() {
+                    super::$raw(<super::RedisHarness as super::Harness>::start().await).await;
+                }
+            )*
         }
         #[cfg(feature = "cluster")]
         mod cluster {
@@ -57,6 +67,12 @@ macro_rules! every_store {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
                     super::$test(<super::ClusterHarness as super::Harness>::start().await).await;
+                }
+            )*
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $raw() {
+                    super::$raw(<super::ClusterHarness as super::Harness>::start().await).await;
                 }
             )*
         }
