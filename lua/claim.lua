@@ -4,8 +4,11 @@
 -- ARGV[2]  owner token for a new claim (16 raw bytes)
 -- ARGV[3]  lease in milliseconds
 -- ARGV[4]  record format version (one byte)
--- A record is one string (see src/store/redis.rs):
---   version (1) | state 'P' or 'C' (1) | fingerprint (32) | owner token (16) or response
+-- ARGV[5]  '1' when the caller waits for an in-progress record to settle: the record is
+--          marked 'W', and its settle publishes (see complete.lua, release.lua); '0' otherwise
+-- A record is one string (see src/store/redis/mod.rs):
+--   version (1) | state (1) | fingerprint (32) | owner token (16) or response
+--   state: 'P' in progress, 'W' in progress with waiters, 'C' completed
 -- Returns one of:
 --   {0}                 claimed: the caller owns the key for the lease
 --   {1, record}         completed with the same fingerprint: the whole record, to replay
@@ -25,7 +28,7 @@ if string.sub(record, 1, 1) ~= ARGV[4] or #record < 34 then
   return {4, 'unknown version or truncated'}
 end
 local state = string.sub(record, 2, 2)
-if state ~= 'C' and not (state == 'P' and #record == 50) then
+if state ~= 'C' and not ((state == 'P' or state == 'W') and #record == 50) then
   return {4, 'unknown state'}
 end
 if string.sub(record, 3, 34) ~= ARGV[1] then
@@ -33,5 +36,8 @@ if string.sub(record, 3, 34) ~= ARGV[1] then
 end
 if state == 'C' then
   return {1, record}
+end
+if state == 'P' and ARGV[5] == '1' then
+  redis.call('SETRANGE', key, 1, 'W')
 end
 return {3, redis.call('PTTL', key)}

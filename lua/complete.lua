@@ -1,20 +1,32 @@
 -- Store the response of a claimed request, fenced by its owner token.
 -- KEYS[1]  record key
+-- KEYS[2]  settle channel of the record (same hash tag, so the same cluster slot)
 -- ARGV[1]  owner token
 -- ARGV[2]  request fingerprint
 -- ARGV[3]  encoded response
 -- ARGV[4]  retention in milliseconds
 -- ARGV[5]  record format version
+-- ARGV[6]  the publish command: PUBLISH (standalone) or SPUBLISH (Cluster)
 -- Writes when the caller still owns the key, or when the key is absent (the lease lapsed and
--- nobody took over). Returns 1 when written, 0 when another owner, a stored response, or a
--- value this layer did not write holds it.
+-- nobody took over). Publishes on the channel only when the record was marked as waited for
+-- ('W'), so a request nobody waits for costs no publish. Returns 1 when written, 0 when
+-- another owner, a stored response, or a value this layer did not write holds it.
 local key = KEYS[1]
 local record = redis.pcall('GET', key)
+local waited = false
 if record then
-  if type(record) == 'table' or #record ~= 50 or string.sub(record, 1, 2) ~= ARGV[5] .. 'P'
+  if type(record) == 'table' or #record ~= 50 or string.sub(record, 1, 1) ~= ARGV[5]
       or string.sub(record, 35) ~= ARGV[1] then
     return 0
   end
+  local state = string.sub(record, 2, 2)
+  if state ~= 'P' and state ~= 'W' then
+    return 0
+  end
+  waited = state == 'W'
 end
 redis.call('SET', key, ARGV[5] .. 'C' .. ARGV[2] .. ARGV[3], 'PX', ARGV[4])
+if waited then
+  redis.call(ARGV[6], KEYS[2], 'completed')
+end
 return 1

@@ -6,9 +6,13 @@
 -- Returns 1 when renewed, 0 when the caller no longer owns the key.
 local key = KEYS[1]
 local record = redis.pcall('GET', key)
-if type(record) == 'string' and #record == 50 and string.sub(record, 1, 2) == ARGV[3] .. 'P'
-    and string.sub(record, 35) == ARGV[1] then
-  redis.call('PEXPIRE', key, ARGV[2])
-  return 1
+if type(record) ~= 'string' or #record ~= 50 or string.sub(record, 1, 1) ~= ARGV[3]
+    or string.sub(record, 35) ~= ARGV[1] then
+  return 0
 end
-return 0
+local state = string.sub(record, 2, 2)
+if state ~= 'P' and state ~= 'W' then
+  return 0
+end
+redis.call('PEXPIRE', key, ARGV[2])
+return 1

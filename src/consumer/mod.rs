@@ -131,6 +131,28 @@ impl<St: Store> Idempotent<St> {
         self
     }
 
+    /// Lets a delivery whose key is in progress wait up to `wait` for it to settle, and
+    /// answer with its stored result (or run, when the first released the key). Past the
+    /// wait, the answer is [`Outcome::InProgress`]. Off by default.
+    pub fn wait_for_in_progress(mut self, wait: Duration) -> Self {
+        self.settings().wait = Some(wait);
+        self
+    }
+
+    /// Sets how many deliveries may wait at once; past it one is answered at once. Defaults
+    /// to 1024.
+    pub fn max_waiters(mut self, waiters: usize) -> Self {
+        self.settings().waiters = Arc::new(tokio::sync::Semaphore::new(waiters));
+        self
+    }
+
+    /// Sets the longest `retry_after` of [`Outcome::InProgress`]; never more than the running
+    /// delivery's remaining lease. Defaults to 1 second.
+    pub fn retry_after(mut self, hint: Duration) -> Self {
+        self.settings().retry_after = hint;
+        self
+    }
+
     /// Sets the largest encoded result stored, in bytes. A larger one is returned to the
     /// caller and its key released, so a redelivery runs the operation again. Defaults to
     /// 1 MiB.
@@ -173,9 +195,7 @@ impl<St: Store> Idempotent<St> {
         let holder = match engine.claim(record_key, fingerprint).await.map_err(Error::Store)? {
             Claimed::Run(holder) => holder,
             Claimed::Replay(stored) => return decode(&stored, &hash).map(Outcome::Replayed),
-            Claimed::InProgress { remaining } => {
-                return Ok(Outcome::InProgress { retry_after: remaining });
-            }
+            Claimed::InProgress { retry_after } => return Ok(Outcome::InProgress { retry_after }),
             Claimed::Mismatch => return Ok(Outcome::Mismatch),
         };
 

@@ -13,7 +13,8 @@ pub enum Outcome<T> {
     Replayed(T),
     /// Another delivery of the same payload is running it; ask again after `retry_after`.
     InProgress {
-        /// Time left on the running delivery's lease, by the store's clock.
+        /// A short hint ([`Idempotent::retry_after`](super::Idempotent::retry_after), 1 s by
+        /// default), never past the running delivery's lease.
         retry_after: Duration,
     },
     /// The key was used with a different payload.

@@ -18,6 +18,7 @@ mod settle;
 use std::{future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub(crate) use self::holder::{Holder, Panic};
@@ -39,7 +40,17 @@ pub(crate) struct Settings {
     pub(crate) keep_alive: Option<Duration>,
     /// Where claimed operations are spawned; plain `tokio::spawn` when `None`.
     pub(crate) tasks: Option<TaskTracker>,
+    /// How long a duplicate waits for an in-progress original to settle; `None`: not at all.
+    pub(crate) wait: Option<Duration>,
+    /// Places for waiters, shared by every clone of these settings: past them, a duplicate
+    /// is answered at once.
+    pub(crate) waiters: Arc<Semaphore>,
+    /// The longest `Retry-After` hint given to a duplicate that is not waited for.
+    pub(crate) retry_after: Duration,
 }
+
+/// The default for the number of waiters at once.
+pub(crate) const DEFAULT_MAX_WAITERS: usize = 1024;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -48,6 +59,9 @@ impl Default for Settings {
             retention: Duration::from_secs(24 * 60 * 60),
             keep_alive: Some(Duration::from_secs(5 * 60)),
             tasks: None,
+            wait: None,
+            waiters: Arc::new(Semaphore::new(DEFAULT_MAX_WAITERS)),
+            retry_after: Duration::from_secs(1),
         }
     }
 }
@@ -66,8 +80,9 @@ pub(crate) enum Claimed<St> {
     Run(Holder<St>),
     /// The same request completed: its stored outcome.
     Replay(Bytes),
-    /// The same request is running elsewhere; its lease ends in `remaining`.
-    InProgress { remaining: Duration },
+    /// The same request is running elsewhere (and did not settle within the wait, when
+    /// waiting is on): ask again after `retry_after`, a short hint, never past the lease.
+    InProgress { retry_after: Duration },
     /// The key is held by a different request.
     Mismatch,
 }
@@ -83,25 +98,27 @@ impl<St> Engine<St> {
 }
 
 impl<St: Store> Engine<St> {
-    /// Claims `key` for a request with `fingerprint`.
-    ///
-    /// A caller dropped while the claim is on the wire, or whose claim timed out, may own the
-    /// key without knowing it: a guard releases whatever its token may hold.
+    /// Claims `key` for a request with `fingerprint`. When the same request is in progress
+    /// and waiting is on, waits (bounded) for it to settle: then replays it, or runs when it
+    /// was released.
     pub(crate) async fn claim(
         &self,
         key: RecordKey,
         fingerprint: Fingerprint,
     ) -> Result<Claimed<St>, StoreError> {
-        let owner = OwnerToken::random();
-        let claim = {
-            let mut guard = UnsettledClaim::new(&self.store, &key, &owner);
-            let claim = self.store.claim(&key, &fingerprint, &owner, self.settings.lease).await;
-            if !matches!(&claim, Err(error) if error.is_unavailable()) {
-                guard.disarm();
+        let (mut claim, mut owner) = self.claim_once(&key, &fingerprint, false).await?;
+        if matches!(claim, Claim::InProgress { .. })
+            && let Some(wait) = self.settings.wait
+        {
+            match self.settings.waiters.clone().try_acquire_owned() {
+                Ok(_place) => (claim, owner) = self.wait(&key, &fingerprint, wait).await?,
+                Err(_) => tracing::debug!(
+                    key_hash = key.hash(),
+                    "idempotency: too many waiters; not waiting"
+                ),
             }
-            claim
-        };
-        Ok(match claim? {
+        }
+        Ok(match claim {
             Claim::Claimed => {
                 tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
                 Claimed::Run(Holder::new(
@@ -113,9 +130,62 @@ impl<St: Store> Engine<St> {
                 ))
             }
             Claim::Replay(stored) => Claimed::Replay(stored),
-            Claim::InProgress { remaining } => Claimed::InProgress { remaining },
+            Claim::InProgress { remaining } => {
+                Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
+            }
             Claim::Mismatch => Claimed::Mismatch,
         })
+    }
+
+    /// Waits up to `wait` for an in-progress record to settle, without polling: subscribe,
+    /// claim again (marking the record as waited for, so its settle publishes), then sleep
+    /// until the settle or the deadline. A lost notification cannot strand the waiter: at the
+    /// deadline a last claim decides.
+    async fn wait(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        wait: Duration,
+    ) -> Result<(Claim, OwnerToken), StoreError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut subscription = self.store.subscribe(key).await;
+        loop {
+            let (claim, owner) = self.claim_once(key, fingerprint, true).await?;
+            if !matches!(claim, Claim::InProgress { .. }) {
+                tracing::debug!(key_hash = key.hash(), "idempotency: waited for the original");
+                return Ok((claim, owner));
+            }
+            tokio::select! {
+                () = subscription.settled() => {}
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        drop(subscription);
+        self.claim_once(key, fingerprint, false).await
+    }
+
+    /// One claim, under a fresh owner token. A caller dropped while the claim is on the wire,
+    /// or whose claim timed out, may own the key without knowing it: a guard releases
+    /// whatever its token may hold.
+    async fn claim_once(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        waiting: bool,
+    ) -> Result<(Claim, OwnerToken), StoreError> {
+        let owner = OwnerToken::random();
+        let mut guard = UnsettledClaim::new(&self.store, key, &owner);
+        let lease = self.settings.lease;
+        let claim = if waiting {
+            self.store.claim_waiting(key, fingerprint, &owner, lease).await
+        } else {
+            self.store.claim(key, fingerprint, &owner, lease).await
+        };
+        if !matches!(&claim, Err(error) if error.is_unavailable()) {
+            guard.disarm();
+        }
+        drop(guard);
+        Ok((claim?, owner))
     }
 
     /// Spawns a claimed operation's task: on the configured `TaskTracker`, or with

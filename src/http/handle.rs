@@ -90,9 +90,10 @@ where
         let holder = match self.engine.claim(record_key, fingerprint).await {
             Ok(Claimed::Run(holder)) => holder,
             Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash)),
-            Ok(Claimed::InProgress { remaining }) => {
-                tracing::debug!(key_hash = hash, ?remaining, "idempotency: in progress");
-                let seconds = remaining.as_millis().div_ceil(1000).max(1);
+            Ok(Claimed::InProgress { retry_after }) => {
+                tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");
+                // Whole seconds, rounded up, never 0 ("retry now").
+                let seconds = retry_after.as_millis().div_ceil(1000).max(1);
                 return Ok(problem_retry_after(
                     config.in_progress_status,
                     ProblemType::InProgress,

@@ -133,6 +133,41 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
+    /// Lets a retry whose original is still running wait up to `wait` for it to settle, and
+    /// answer with its stored response (or run, when the original released the key: a 5xx, a
+    /// panic). Past the wait, the answer is the in-progress one. Off by default.
+    ///
+    /// Recommended behind clients that take any 2xx as the final answer (Stripe's SDKs, most
+    /// HTTP clients' retry middleware): they would take the 202 as the created resource. Waiting
+    /// never polls: the settle wakes the waiters (in process for `MemoryStore`; Redis pub/sub on
+    /// one connection per store for `RedisStore`, sharded on a Cluster).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum_idempotency::{IdempotencyLayer, MemoryStore};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new())
+    ///     .wait_for_in_progress(Duration::from_secs(10));
+    /// ```
+    pub fn wait_for_in_progress(mut self, wait: Duration) -> Self {
+        self.settings().wait = Some(wait);
+        self
+    }
+
+    /// Sets how many requests may wait at once ([`wait_for_in_progress`](Self::wait_for_in_progress));
+    /// past it a retry is answered at once. Defaults to 1024.
+    pub fn max_waiters(mut self, waiters: usize) -> Self {
+        self.settings().waiters = Arc::new(tokio::sync::Semaphore::new(waiters));
+        self
+    }
+
+    /// Sets the longest `Retry-After` sent with an in-progress answer; it is never more than
+    /// the original's remaining lease, and at least one second. Defaults to 1 second.
+    pub fn retry_after(mut self, hint: Duration) -> Self {
+        self.settings().retry_after = hint;
+        self
+    }
+
     /// Sets the status of the answer to a retry whose original is still running. Defaults to
     /// 202 Accepted.
     pub fn in_progress_status(mut self, status: StatusCode) -> Self {

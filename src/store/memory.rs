@@ -8,7 +8,7 @@ use std::{
 
 use bytes::Bytes;
 
-use super::{Claim, Fenced, OwnerToken, Store, StoreError};
+use super::{Claim, Fenced, OwnerToken, Store, StoreError, Subscription, Waiters};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// The smallest map that is swept for expired records.
@@ -22,6 +22,7 @@ const SWEEP_FROM: usize = 1024;
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Records>>,
+    waiters: Waiters,
 }
 
 #[derive(Debug)]
@@ -186,13 +187,23 @@ impl Store for MemoryStore {
                 expires_at: now + retention,
             },
         );
+        drop(records);
+        self.waiters.notify(key.as_str());
         Ok(Fenced::Applied)
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
-        Ok(self.fenced(key, owner, |records, key| {
+        let released = self.fenced(key, owner, |records, key| {
             records.map.remove(key);
-        }))
+        });
+        if released == Fenced::Applied {
+            self.waiters.notify(key.as_str());
+        }
+        Ok(released)
+    }
+
+    async fn subscribe(&self, key: &RecordKey) -> Subscription {
+        self.waiters.register(key.as_str(), None).0
     }
 
     async fn touch(

@@ -16,6 +16,7 @@
 
 mod memory;
 mod redis;
+mod subscription;
 
 use std::{fmt, future::Future, time::Duration};
 
@@ -26,6 +27,8 @@ pub use self::memory::RecordState;
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
+pub use self::subscription::Subscription;
+pub(crate) use self::subscription::{OnLastLeave, Waiters};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
 
@@ -68,6 +71,29 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &RecordKey,
         owner: &OwnerToken,
     ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
+
+    /// Like [`claim`](Self::claim), and when a request with the same fingerprint is in
+    /// progress, also marks its record as waited for, so that its settle notifies the
+    /// [`subscribe`](Self::subscribe)rs. A store that cannot notify keeps the default: `claim`.
+    fn claim_waiting(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
+        self.claim(key, fingerprint, owner, lease)
+    }
+
+    /// Subscribes to the next settle (complete or release) of the record under `key`.
+    ///
+    /// A waiter subscribes first, then claims with [`claim_waiting`](Self::claim_waiting),
+    /// then waits: a settle between its claims cannot be missed. The default never notifies
+    /// ([`Subscription::unsupported`]): waiters then wait out their deadline.
+    fn subscribe(&self, key: &RecordKey) -> impl Future<Output = Subscription> + Send {
+        let _ = key;
+        std::future::ready(Subscription::unsupported())
+    }
 
     /// Renews the lease of the record under `key` to `lease` if `owner` still holds it.
     fn touch(

@@ -103,13 +103,8 @@ const NODE_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// A pool for the seed nodes `urls`, with bounded timeouts: each attempt at a node 500 ms, two
 /// retries, and at most one second per command.
-pub(super) fn pool_from_urls<I, U>(urls: I) -> Result<ClusterPool, ClusterConfigError>
-where
-    I: IntoIterator<Item = U>,
-    U: AsRef<str>,
-{
-    let urls: Vec<String> = urls.into_iter().map(|url| url.as_ref().to_owned()).collect();
-    let client = ClusterClientBuilder::new(urls)
+pub(super) fn pool_from_urls(urls: &[String]) -> Result<ClusterPool, ClusterConfigError> {
+    let client = ClusterClientBuilder::new(urls.to_vec())
         .retries(2)
         .min_retry_wait(10)
         .max_retry_wait(100)

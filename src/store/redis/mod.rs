@@ -3,6 +3,7 @@
 #[cfg(feature = "cluster")]
 mod cluster;
 mod connection;
+mod subscriber;
 
 use std::{
     fmt,
@@ -18,8 +19,11 @@ use deadpool_redis::{
 
 #[cfg(feature = "cluster")]
 pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
-use self::connection::{Connections, Source};
-use super::{Claim, Fenced, OwnerToken, RECORD_VERSION, Store, StoreError};
+use self::{
+    connection::{Connections, Source},
+    subscriber::{Listen, Subscriber},
+};
+use super::{Claim, Fenced, OwnerToken, RECORD_VERSION, Store, StoreError, Subscription};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 macro_rules! script {
@@ -68,6 +72,9 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 #[derive(Clone)]
 pub struct RedisStore {
     connections: Arc<Connections>,
+    /// The connection that hears settles, for waiters; `None` when the store was built over
+    /// a pool alone (see [`RedisStore::subscriber`]).
+    subscriber: Option<Arc<Subscriber>>,
     command_timeout: Duration,
 }
 
@@ -101,8 +108,22 @@ impl RedisStore {
     fn with_source(source: Source) -> Self {
         Self {
             connections: Arc::new(Connections::new(source)),
+            subscriber: None,
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
         }
+    }
+
+    /// Sets the client whose connection listens for settles, so that a request waiting for
+    /// an in-progress original (`wait_for_in_progress`) is woken when it settles. Set by
+    /// [`from_url`](Self::from_url); a store made with [`new`](Self::new) has none, and its
+    /// waiters wait out their deadline before they claim again.
+    ///
+    /// One connection serves every waiter of the store (and of its clones): it subscribes to a
+    /// record's channel while the record has waiters in this process.
+    #[must_use]
+    pub fn subscriber(mut self, client: deadpool_redis::redis::Client) -> Self {
+        self.subscriber = Some(Arc::new(Subscriber::new(Listen::Standalone(client))));
+        self
     }
 
     /// A store over a new pool for `url`, with its wait, create and recycle timeouts set to
@@ -119,7 +140,9 @@ impl RedisStore {
             timeouts: Timeouts { wait: timeout, create: timeout, recycle: timeout },
             ..PoolConfig::default()
         });
-        Ok(Self::new(config.create_pool(Some(Runtime::Tokio1))?))
+        let client = deadpool_redis::redis::Client::open(url)
+            .map_err(|error| CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error)))?;
+        Ok(Self::new(config.create_pool(Some(Runtime::Tokio1))?).subscriber(client))
     }
 
     /// A store over a Redis Cluster pool.
@@ -152,7 +175,10 @@ impl RedisStore {
         I: IntoIterator<Item = U>,
         U: AsRef<str>,
     {
-        Ok(Self::cluster(cluster::pool_from_urls(urls)?))
+        let urls: Vec<String> = urls.into_iter().map(|url| url.as_ref().to_owned()).collect();
+        let mut store = Self::cluster(cluster::pool_from_urls(&urls)?);
+        store.subscriber = Some(Arc::new(Subscriber::new(Listen::Cluster(urls))));
+        Ok(store)
     }
 
     /// Sets the longest time one store operation may take, connection checkout included.
@@ -164,17 +190,19 @@ impl RedisStore {
         self
     }
 
-    /// Runs `script` over `key` with `args`: every transition is one such call.
+    /// Runs `script` over `keys` with `args`: every transition is one such call.
     async fn invoke<T: FromRedisValue + Send>(
         &self,
         script: &'static Script,
-        key: &RecordKey,
+        keys: &[&str],
         args: &[&[u8]],
     ) -> Result<T, StoreError> {
         self.connections
             .run(self.command_timeout, |mut connection| async move {
                 let mut invocation = script.prepare_invoke();
-                invocation.key(key.as_str());
+                for key in keys {
+                    invocation.key(*key);
+                }
                 for arg in args {
                     invocation.arg(*arg);
                 }
@@ -187,12 +215,48 @@ impl RedisStore {
     async fn fenced(
         &self,
         script: &'static Script,
-        key: &RecordKey,
+        keys: &[&str],
         args: &[&[u8]],
     ) -> Result<Fenced, StoreError> {
-        let reply: i64 = self.invoke(script, key, args).await?;
+        let reply: i64 = self.invoke(script, keys, args).await?;
         Ok(if reply == 1 { Fenced::Applied } else { Fenced::Rejected })
     }
+
+    async fn claim_marking(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+        waiting: bool,
+    ) -> Result<Claim, StoreError> {
+        let lease = millis(lease).to_string();
+        let waiting: &[u8] = if waiting { b"1" } else { b"0" };
+        let args: [&[u8]; 5] = [
+            fingerprint.as_bytes(),
+            owner.as_bytes(),
+            lease.as_bytes(),
+            RECORD_VERSION.as_bytes(),
+            waiting,
+        ];
+        parse_claim(self.invoke(&CLAIM, &[key.as_str()], &args).await?)
+    }
+
+    /// The command that tells waiters of a settle: sharded pub/sub on a Cluster, where a plain
+    /// `PUBLISH` would be broadcast to every node.
+    fn publish_command(&self) -> &'static [u8] {
+        match self.connections.source {
+            Source::Standalone(_) => b"PUBLISH",
+            #[cfg(feature = "cluster")]
+            Source::Cluster(_) => b"SPUBLISH",
+        }
+    }
+}
+
+/// The channel a record's settle is published on; it carries the record's hash tag, so it
+/// lives in the record's cluster slot.
+fn settle_channel(key: &RecordKey) -> String {
+    format!("{}:settled", key.as_str())
 }
 
 fn millis(duration: Duration) -> u64 {
@@ -208,10 +272,27 @@ impl Store for RedisStore {
         owner: &OwnerToken,
         lease: Duration,
     ) -> Result<Claim, StoreError> {
-        let lease = millis(lease).to_string();
-        let args: [&[u8]; 4] =
-            [fingerprint.as_bytes(), owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes()];
-        parse_claim(self.invoke(&CLAIM, key, &args).await?)
+        self.claim_marking(key, fingerprint, owner, lease, false).await
+    }
+
+    async fn claim_waiting(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Claim, StoreError> {
+        // Without a subscriber nobody would hear the publish: do not ask for one.
+        self.claim_marking(key, fingerprint, owner, lease, self.subscriber.is_some()).await
+    }
+
+    async fn subscribe(&self, key: &RecordKey) -> Subscription {
+        match &self.subscriber {
+            Some(subscriber) => {
+                subscriber.subscribe(settle_channel(key), self.command_timeout).await
+            }
+            None => Subscription::unsupported(),
+        }
     }
 
     async fn complete(
@@ -223,18 +304,21 @@ impl Store for RedisStore {
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
         let retention = millis(retention).to_string();
-        let args: [&[u8]; 5] = [
+        let args: [&[u8]; 6] = [
             owner.as_bytes(),
             fingerprint.as_bytes(),
             &response,
             retention.as_bytes(),
             RECORD_VERSION.as_bytes(),
+            self.publish_command(),
         ];
-        self.fenced(&COMPLETE, key, &args).await
+        self.fenced(&COMPLETE, &[key.as_str(), &settle_channel(key)], &args).await
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.fenced(&RELEASE, key, &[owner.as_bytes(), RECORD_VERSION.as_bytes()]).await
+        let args: [&[u8]; 3] =
+            [owner.as_bytes(), RECORD_VERSION.as_bytes(), self.publish_command()];
+        self.fenced(&RELEASE, &[key.as_str(), &settle_channel(key)], &args).await
     }
 
     async fn touch(
@@ -244,8 +328,8 @@ impl Store for RedisStore {
         lease: Duration,
     ) -> Result<Fenced, StoreError> {
         let lease = millis(lease).to_string();
-        self.fenced(&TOUCH, key, &[owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes()])
-            .await
+        let args: [&[u8]; 3] = [owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes()];
+        self.fenced(&TOUCH, &[key.as_str()], &args).await
     }
 }
 
