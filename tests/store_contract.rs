@@ -32,7 +32,8 @@ every_store!(
     touch_by_the_owner_renews_the_lease,
     touch_by_a_stale_holder_neither_renews_nor_takes_the_new_owners_claim,
     touch_of_a_completed_record_is_rejected_and_keeps_its_retention,
-    touch_of_an_absent_key_is_rejected_and_writes_nothing;
+    touch_of_an_absent_key_is_rejected_and_writes_nothing,
+    a_completed_record_whose_response_is_the_owner_token_is_not_a_claim;
     redis stores:
     records_are_written_byte_for_byte,
     fenced_out_writes_leave_the_new_owners_record_byte_for_byte,
@@ -336,6 +337,26 @@ async fn touch_of_an_absent_key_is_rejected_and_writes_nothing<H: Harness>(h: H)
     assert_eq!(store.touch(&k, &OwnerToken::random(), LONG).await.unwrap(), Fenced::Rejected);
     assert_eq!(h.held(&k).await, None);
     assert_eq!(h.record_count().await, 0);
+}
+
+async fn a_completed_record_whose_response_is_the_owner_token_is_not_a_claim<H: Harness>(h: H) {
+    let store = h.store();
+    let k = key("a");
+    let owner = claimed(&store, &k, &fp("1"), LONG).await;
+    // A 16-byte response equal to the token: in Redis the record has the length, and the
+    // tail, of an in-progress claim. Only its state says it is completed.
+    let lookalike = Bytes::copy_from_slice(owner.as_bytes());
+    assert_eq!(
+        store.complete(&k, &owner, &fp("1"), lookalike.clone(), LONG).await.unwrap(),
+        Fenced::Applied
+    );
+    assert_eq!(
+        store.complete(&k, &owner, &fp("1"), response("second"), LONG).await.unwrap(),
+        Fenced::Rejected
+    );
+    assert_eq!(store.touch(&k, &owner, LONG).await.unwrap(), Fenced::Rejected);
+    assert_eq!(store.release(&k, &owner).await.unwrap(), Fenced::Rejected);
+    assert_replays(&store, &k, &fp("1"), &lookalike).await;
 }
 
 /// `version '1' | state | fingerprint (32) | owner (16) or response`, as `src/store/redis.rs`

@@ -247,6 +247,17 @@ mod tests {
         assert_eq!(store.len(), 1);
     }
 
+    #[tokio::test]
+    async fn len_and_is_empty_count_live_records_only() {
+        let store = MemoryStore::new();
+        assert!(store.is_empty());
+        claim_many(&store, "short", 2, Duration::from_millis(1)).await;
+        claim_many(&store, "long", 1, Duration::from_secs(60)).await;
+        assert!(!store.is_empty());
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(store.len(), 1);
+    }
+
     /// Claims `n` keys named `{prefix}{i}` for `lease`.
     async fn claim_many(store: &MemoryStore, prefix: &str, n: usize, lease: Duration) {
         let fingerprint = Fingerprint::new("POST", "/", "", b"");

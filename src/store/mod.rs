@@ -232,6 +232,24 @@ mod tests {
     }
 
     #[test]
+    fn errors_say_what_failed_and_keep_their_source() {
+        use std::error::Error as _;
+        let timeout = StoreError::Timeout(Duration::from_millis(300));
+        assert_eq!(timeout.to_string(), "store did not answer within 300ms");
+        assert!(timeout.source().is_none());
+        let corrupt = StoreError::CorruptRecord("unknown state".to_owned());
+        assert_eq!(corrupt.to_string(), "record not written by this layer: unknown state");
+        let redis: StoreError = deadpool_redis::redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            "refused",
+        ))
+        .into();
+        assert!(redis.to_string().starts_with("redis error: "), "{redis}");
+        assert!(redis.source().is_some());
+        assert!(redis.is_unavailable());
+    }
+
+    #[test]
     fn only_a_record_the_layer_cannot_read_is_available() {
         assert!(!StoreError::CorruptRecord("x".to_owned()).is_unavailable());
         assert!(StoreError::Timeout(Duration::from_secs(1)).is_unavailable());
