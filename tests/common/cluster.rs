@@ -248,6 +248,15 @@ impl Harness for ClusterHarness {
 }
 
 impl RawHarness for ClusterHarness {
+    async fn subscribers(&self, key: &RecordKey) -> usize {
+        let channel = super::settle_channel(key);
+        let mut total = 0;
+        for node in &self.cluster.nodes {
+            total += super::subscribers_on(node, &channel).await;
+        }
+        total
+    }
+
     async fn describe(&self, key: &RecordKey) -> String {
         describe_with(&mut self.cluster.cluster_connection().await, key).await
     }

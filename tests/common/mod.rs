@@ -162,6 +162,13 @@ impl RedisServer {
         Config::from_url(self.url()).create_pool(Some(Runtime::Tokio1)).expect("pool")
     }
 
+    /// A store over a pool of this server, with a subscriber for waiters, as
+    /// `RedisStore::from_url` makes one.
+    pub fn store(&self) -> RedisStore {
+        let client = redis::Client::open(self.url()).expect("client");
+        RedisStore::new(self.pool()).subscriber(client)
+    }
+
     /// A plain connection for looking at what the layer wrote.
     pub async fn connection(&self) -> redis::aio::MultiplexedConnection {
         redis::Client::open(self.url())
@@ -273,7 +280,7 @@ impl Harness for RedisHarness {
 
     async fn start() -> Self {
         let server = RedisServer::start();
-        let store = RedisStore::new(server.pool());
+        let store = server.store();
         Self { server, store }
     }
 
@@ -282,7 +289,7 @@ impl Harness for RedisHarness {
     }
 
     fn second_store(&self) -> RedisStore {
-        RedisStore::new(self.server.pool())
+        self.server.store()
     }
 
     async fn held(&self, key: &RecordKey) -> Option<Held> {
@@ -306,6 +313,31 @@ pub trait RawHarness: Harness {
     async fn plant(&self, key: &RecordKey, value: RawValue);
     /// The type and contents of whatever is under `key`, string or not.
     async fn describe(&self, key: &RecordKey) -> String;
+    /// How many connections are subscribed to the settle channel of `key`, plain or sharded.
+    async fn subscribers(&self, key: &RecordKey) -> usize;
+}
+
+/// The settle channel of a record (see `src/store/redis/mod.rs`).
+pub fn settle_channel(key: &RecordKey) -> String {
+    format!("{}:settled", key.as_str())
+}
+
+/// Subscribers of `channel` on one server: plain and sharded.
+pub async fn subscribers_on(server: &RedisServer, channel: &str) -> usize {
+    let mut connection = server.connection().await;
+    let mut total = 0;
+    for command in ["NUMSUB", "SHARDNUMSUB"] {
+        let (_, count): (String, usize) = redis::cmd("PUBSUB")
+            .arg(command)
+            .arg(channel)
+            .query_async::<Vec<(String, usize)>>(&mut connection)
+            .await
+            .expect("PUBSUB")
+            .pop()
+            .expect("one channel");
+        total += count;
+    }
+    total
 }
 
 /// A value planted under a record key.
@@ -355,6 +387,10 @@ async fn describe_with<C: redis::aio::ConnectionLike + Send>(
 }
 
 impl RawHarness for RedisHarness {
+    async fn subscribers(&self, key: &RecordKey) -> usize {
+        subscribers_on(&self.server, &settle_channel(key)).await
+    }
+
     async fn describe(&self, key: &RecordKey) -> String {
         describe_with(&mut self.server.connection().await, key).await
     }
@@ -396,6 +432,7 @@ impl Calls {
 /// - `POST /slow`: waits `x-delay-ms` milliseconds, then answers like `/payments`.
 /// - `POST /first-slow`: the first call waits `x-delay-ms`, later calls answer at once.
 /// - `POST /flaky`: 500 on the first call, 201 afterwards.
+/// - `POST /slow-flaky`: the first call waits `x-delay-ms` and answers 503; later calls 201.
 /// - `POST /status/{code}`: answers with that status.
 /// - `POST /big`: a 4 KiB body.
 /// - `POST|PUT /unavailable`: 503 with `set-cookie` and `x-payment`.
@@ -420,6 +457,18 @@ pub fn app(calls: &Calls) -> Router {
             if call == 1 {
                 let ms: u64 = headers["x-delay-ms"].to_str().unwrap().parse().unwrap();
                 tokio::time::sleep(Duration::from_millis(ms)).await;
+            }
+            created(call, &body)
+        }
+    };
+    let slow_flaky = {
+        let calls = calls.clone();
+        move |headers: HeaderMap, body: Bytes| async move {
+            let call = calls.next_call();
+            if call == 1 {
+                let ms: u64 = headers["x-delay-ms"].to_str().unwrap().parse().unwrap();
+                tokio::time::sleep(Duration::from_millis(ms)).await;
+                return Response::builder().status(503).body(Body::from("try again")).unwrap();
             }
             created(call, &body)
         }
@@ -501,6 +550,7 @@ pub fn app(calls: &Calls) -> Router {
         .route("/orders/{id}/capture", post(payment(calls.clone())))
         .route("/first-slow", post(first_slow))
         .route("/flaky", post(flaky))
+        .route("/slow-flaky", post(slow_flaky))
         .route("/status/{code}", post(status))
         .route("/big", post(big))
         .route("/streamed", post(streamed))
