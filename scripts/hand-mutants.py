@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # (name, file, original text, mutated text, tests that must catch it)
 REDIS = ["--test", "store_contract", "--", "redis::", "cluster::"]
 MEMORY = ["--test", "store_contract", "--", "memory::"]
+WAITING = ["--test", "waiting", "--test", "redis_waiting", "--test", "round_trips", "--", "--skip", "memory::"]
 MUTANTS = [
     ("complete.lua without the owner comparison", "lua/complete.lua",
      "\n      or string.sub(record, 35) ~= ARGV[1] then", " then", REDIS),
@@ -35,6 +36,16 @@ MUTANTS = [
      "\n    or string.sub(record, 35) ~= ARGV[1] then\n  return 0", " then\n  return 0", REDIS),
     ("claim.lua replaying an in-progress record", "lua/claim.lua",
      "if state == 'C' then", "if true then", REDIS),
+    ("claim.lua never marking a waited record", "lua/claim.lua",
+     "if state == 'P' and ARGV[5] == '1' then", "if false then", WAITING),
+    ("complete.lua never publishing", "lua/complete.lua",
+     "if waited then", "if false then", WAITING),
+    ("release.lua never publishing", "lua/release.lua",
+     "if state == 'W' then", "if false then", WAITING),
+    ("complete.lua publishing for every record", "lua/complete.lua",
+     "if waited then", "if true then", WAITING),
+    ("MemoryStore complete waking nobody", "src/store/memory.rs",
+     "        drop(records);\n        self.waiters.notify(key.as_str());\n", "", ["--test", "waiting", "--", "memory::"]),
     ("MemoryStore::complete without the owner comparison", "src/store/memory.rs",
      "Some(Record { state: State::InProgress(holder), .. }) if holder == owner => {}",
      "Some(Record { state: State::InProgress(_), .. }) => {}", MEMORY),

@@ -5,47 +5,8 @@ mod common;
 use std::collections::BTreeMap;
 
 use axum::{body::Body, http::Request};
-use axum_idempotency::{IdempotencyLayer, RedisStore, deadpool_redis::redis};
+use axum_idempotency::{IdempotencyLayer, RedisStore};
 use common::*;
-
-/// The commands our Lua scripts run inside Redis. `INFO commandstats` counts those too; they
-/// cost no round trip, so they are left out of the count.
-fn script_internal_commands() -> Vec<String> {
-    let mut commands = Vec::new();
-    for script in ["claim", "complete", "release", "touch"] {
-        let path = format!("{}/lua/{script}.lua", env!("CARGO_MANIFEST_DIR"));
-        let source = std::fs::read_to_string(path).unwrap();
-        // Both `redis.call('X'` and `redis.pcall('X'`.
-        for call in source.split("call('").skip(1) {
-            commands.push(call.split('\'').next().unwrap().to_lowercase());
-        }
-    }
-    commands
-}
-
-/// Round trips per command since the last `CONFIG RESETSTAT`.
-async fn command_calls(server: &RedisServer) -> BTreeMap<String, u64> {
-    let internal = script_internal_commands();
-    let mut redis = server.connection().await;
-    let info: String =
-        redis::cmd("INFO").arg("commandstats").query_async(&mut redis).await.unwrap();
-    // Lines look like `cmdstat_evalsha:calls=20,usec=...`.
-    info.lines()
-        .filter_map(|line| line.strip_prefix("cmdstat_"))
-        .filter_map(|line| {
-            let (command, stats) = line.split_once(':')?;
-            let calls = stats.split(',').find_map(|stat| stat.strip_prefix("calls="))?;
-            Some((command.to_owned(), calls.parse().ok()?))
-        })
-        .filter(|(command, _)| !internal.contains(command))
-        .filter(|(command, _)| !["info", "config|resetstat"].contains(&command.as_str()))
-        .collect()
-}
-
-async fn reset(server: &RedisServer) {
-    let mut redis = server.connection().await;
-    let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
@@ -58,7 +19,7 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
     send(&app, keyed("POST", "/payments", "warm", "{}")).await;
     let n = 20;
 
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for i in 0..n {
         assert_eq!(
             send(&app, keyed("POST", "/payments", &format!("fresh-{i}"), "{}")).await.status,
@@ -68,7 +29,7 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
     let fresh = command_calls(&server).await;
     assert_eq!(fresh, BTreeMap::from([("evalsha".to_owned(), 2 * n)]), "fresh: claim + complete");
 
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for _ in 0..n {
         assert!(send(&app, keyed("POST", "/payments", "fresh-0", "{}")).await.replayed());
     }
@@ -77,7 +38,7 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
 
     let slow = send_in_background(&app, delayed("/slow", "busy", 300, "{}"));
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for _ in 0..n {
         send(&app, keyed("POST", "/slow", "busy", "{}")).await.assert_problem(202, "in-progress");
     }
@@ -85,7 +46,7 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
     assert_eq!(in_progress, BTreeMap::from([("evalsha".to_owned(), n)]), "in progress: claim only");
     slow.await.unwrap();
 
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for _ in 0..n {
         send(&app, Request::post("/payments").body(Body::from("{}")).unwrap()).await;
         send(&app, keyed("GET", "/payments", "k", "")).await;
@@ -114,14 +75,14 @@ async fn consumer_door_fresh_is_two_replay_one_in_progress_one() {
     run("warm".into(), 0).await;
     let n = 20;
 
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for i in 0..n {
         assert_eq!(run(format!("fresh-{i}"), 0).await, Outcome::Ran(42));
     }
     let fresh = command_calls(&server).await;
     assert_eq!(fresh, BTreeMap::from([("evalsha".to_owned(), 2 * n)]), "fresh: claim + complete");
 
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for _ in 0..n {
         assert_eq!(run("fresh-0".into(), 0).await, Outcome::Replayed(42));
     }
@@ -130,7 +91,7 @@ async fn consumer_door_fresh_is_two_replay_one_in_progress_one() {
 
     let slow = tokio::spawn(run("busy".into(), 300));
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-    reset(&server).await;
+    reset_command_stats(&server).await;
     for _ in 0..n {
         assert!(matches!(run("busy".into(), 0).await, Outcome::InProgress { .. }));
     }

@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 use std::{
+    collections::BTreeMap,
     net::TcpListener,
     process::{Child, Command, Stdio},
     sync::{
@@ -77,6 +78,45 @@ macro_rules! every_store {
             )*
         }
     };
+}
+
+/// The commands our Lua scripts run inside Redis. `INFO commandstats` counts those too; they
+/// cost no round trip, so they are left out of the count.
+pub fn script_internal_commands() -> Vec<String> {
+    let mut commands = Vec::new();
+    for script in ["claim", "complete", "release", "touch"] {
+        let path = format!("{}/lua/{script}.lua", env!("CARGO_MANIFEST_DIR"));
+        let source = std::fs::read_to_string(path).unwrap();
+        // Both `redis.call('X'` and `redis.pcall('X'`.
+        for call in source.split("call('").skip(1) {
+            commands.push(call.split('\'').next().unwrap().to_lowercase());
+        }
+    }
+    commands
+}
+
+/// Round trips per command since the last `CONFIG RESETSTAT`.
+pub async fn command_calls(server: &RedisServer) -> BTreeMap<String, u64> {
+    let internal = script_internal_commands();
+    let mut redis = server.connection().await;
+    let info: String =
+        redis::cmd("INFO").arg("commandstats").query_async(&mut redis).await.unwrap();
+    // Lines look like `cmdstat_evalsha:calls=20,usec=...`.
+    info.lines()
+        .filter_map(|line| line.strip_prefix("cmdstat_"))
+        .filter_map(|line| {
+            let (command, stats) = line.split_once(':')?;
+            let calls = stats.split(',').find_map(|stat| stat.strip_prefix("calls="))?;
+            Some((command.to_owned(), calls.parse().ok()?))
+        })
+        .filter(|(command, _)| !internal.contains(command))
+        .filter(|(command, _)| !["info", "config|resetstat"].contains(&command.as_str()))
+        .collect()
+}
+
+pub async fn reset_command_stats(server: &RedisServer) {
+    let mut redis = server.connection().await;
+    let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
 }
 
 /// A private `redis-server` on a free loopback port, stopped by pid when dropped.

@@ -1,0 +1,108 @@
+//! Waiting on Redis: two instances share the settle through pub/sub, a lost subscriber
+//! connection cannot strand a waiter, and the cost of a waiter in round trips.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+use axum_idempotency::{IdempotencyLayer, RedisStore, deadpool_redis::redis};
+use common::*;
+
+fn waiting(store: RedisStore, calls: &Calls, wait: Duration) -> axum::Router {
+    app(calls).layer(IdempotencyLayer::new(store).wait_for_in_progress(wait))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_on_one_instance_is_woken_by_the_settle_on_another_without_polling() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let a = waiting(server.store(), &calls, Duration::from_secs(5));
+    let b = waiting(server.store(), &calls, Duration::from_secs(5));
+    // Warm both instances up: connections, scripts, the subscriber.
+    send(&a, keyed("POST", "/payments", "warm-a", "{}")).await;
+    send(&b, keyed("POST", "/payments", "warm-b", "{}")).await;
+    reset_command_stats(&server).await;
+
+    let original = send_in_background(&a, delayed("/slow", "k1", 700, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let waiter = send(&b, delayed("/slow", "k1", 700, "{}")).await;
+    let waited = started.elapsed();
+    let original = original.await.unwrap();
+    assert_eq!(original.status, 201);
+    assert!(waiter.replayed(), "{waiter:?}");
+    assert_eq!(waiter.body, original.body);
+    assert!(waited < Duration::from_secs(2), "woken by its deadline, not the settle: {waited:?}");
+
+    let commands = command_calls(&server).await;
+    // The original: claim + complete. The waiter: its first claim, a claim after subscribing
+    // (which marks the record), and one last claim once woken: three, however long it waited.
+    // The complete publishes once, because the record was marked.
+    let expected = BTreeMap::from([
+        ("evalsha".to_owned(), 2 + 3),
+        ("publish".to_owned(), 1),
+        ("subscribe".to_owned(), 1),
+        ("unsubscribe".to_owned(), 1),
+    ]);
+    assert_eq!(commands, expected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_subscriber_connection_strands_no_waiter_and_waiting_works_again() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = waiting(server.store(), &calls, Duration::from_secs(3));
+    let original = send_in_background(&app, delayed("/slow", "k1", 1000, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiters: Vec<_> =
+        (0..5).map(|_| send_in_background(&app, delayed("/slow", "k1", 1000, "{}"))).collect();
+    eventually("the waiters subscribed", async || {
+        subscribers_on(&server, &settle_channel(&global("k1"))).await == 1
+    })
+    .await;
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut server.connection().await)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    let started = Instant::now();
+    for waiter in waiters {
+        let seen = waiter.await.unwrap();
+        // Answered by the original's settle or, at the latest, by the waiter's deadline.
+        assert!(seen.replayed() || seen.status == 202, "{seen:?}");
+    }
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert_eq!(original.await.unwrap().status, 201);
+
+    // Waiting works again: a new original, a new waiter, woken well before its deadline.
+    let second = send_in_background(&app, delayed("/slow", "k2", 600, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let waiter = send(&app, delayed("/slow", "k2", 600, "{}")).await;
+    assert!(waiter.replayed(), "{waiter:?}");
+    assert!(started.elapsed() < Duration::from_millis(1500), "{:?}", started.elapsed());
+    assert_eq!(second.await.unwrap().status, 201);
+    assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_without_a_subscriber_answers_waiters_by_their_deadline() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = waiting(RedisStore::new(server.pool()), &calls, Duration::from_millis(800));
+    let original = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    let waiter = send(&app, delayed("/slow", "k1", 300, "{}")).await;
+    // Nobody could tell it of the settle: its last claim, at the deadline, finds the replay.
+    assert!(waiter.replayed(), "{waiter:?}");
+    assert!(started.elapsed() >= Duration::from_millis(800), "{:?}", started.elapsed());
+    assert_eq!(original.await.unwrap().status, 201);
+    assert_eq!(calls.get(), 1);
+}
