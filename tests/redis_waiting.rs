@@ -37,6 +37,11 @@ async fn a_waiter_on_one_instance_is_woken_by_the_settle_on_another_without_poll
     assert_eq!(waiter.body, original.body);
     assert!(waited < Duration::from_secs(2), "woken by its deadline, not the settle: {waited:?}");
 
+    // The waiter's subscription goes once it leaves (in the background).
+    eventually("the subscription is gone", async || {
+        subscribers_on(&server, &settle_channel(&global("k1"))).await == 0
+    })
+    .await;
     let commands = command_calls(&server).await;
     // The original: claim + complete. The waiter: its first claim, a claim after subscribing
     // (which marks the record), and one last claim once woken: three, however long it waited.

@@ -12,6 +12,7 @@ use bytes::{Bytes, BytesMut};
 use http::{StatusCode, header, request::Parts};
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::sync::mpsc;
 
 use super::{
     BoxError,
@@ -126,5 +127,86 @@ impl HttpBody for Prefixed {
             hint.set_upper(upper + read);
         }
         hint
+    }
+}
+
+/// Frames on their way to the client, from the claimed request's task.
+pub(super) type FrameSender = mpsc::Sender<Result<Frame<Bytes>, axum::Error>>;
+
+/// A response body fed frame by frame by the claimed request's task: the client reads the
+/// handler's frames as they come, while the task keeps its copy for the store.
+pub(super) struct Streamed {
+    frames: mpsc::Receiver<Result<Frame<Bytes>, axum::Error>>,
+}
+
+impl Streamed {
+    /// A body, and the sender that feeds it. A few frames are buffered, so that a slow client
+    /// holds the handler back only as much as a direct connection would.
+    pub(super) fn channel() -> (FrameSender, Self) {
+        let (sender, frames) = mpsc::channel(8);
+        (sender, Self { frames })
+    }
+}
+
+impl HttpBody for Streamed {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        self.frames.poll_recv(cx)
+    }
+}
+
+/// How a streamed response body ended.
+pub(super) enum Teed {
+    /// Read to its end; the data, for the store.
+    Whole(Bytes),
+    /// Over the limit: the rest, still to be sent on, is not copied.
+    OverLimit(Body),
+    /// The body failed; the client got the error where it happened.
+    Failed(axum::Error),
+}
+
+/// Reads `body` to its end, sending every frame on to `client` as it comes and keeping a copy
+/// of the data, up to `limit` bytes, for the store. A client that goes away does not stop
+/// the reading: the response is still stored, as for a client that leaves while its handler
+/// runs; the copy's limit bounds what an endless stream costs then.
+pub(super) async fn tee(mut body: Body, client: &FrameSender, limit: usize) -> Teed {
+    let mut copy = BytesMut::new();
+    let mut client_here = true;
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(frame) => frame,
+            Err(error) => {
+                if client_here {
+                    let _ = client.send(Err(axum::Error::new(error.to_string()))).await;
+                }
+                return Teed::Failed(error);
+            }
+        };
+        // Trailers go to the client but are not stored: a replay has none.
+        let over = frame.data_ref().is_some_and(|data| {
+            copy.extend_from_slice(data);
+            copy.len() > limit
+        });
+        if client_here && client.send(Ok(frame)).await.is_err() {
+            client_here = false;
+        }
+        if over {
+            return Teed::OverLimit(body);
+        }
+    }
+    Teed::Whole(copy.freeze())
+}
+
+/// Sends the rest of `body` on to `client`, until either ends.
+pub(super) async fn forward(mut body: Body, client: &FrameSender) {
+    while let Some(frame) = body.frame().await {
+        if client.send(frame).await.is_err() {
+            return;
+        }
     }
 }

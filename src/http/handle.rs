@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use super::{
     BoxError, REPLAYED_HEADER,
-    body::{CollectedBody, collect_response, read_body},
+    body::{CollectedBody, Streamed, Teed, collect_response, forward, read_body, tee},
     config::Config,
     problem::{ProblemType, problem, problem_retry_after},
     record,
@@ -161,11 +161,39 @@ async fn run_claimed<S, St, ResBody>(
     };
 
     let (head, body) = response.into_parts();
-    if !(config.store_policy)(head.status) {
-        holder.release("the status is not stored").await;
-        let _ = finished.send(Finished::Response(Response::from_parts(head, Body::new(body))));
+    let body = Body::new(body);
+    let over_limit = if !(config.store_policy)(head.status) {
+        Some("the status is not stored")
+    } else if record::stored_headers_len(&head.headers, &config.header_filter)
+        > config.stored_headers_limit
+    {
+        Some("the response headers are over the stored limit")
+    } else if body.size_hint().lower() > config.stored_body_limit as u64 {
+        Some("the response is over the stored body limit")
+    } else {
+        None
+    };
+    if let Some(why) = over_limit {
+        holder.release(why).await;
+        let _ = finished.send(Finished::Response(Response::from_parts(head, body)));
         return;
     }
+    // A body of known size is read whole and stored before the client gets it, so that the
+    // client's own next retry finds the record. Any other body streams through.
+    if body.size_hint().exact().is_some() {
+        settle_whole(&config, holder, head, body, finished).await;
+    } else {
+        settle_streamed(&config, holder, head, body, finished).await;
+    }
+}
+
+async fn settle_whole<St: Store, E>(
+    config: &Config,
+    holder: Holder<St>,
+    head: http::response::Parts,
+    body: Body,
+    finished: oneshot::Sender<Finished<E>>,
+) {
     let body = match collect_response(body, config.stored_body_limit).await {
         CollectedBody::Whole(body) => body,
         CollectedBody::TooLarge(body) => {
@@ -183,13 +211,46 @@ async fn run_claimed<S, St, ResBody>(
         }
     };
     let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
-    // The client gets its response once the first attempt to store it has answered, so that
-    // its own next retry finds the record.
     holder
         .complete(blob, move || {
             let _ = finished.send(Finished::Response(Response::from_parts(head, Body::from(body))));
         })
         .await;
+}
+
+/// Sends the head at once and every frame as the handler produces it; stores the copy when
+/// the stream ends within the limit, and releases the key otherwise.
+async fn settle_streamed<St: Store, E>(
+    config: &Config,
+    holder: Holder<St>,
+    head: http::response::Parts,
+    body: Body,
+    finished: oneshot::Sender<Finished<E>>,
+) {
+    let (status, headers) = (head.status, head.headers.clone());
+    let (client, streamed) = Streamed::channel();
+    let _ = finished.send(Finished::Response(Response::from_parts(head, Body::new(streamed))));
+    // The lease is renewed while the stream runs, as while the handler ran.
+    let (holder, teed) = match holder.run(tee(body, &client, config.stored_body_limit)).await {
+        Ok(teed) => teed,
+        Err(_panic) => {
+            return tracing::error!("idempotency: the response body panicked; key released");
+        }
+    };
+    match teed {
+        Teed::Whole(copy) => {
+            let blob = record::encode(status, &headers, &config.header_filter, &copy);
+            holder.complete(blob, || {}).await;
+        }
+        Teed::OverLimit(rest) => {
+            holder.release("the response is over the stored body limit").await;
+            forward(rest, &client).await;
+        }
+        Teed::Failed(error) => {
+            tracing::error!(key_hash = holder.key().hash(), %error, "idempotency: response body failed");
+            holder.release("the response body failed").await;
+        }
+    }
 }
 
 fn replay(blob: Bytes, hash: &str) -> Response {

@@ -119,6 +119,16 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
+    /// Sets the largest response header section stored for replay, in bytes (names and
+    /// values of the headers kept, plus 6 bytes each). A response with more is sent to the
+    /// client and its key released, like one over the
+    /// [`stored_body_limit`](Self::stored_body_limit): a stored record is at most the sum of
+    /// the two. Defaults to 64 KiB.
+    pub fn stored_headers_limit(mut self, bytes: usize) -> Self {
+        self.config().stored_headers_limit = bytes;
+        self
+    }
+
     /// Sets how long a claim holds its key without renewal. While the handler runs, keep-alive
     /// renews the lease (see [`keep_alive`](Self::keep_alive)); a holder that stops renewing,
     /// because its process died, frees the key within one lease. Defaults to 30 seconds.

@@ -52,6 +52,15 @@ pub(crate) fn encode(
     Bytes::from(out)
 }
 
+/// The bytes the headers that `filter` lets through take in a stored record.
+pub(crate) fn stored_headers_len(headers: &HeaderMap, filter: &HeaderFilter) -> usize {
+    headers
+        .iter()
+        .filter(|(name, _)| filter.keeps(name, headers))
+        .map(|(name, value)| 6 + name.as_str().len() + value.len())
+        .sum()
+}
+
 /// Decodes a blob written by [`encode`]. Never panics; the body shares `blob`'s memory.
 pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
     if blob.remaining() < 5 {
