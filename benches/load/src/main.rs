@@ -32,6 +32,8 @@ const REQUEST_BODY: &str = r#"{"amount":100,"currency":"EUR"}"#;
 /// Most requests one load may send, whatever its duration.
 const MAX_REQUESTS_PER_LOAD: usize = 5_000_000;
 
+mod storm;
+
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 fn main() -> Result<(), Error> {
@@ -52,8 +54,9 @@ fn main() -> Result<(), Error> {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
+        ["storm"] => runtime.block_on(storm::storm()),
         [] => runtime.block_on(run()),
-        _ => Err("usage: load | load serve TARGET PORT REDIS_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS".into()),
+        _ => Err("usage: load | load storm | load serve TARGET PORT REDIS_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS".into()),
     }
 }
 
