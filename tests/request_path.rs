@@ -26,6 +26,7 @@ every_store!(
     an_inner_service_error_releases_the_key,
     a_panic_is_resumed_as_the_handlers_own_and_releases_the_key,
     a_malformed_key_problem_says_what_a_key_must_be,
+    a_quoted_key_with_a_space_is_one_key,
     a_large_corrupt_record_is_500_not_a_panic,
 );
 
@@ -167,7 +168,7 @@ async fn a_malformed_key_problem_says_what_a_key_must_be<H: Harness>(h: H) {
     let problem: serde_json::Value = serde_json::from_str(&seen.body).unwrap();
     assert_eq!(
         problem["detail"],
-        "the Idempotency-Key must be 1 to 255 visible ASCII characters, bare or as a quoted string"
+        "the Idempotency-Key must be 1 to 255 visible ASCII characters, or printable ASCII characters (spaces included) as a quoted string"
     );
     let seen = send(&app, keyed("POST", "/payments", "a, b", "{}")).await;
     let problem: serde_json::Value = serde_json::from_str(&seen.body).unwrap();
@@ -196,4 +197,20 @@ async fn a_large_corrupt_record_is_500_not_a_panic<H: Harness>(h: H) {
     // Left alone, and the handler did not run.
     assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
     assert_eq!(calls.get(), 0);
+}
+
+async fn a_quoted_key_with_a_space_is_one_key<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    // RFC 8941 sf-strings, which the IETF draft makes the key, may hold spaces.
+    let first = send(&app, keyed("POST", "/payments", "\"order 1\"", "{}")).await;
+    assert_eq!(first.status, 201);
+    let retry = send(&app, keyed("POST", "/payments", "\"order 1\"", "{}")).await;
+    assert!(retry.replayed());
+    assert_eq!(h.held(&global("order 1")).await, Some(Held::Completed));
+    // Bare, a space is still malformed: it is no token.
+    send(&app, keyed("POST", "/payments", "order 1", "{}"))
+        .await
+        .assert_problem(400, "key-malformed");
+    assert_eq!(calls.get(), 1);
 }

@@ -15,7 +15,8 @@ pub enum KeyError {
     Empty,
     /// The key is longer than [`MAX_KEY_LEN`] characters.
     TooLong,
-    /// The key has a character outside visible ASCII, or a malformed quoted string.
+    /// The key has a character outside visible ASCII (outside printable ASCII in a quoted
+    /// key), or a malformed quoted string.
     Malformed,
 }
 
@@ -26,7 +27,7 @@ impl KeyError {
             Self::Empty => "the Idempotency-Key header is empty",
             Self::TooLong => "the Idempotency-Key is longer than 255 characters",
             Self::Malformed => {
-                "the Idempotency-Key must be 1 to 255 visible ASCII characters, bare or as a quoted string"
+                "the Idempotency-Key must be 1 to 255 visible ASCII characters, or printable ASCII characters (spaces included) as a quoted string"
             }
         }
     }
@@ -35,9 +36,11 @@ impl KeyError {
 /// Parses the key from every value of the header `name`.
 ///
 /// Accepts a bare token (`abc-123`) and the IETF structured-header string form (`"abc-123"`,
-/// with `\"` and `\\` escapes). The key is 1..=255 visible ASCII characters (`!` to `~`).
-/// A bare key may not contain `,` or `"`: a comma is how proxies join repeated headers, so it
-/// is refused as [`KeyError::Multiple`]. Returns `Ok(None)` when the header is absent.
+/// with `\"` and `\\` escapes). The key is 1..=255 characters: visible ASCII (`!` to `~`)
+/// when bare; printable ASCII (space to `~`, what RFC 8941 allows in an sf-string) when quoted,
+/// so `"order 1"` is the key `order 1`. A bare key may not contain `,` or `"`: a comma is how
+/// proxies join repeated headers, so it is refused as [`KeyError::Multiple`]. Returns
+/// `Ok(None)` when the header is absent.
 pub fn parse_key(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Vec<u8>>, KeyError> {
     let mut values = headers.get_all(name).iter();
     let Some(value) = values.next() else {
@@ -51,8 +54,8 @@ pub fn parse_key(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Vec<u8
 
 fn parse_value(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
     let raw = raw.trim_ascii();
-    let key = match raw {
-        [b'"', inner @ ..] => unquote(inner)?,
+    let (key, allowed): (Vec<u8>, fn(&u8) -> bool) = match raw {
+        [b'"', inner @ ..] => (unquote(inner)?, |b| b.is_ascii_graphic() || *b == b' '),
         _ => {
             if raw.contains(&b',') {
                 return Err(KeyError::Multiple);
@@ -60,13 +63,13 @@ fn parse_value(raw: &[u8]) -> Result<Vec<u8>, KeyError> {
             if raw.contains(&b'"') {
                 return Err(KeyError::Malformed);
             }
-            raw.to_vec()
+            (raw.to_vec(), u8::is_ascii_graphic)
         }
     };
     if key.is_empty() {
         return Err(KeyError::Empty);
     }
-    if !key.iter().all(u8::is_ascii_graphic) {
+    if !key.iter().all(allowed) {
         return Err(KeyError::Malformed);
     }
     if key.len() > MAX_KEY_LEN {
@@ -119,6 +122,12 @@ mod tests {
     }
 
     #[test]
+    fn a_quoted_key_may_hold_spaces_as_rfc_8941_allows() {
+        assert_eq!(parse(&[b"\"order 1\""]), Ok(Some(b"order 1".to_vec())));
+        assert_eq!(parse(&[b"\" \""]), Ok(Some(b" ".to_vec())));
+    }
+
+    #[test]
     fn quoted_form_unescapes_and_may_hold_commas() {
         assert_eq!(parse(&[br#""a\"b\\c,d""#]), Ok(Some(br#"a"b\c,d"#.to_vec())));
     }
@@ -137,6 +146,7 @@ mod tests {
         assert_eq!(parse(&[&[b'k'; 255]]), Ok(Some(vec![b'k'; 255])));
         assert_eq!(parse(&[&[b'k'; 256]]), Err(KeyError::TooLong));
         assert_eq!(parse(&[b"a b"]), Err(KeyError::Malformed));
+        assert_eq!(parse(&[b"\"a\tb\""]), Err(KeyError::Malformed));
         assert_eq!(parse(&[b"a\tb"]), Err(KeyError::Malformed));
         assert_eq!(parse(&["caf\u{e9}".as_bytes()]), Err(KeyError::Malformed));
         assert_eq!(parse(&[b"\"open"]), Err(KeyError::Malformed));
@@ -162,20 +172,21 @@ mod properties {
                 headers.insert("idempotency-key", value);
                 if let Ok(Some(key)) = parse_key(&headers, &HeaderName::from_static("idempotency-key")) {
                     prop_assert!((1..=MAX_KEY_LEN).contains(&key.len()));
-                    prop_assert!(key.iter().all(u8::is_ascii_graphic));
+                    prop_assert!(key.iter().all(|b| b.is_ascii_graphic() || *b == b' '));
                 }
             }
         }
 
-        /// Every valid key is accepted bare (when it has no comma or quote) and quoted, as itself.
+        /// Every valid key is accepted quoted, and bare when it has no comma, quote or space,
+        /// as itself.
         #[test]
-        fn valid_keys_round_trip(key in "[!-~]{1,255}") {
+        fn valid_keys_round_trip(key in "[ -~]{1,255}") {
             let name = HeaderName::from_static("idempotency-key");
             let quoted = format!("\"{}\"", key.replace('\\', "\\\\").replace('"', "\\\""));
             let mut headers = HeaderMap::new();
             headers.insert(&name, HeaderValue::from_str(&quoted).unwrap());
             prop_assert_eq!(parse_key(&headers, &name), Ok(Some(key.clone().into_bytes())));
-            if !key.contains([',', '"']) {
+            if !key.contains([',', '"', ' ']) {
                 headers.insert(&name, HeaderValue::from_str(&key).unwrap());
                 prop_assert_eq!(parse_key(&headers, &name), Ok(Some(key.into_bytes())));
             }
