@@ -27,6 +27,8 @@ every_store!(
     a_panic_is_resumed_as_the_handlers_own_and_releases_the_key,
     a_malformed_key_problem_says_what_a_key_must_be,
     a_quoted_key_with_a_space_is_one_key,
+    a_request_no_route_matched_uses_up_no_key,
+    a_405_is_never_stored,
     a_large_corrupt_record_is_500_not_a_panic,
 );
 
@@ -213,4 +215,35 @@ async fn a_quoted_key_with_a_space_is_one_key<H: Harness>(h: H) {
         .await
         .assert_problem(400, "key-malformed");
     assert_eq!(calls.get(), 1);
+}
+
+async fn a_request_no_route_matched_uses_up_no_key<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let app = layered(&h, &calls);
+    for _ in 0..2 {
+        let seen = send(&app, keyed("POST", "/no-such-path", "k1", "{}")).await;
+        assert_eq!(seen.status, 404);
+        assert!(!seen.replayed());
+    }
+    assert_eq!(h.record_count().await, 0);
+    // The key is still free for the real request.
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    assert_eq!(calls.get(), 1);
+}
+
+async fn a_405_is_never_stored<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let routes = layered(&h, &calls);
+    // `/slow` takes POST only.
+    for _ in 0..2 {
+        let seen = send(&routes, keyed("PATCH", "/slow", "k1", "{}")).await;
+        assert_eq!(seen.status, 405);
+        assert!(!seen.replayed());
+        assert_eq!(h.held(&global("k1")).await, None);
+    }
+    // Even with a store policy that stores everything.
+    let everything = app(&calls).layer(IdempotencyLayer::new(h.store()).store_policy(|_| true));
+    assert_eq!(send(&everything, keyed("PATCH", "/slow", "k2", "{}")).await.status, 405);
+    assert_eq!(h.held(&global("k2")).await, None);
+    assert_eq!(calls.get(), 0);
 }

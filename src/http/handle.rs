@@ -164,6 +164,9 @@ async fn run_claimed<S, St, ResBody>(
     let body = Body::new(body);
     let over_limit = if !(config.store_policy)(head.status) {
         Some("the status is not stored")
+    } else if head.status == StatusCode::METHOD_NOT_ALLOWED {
+        // The route exists, the method does not: the request was never handled.
+        Some("a 405 is never stored")
     } else if record::stored_headers_len(&head.headers, &config.header_filter)
         > config.stored_headers_limit
     {

@@ -1,6 +1,7 @@
 //! [`Idempotency`]: the request path.
 //!
-//! 1. filter: methods not made idempotent, and requests without a key, pass through.
+//! 1. filter: methods not made idempotent, requests no route matched, and requests without a
+//!    key, pass through.
 //! 2. key: parse and validate the key header.
 //! 3. scope: find whose key it is.
 //! 4. body + fingerprint: buffer the body once, with a limit, and hash the request.
@@ -19,7 +20,11 @@ use std::{
     task::{Context, Poll},
 };
 
-use axum::{body::Body, response::Response};
+use axum::{
+    body::Body,
+    extract::{MatchedPath, OriginalUri},
+    response::Response,
+};
 use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body::Body as HttpBody;
@@ -35,6 +40,15 @@ use super::{
     scope::ScopeExtractor,
 };
 use crate::{engine::Engine, store::Store};
+
+/// Whether an axum router saw the request and no route matched it: it goes to the fallback
+/// (a 404), and must not use up its key. A router inserts `OriginalUri` before it routes, and
+/// `MatchedPath` once a route matched; outside any router (a bare service) neither is there,
+/// and every request is handled.
+fn unrouted<B>(req: &Request<B>) -> bool {
+    req.extensions().get::<OriginalUri>().is_some()
+        && req.extensions().get::<MatchedPath>().is_none()
+}
 
 /// The middleware made by [`IdempotencyLayer`](crate::IdempotencyLayer).
 #[derive(Clone)]
@@ -99,14 +113,11 @@ where
     fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
         // 1. filter. 2. key. Both are cheap and synchronous, so a request that passes through
         // costs no allocation beyond the inner service's own.
-        let key = if self.config.methods.contains(req.method()) {
-            parse_key(req.headers(), &self.config.header)
-        } else {
-            Ok(None)
-        };
+        let handled = self.config.methods.contains(req.method()) && !unrouted(&req);
+        let key = if handled { parse_key(req.headers(), &self.config.header) } else { Ok(None) };
         let key = match key {
             Ok(Some(key)) => key,
-            Ok(None) if !self.config.require_key || !self.config.methods.contains(req.method()) => {
+            Ok(None) if !self.config.require_key || !handled => {
                 return ResponseFuture::pass_through(self.inner.call(req.map(Body::new)));
             }
             Ok(None) => {
