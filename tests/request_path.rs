@@ -247,3 +247,22 @@ async fn a_405_is_never_stored<H: Harness>(h: H) {
     assert_eq!(h.held(&global("k2")).await, None);
     assert_eq!(calls.get(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_memory_store_answers_503_and_evicts_no_record() {
+    let store = axum_idempotency::MemoryStore::with_capacity(2);
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store.clone()));
+    for key in ["k1", "k2"] {
+        assert_eq!(send(&app, keyed("POST", "/payments", key, "{}")).await.status, 201);
+    }
+    let full = send(&app, keyed("POST", "/payments", "k3", "{}")).await;
+    full.assert_problem(503, "store-unavailable");
+    assert_eq!(full.header("retry-after"), Some("1"));
+    // Nothing was evicted to make room: both stored responses are still replayed.
+    for key in ["k1", "k2"] {
+        assert!(send(&app, keyed("POST", "/payments", key, "{}")).await.replayed());
+    }
+    assert_eq!(store.len(), 2);
+    assert_eq!(calls.get(), 2);
+}

@@ -14,11 +14,20 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 /// The smallest map that is swept for expired records.
 const SWEEP_FROM: usize = 1024;
 
+/// The default for [`MemoryStore::with_capacity`].
+pub const DEFAULT_CAPACITY: usize = 100_000;
+
 /// Records kept in this process, with the same semantics as [`RedisStore`](super::RedisStore),
 /// expiry included.
 ///
 /// For examples, tests, and single-instance services: records are not shared between
 /// processes and do not survive a restart. Clones share one map.
+///
+/// The store holds at most [`DEFAULT_CAPACITY`] live records (see
+/// [`with_capacity`](Self::with_capacity)). When it is full, a claim fails with
+/// [`StoreError::CapacityReached`] (the layer answers 503 + `Retry-After`, as Redis at
+/// `maxmemory` under `noeviction`): no record, in progress or completed, is ever evicted to
+/// make room. Expired records are swept out first.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Records>>,
@@ -28,6 +37,7 @@ pub struct MemoryStore {
 #[derive(Debug)]
 struct Records {
     map: HashMap<String, Record>,
+    capacity: usize,
     /// The map is swept for expired records when it reaches this size, and the mark is then
     /// set to twice what is left: a sweep costs O(records), and doubling keeps that at O(1)
     /// per claim while holding at most twice the live records.
@@ -36,7 +46,7 @@ struct Records {
 
 impl Default for Records {
     fn default() -> Self {
-        Self { map: HashMap::new(), sweep_at: SWEEP_FROM }
+        Self { map: HashMap::new(), capacity: DEFAULT_CAPACITY, sweep_at: SWEEP_FROM }
     }
 }
 
@@ -68,6 +78,14 @@ impl MemoryStore {
     #[must_use]
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty store that holds at most `records` live records.
+    #[must_use]
+    pub fn with_capacity(records: usize) -> Self {
+        let store = Self::default();
+        store.lock().capacity = records;
+        store
     }
 
     /// What the store holds under `key`, if anything live.
@@ -124,6 +142,19 @@ impl Records {
     fn live(&self, key: &str, now: Instant) -> Option<&Record> {
         self.map.get(key).filter(|record| record.expires_at > now)
     }
+
+    /// Makes sure a record for `key` fits: sweeps the expired ones when the map is full, and
+    /// refuses when it is still full. Nothing live is ever evicted.
+    fn make_room(&mut self, key: &str, now: Instant) -> Result<(), StoreError> {
+        if self.map.len() < self.capacity || self.map.contains_key(key) {
+            return Ok(());
+        }
+        self.map.retain(|_, record| record.expires_at > now);
+        if self.map.len() < self.capacity {
+            return Ok(());
+        }
+        Err(StoreError::CapacityReached(self.capacity))
+    }
 }
 
 impl Store for MemoryStore {
@@ -152,6 +183,7 @@ impl Store for MemoryStore {
                 }
             });
         }
+        records.make_room(key.as_str(), now)?;
         records.map.insert(
             key.as_str().to_owned(),
             Record {
@@ -177,7 +209,7 @@ impl Store for MemoryStore {
             Some(Record { state: State::InProgress(holder), .. }) if holder == owner => {}
             Some(_) => return Ok(Fenced::Rejected),
             // The lease lapsed and nobody took over: the response is still the one answer.
-            None => {}
+            None => records.make_room(key.as_str(), now)?,
         }
         records.map.insert(
             key.as_str().to_owned(),
@@ -256,6 +288,32 @@ mod tests {
         assert!(!store.is_empty());
         std::thread::sleep(Duration::from_millis(5));
         assert_eq!(store.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_full_store_refuses_new_claims_and_evicts_nothing() {
+        let store = MemoryStore::with_capacity(3);
+        let long = Duration::from_secs(60);
+        let fingerprint = Fingerprint::new("POST", "/", "", b"");
+        let done = RecordKey::new("t", b"", b"done");
+        let owner = OwnerToken::random();
+        store.claim(&done, &fingerprint, &owner, long).await.unwrap();
+        store.complete(&done, &owner, &fingerprint, Bytes::from_static(b"r"), long).await.unwrap();
+        claim_many(&store, "live", 2, long).await;
+        let extra = RecordKey::new("t", b"", b"extra");
+        let full = store.claim(&extra, &fingerprint, &OwnerToken::random(), long).await;
+        assert!(matches!(full, Err(StoreError::CapacityReached(3))), "{full:?}");
+        assert!(full.unwrap_err().is_unavailable());
+        // Everything already there is still there: replays and claims answer as before.
+        let replay = store.claim(&done, &fingerprint, &OwnerToken::random(), long).await.unwrap();
+        assert_eq!(replay, Claim::Replay(Bytes::from_static(b"r")));
+        assert_eq!(store.len(), 3);
+        // Room made by expiry is used.
+        let short = MemoryStore::with_capacity(1);
+        claim_many(&short, "short", 1, Duration::from_millis(1)).await;
+        std::thread::sleep(Duration::from_millis(5));
+        claim_many(&short, "next", 1, long).await;
+        assert_eq!(short.len(), 1);
     }
 
     /// Claims `n` keys named `{prefix}{i}` for `lease`.

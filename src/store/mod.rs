@@ -22,8 +22,8 @@ use std::{fmt, future::Future, time::Duration};
 
 use bytes::Bytes;
 
-pub use self::memory::MemoryStore;
 pub use self::memory::RecordState;
+pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
@@ -170,6 +170,9 @@ pub enum StoreError {
     Timeout(Duration),
     /// The value under the key was not written by this layer, or by another record version.
     CorruptRecord(String),
+    /// A [`MemoryStore`] holds as many live records as its capacity: nothing is evicted to
+    /// make room, so the claim is refused.
+    CapacityReached(usize),
 }
 
 impl StoreError {
@@ -191,6 +194,9 @@ impl fmt::Display for StoreError {
             Self::ClusterPool(e) => write!(f, "redis cluster pool error: {e}"),
             Self::Timeout(after) => write!(f, "store did not answer within {after:?}"),
             Self::CorruptRecord(why) => write!(f, "record not written by this layer: {why}"),
+            Self::CapacityReached(records) => {
+                write!(f, "the memory store is full ({records} live records)")
+            }
         }
     }
 }
@@ -202,7 +208,7 @@ impl std::error::Error for StoreError {
             Self::Pool(e) => Some(e),
             #[cfg(feature = "cluster")]
             Self::ClusterPool(e) => Some(e),
-            Self::Timeout(_) | Self::CorruptRecord(_) => None,
+            Self::Timeout(_) | Self::CorruptRecord(_) | Self::CapacityReached(_) => None,
         }
     }
 }
