@@ -29,6 +29,8 @@ every_store!(
     a_quoted_key_with_a_space_is_one_key,
     a_request_no_route_matched_uses_up_no_key,
     a_405_is_never_stored,
+    compression_outside_the_layer_compresses_each_replay_for_its_client,
+    compression_inside_never_replays_an_encoding_the_retry_refuses,
     a_large_corrupt_record_is_500_not_a_panic,
 );
 
@@ -265,4 +267,44 @@ async fn a_full_memory_store_answers_503_and_evicts_no_record() {
     }
     assert_eq!(store.len(), 2);
     assert_eq!(calls.get(), 2);
+}
+
+fn gzip_request(key: &str, accept: &'static str) -> Request<Body> {
+    Request::post("/big")
+        .header("idempotency-key", key)
+        .header("accept-encoding", accept)
+        .body(Body::empty())
+        .unwrap()
+}
+
+async fn compression_outside_the_layer_compresses_each_replay_for_its_client<H: Harness>(h: H) {
+    use tower_http::compression::CompressionLayer;
+    let calls = Calls::default();
+    // The recommended order: compression outside, so the record is the handler's own body.
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store())).layer(CompressionLayer::new());
+    let first = send(&app, gzip_request("k1", "gzip")).await;
+    assert_eq!(first.header("content-encoding"), Some("gzip"));
+    let plain = send(&app, gzip_request("k1", "identity")).await;
+    assert!(plain.replayed());
+    assert_eq!(plain.header("content-encoding"), None);
+    assert_eq!(plain.body, "x".repeat(4096));
+    let gzip = send(&app, gzip_request("k1", "gzip")).await;
+    assert!(gzip.replayed());
+    assert_eq!(gzip.header("content-encoding"), Some("gzip"));
+    assert_eq!(calls.get(), 1);
+}
+
+async fn compression_inside_never_replays_an_encoding_the_retry_refuses<H: Harness>(h: H) {
+    use tower_http::compression::CompressionLayer;
+    let calls = Calls::default();
+    let app = app(&calls).layer(CompressionLayer::new()).layer(IdempotencyLayer::new(h.store()));
+    let first = send(&app, gzip_request("k1", "gzip")).await;
+    assert_eq!(first.header("content-encoding"), Some("gzip"));
+    // A retry that takes gzip gets the stored gzip body.
+    let gzip = send(&app, gzip_request("k1", "gzip")).await;
+    assert!(gzip.replayed());
+    assert_eq!(gzip.header("content-encoding"), Some("gzip"));
+    // One that does not is refused, never handed gzip, and the handler does not run again.
+    send(&app, gzip_request("k1", "identity")).await.assert_problem(406, "encoding-not-acceptable");
+    assert_eq!(calls.get(), 1);
 }

@@ -89,7 +89,7 @@ where
         let hash = record_key.hash().to_owned();
         let holder = match self.engine.claim(record_key, fingerprint).await {
             Ok(Claimed::Run(holder)) => holder,
-            Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash)),
+            Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash, &parts.headers)),
             Ok(Claimed::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");
                 // Whole seconds, rounded up, never 0 ("retry now").
@@ -256,8 +256,17 @@ async fn settle_streamed<St: Store, E>(
     }
 }
 
-fn replay(blob: Bytes, hash: &str) -> Response {
+fn replay(blob: Bytes, hash: &str, request: &http::HeaderMap) -> Response {
     match record::decode(blob) {
+        Ok(stored) if !record::encoding_acceptable(&stored.headers, request) => {
+            // A compression layer inside this one stored an encoded body, and this retry does
+            // not accept that encoding. The handler ran already: refuse, never run it again.
+            tracing::warn!(
+                key_hash = hash,
+                "idempotency: the stored response's encoding is not acceptable to the retry; put compression outside the idempotency layer"
+            );
+            problem(StatusCode::NOT_ACCEPTABLE, ProblemType::EncodingNotAcceptable, None)
+        }
         Ok(stored) => {
             tracing::debug!(key_hash = hash, "idempotency: replayed");
             let mut response = Response::new(Body::from(stored.body));

@@ -17,6 +17,7 @@ pub(crate) enum ProblemType {
     StoreUnavailable,
     CorruptRecord,
     HandlerFailed,
+    EncodingNotAcceptable,
 }
 
 impl ProblemType {
@@ -55,6 +56,10 @@ impl ProblemType {
             Self::CorruptRecord => (
                 "urn:axum-idempotency:problem:corrupt-record",
                 "The stored idempotency record could not be read",
+            ),
+            Self::EncodingNotAcceptable => (
+                "urn:axum-idempotency:problem:encoding-not-acceptable",
+                "The stored response's content encoding is not acceptable to this request",
             ),
             Self::HandlerFailed => {
                 ("urn:axum-idempotency:problem:handler-failed", "The request handler failed")

@@ -61,6 +61,39 @@ pub(crate) fn stored_headers_len(headers: &HeaderMap, filter: &HeaderFilter) -> 
         .sum()
 }
 
+/// Whether a stored response may be replayed to a request with these headers: a body stored
+/// with a `Content-Encoding` (a compression layer sat inside this one) only to a request whose
+/// `Accept-Encoding` accepts that coding (RFC 9110 12.5.3: no header accepts any coding; a
+/// coding, or `*`, with `q=0` is refused).
+pub(crate) fn encoding_acceptable(stored: &HeaderMap, request: &HeaderMap) -> bool {
+    let Some(coding) = stored.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()) else {
+        return true;
+    };
+    let coding = coding.trim();
+    if coding.eq_ignore_ascii_case("identity") {
+        return true;
+    }
+    let mut offers = request.get_all(header::ACCEPT_ENCODING).iter().peekable();
+    if offers.peek().is_none() {
+        return true;
+    }
+    let (mut named, mut star) = (None, None);
+    for offer in offers.filter_map(|v| v.to_str().ok()).flat_map(|v| v.split(',')) {
+        let mut fields = offer.split(';');
+        let name = fields.next().unwrap_or("").trim();
+        let refused = fields.any(|param| {
+            let param = param.trim().to_ascii_lowercase();
+            param.strip_prefix("q=").is_some_and(|q| q.parse::<f32>().is_ok_and(|q| q <= 0.0))
+        });
+        if name.eq_ignore_ascii_case(coding) {
+            named = Some(!refused);
+        } else if name == "*" {
+            star = Some(!refused);
+        }
+    }
+    named.or(star).unwrap_or(false)
+}
+
 /// Decodes a blob written by [`encode`]. Never panics; the body shares `blob`'s memory.
 pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
     if blob.remaining() < 5 {
@@ -195,6 +228,30 @@ mod tests {
             decode(encode(StatusCode::OK, &headers, &HeaderFilter::default(), b"")).unwrap();
         assert_eq!(stored.headers, headers);
         assert!(stored.body.is_empty());
+    }
+
+    #[test]
+    fn an_encoded_body_is_replayed_only_where_its_coding_is_accepted() {
+        let mut stored = HeaderMap::new();
+        let ask = |accept: Option<&'static str>, stored: &HeaderMap| {
+            let mut request = HeaderMap::new();
+            if let Some(accept) = accept {
+                request.insert(header::ACCEPT_ENCODING, HeaderValue::from_static(accept));
+            }
+            encoding_acceptable(stored, &request)
+        };
+        // Not encoded: any request.
+        assert!(ask(Some("identity"), &stored));
+        stored.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        assert!(ask(None, &stored));
+        assert!(ask(Some("gzip"), &stored));
+        assert!(ask(Some("br, GZIP;q=0.5"), &stored));
+        assert!(ask(Some("*"), &stored));
+        assert!(!ask(Some("identity"), &stored));
+        assert!(!ask(Some("br"), &stored));
+        assert!(!ask(Some("gzip;q=0"), &stored));
+        assert!(!ask(Some("*;q=0"), &stored));
+        assert!(!ask(Some("*, gzip;q=0"), &stored));
     }
 
     #[test]
