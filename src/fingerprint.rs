@@ -24,8 +24,13 @@ impl Fingerprint {
     /// ```
     #[must_use]
     pub fn new(method: &str, path: &str, query: &str, body: &[u8]) -> Self {
+        Self::of_fields(&[method.as_bytes(), path.as_bytes(), query.as_bytes(), body])
+    }
+
+    /// SHA-256 over each field, length-prefixed.
+    pub(crate) fn of_fields(fields: &[&[u8]]) -> Self {
         let mut hasher = Sha256::new();
-        for field in [method.as_bytes(), path.as_bytes(), query.as_bytes(), body] {
+        for field in fields {
             hasher.update((field.len() as u64).to_be_bytes());
             hasher.update(field);
         }

@@ -15,8 +15,8 @@ pub use crate::{
     consumer::Idempotent,
     fingerprint::Fingerprint,
     http::{
-        Idempotency, IdempotencyLayer, KeyError, MAX_KEY_LEN, REPLAYED_HEADER, ResponseFuture,
-        StorePolicy, default_store_policy, parse_key, scope,
+        Idempotency, IdempotencyLayer, KeyError, MAX_KEY_LEN, MakeFingerprint, REPLAYED_HEADER,
+        ResponseFuture, StorePolicy, default_store_policy, parse_key, scope,
         scope::{ExtractorScope, GlobalScope, HeaderScope, ScopeExtractor},
     },
     key::RecordKey,

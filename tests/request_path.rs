@@ -31,6 +31,9 @@ every_store!(
     a_405_is_never_stored,
     compression_outside_the_layer_compresses_each_replay_for_its_client,
     compression_inside_never_replays_an_encoding_the_retry_refuses,
+    canonical_json_replays_a_reserialized_body_and_ignores_volatile_members,
+    a_selected_header_that_changes_is_409,
+    a_custom_fingerprint_decides_what_a_retry_is,
     a_large_corrupt_record_is_500_not_a_panic,
 );
 
@@ -306,5 +309,72 @@ async fn compression_inside_never_replays_an_encoding_the_retry_refuses<H: Harne
     assert_eq!(gzip.header("content-encoding"), Some("gzip"));
     // One that does not is refused, never handed gzip, and the handler does not run again.
     send(&app, gzip_request("k1", "identity")).await.assert_problem(406, "encoding-not-acceptable");
+    assert_eq!(calls.get(), 1);
+}
+
+async fn canonical_json_replays_a_reserialized_body_and_ignores_volatile_members<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store()).ignore_json_member("/client_sent_at");
+    let app = app(&calls).layer(layer);
+    let first = send(
+        &app,
+        keyed("POST", "/payments", "k1", r#"{"amount":100,"currency":"EUR","client_sent_at":1}"#),
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    // Another member order, other whitespace, another number form, another timestamp.
+    let retry = send(
+        &app,
+        keyed(
+            "POST",
+            "/payments",
+            "k1",
+            "{ \"currency\": \"EUR\",\n \"amount\": 1e2, \"client_sent_at\": 2 }",
+        ),
+    )
+    .await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    // What the client means did change: 409.
+    send(&app, keyed("POST", "/payments", "k1", r#"{"amount":101,"currency":"EUR"}"#))
+        .await
+        .assert_problem(409, "key-reused");
+    // A body that is not JSON is its bytes.
+    assert_eq!(send(&app, keyed("POST", "/payments", "k2", "amount=100")).await.status, 201);
+    assert!(send(&app, keyed("POST", "/payments", "k2", "amount=100")).await.replayed());
+    send(&app, keyed("POST", "/payments", "k2", "amount=100 "))
+        .await
+        .assert_problem(409, "key-reused");
+    assert_eq!(calls.get(), 2);
+}
+
+async fn a_selected_header_that_changes_is_409<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let version = axum::http::HeaderName::from_static("x-api-version");
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).fingerprint_header(version));
+    let request = |v: &str| {
+        Request::post("/payments")
+            .header("idempotency-key", "k1")
+            .header("x-api-version", v)
+            .body(Body::from("{}"))
+            .unwrap()
+    };
+    assert_eq!(send(&app, request("2024-01-01")).await.status, 201);
+    assert!(send(&app, request("2024-01-01")).await.replayed());
+    send(&app, request("2025-06-01")).await.assert_problem(409, "key-reused");
+    assert_eq!(calls.get(), 1);
+}
+
+async fn a_custom_fingerprint_decides_what_a_retry_is<H: Harness>(h: H) {
+    let calls = Calls::default();
+    // The app's own rule: the path alone.
+    let layer = IdempotencyLayer::new(h.store()).fingerprint_with(
+        |parts: &axum::http::request::Parts, _body: &[u8]| {
+            axum_idempotency::Fingerprint::new("", parts.uri.path(), "", b"")
+        },
+    );
+    let app = app(&calls).layer(layer);
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "one body")).await.status, 201);
+    assert!(send(&app, keyed("POST", "/payments", "k1", "another body")).await.replayed());
     assert_eq!(calls.get(), 1);
 }

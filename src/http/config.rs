@@ -3,7 +3,7 @@
 
 use http::{HeaderName, Method, StatusCode};
 
-use super::record::HeaderFilter;
+use super::{intent::Intent, record::HeaderFilter};
 
 /// Decides from the status whether a response is stored for replay (`true`) or the key is
 /// released so that a retry runs the handler again (`false`).
@@ -37,6 +37,7 @@ pub(super) struct Config {
     pub(super) body_limit: usize,
     pub(super) stored_body_limit: usize,
     pub(super) stored_headers_limit: usize,
+    pub(super) intent: Intent,
     pub(super) in_progress_status: StatusCode,
     pub(super) mismatch_status: StatusCode,
     pub(super) store_policy: StorePolicy,
@@ -54,6 +55,7 @@ impl Default for Config {
             body_limit: 1024 * 1024,
             stored_body_limit: 1024 * 1024,
             stored_headers_limit: 64 * 1024,
+            intent: Intent::default(),
             in_progress_status: StatusCode::ACCEPTED,
             mismatch_status: StatusCode::CONFLICT,
             store_policy: default_store_policy,

@@ -21,7 +21,6 @@ use super::{
 };
 use crate::{
     engine::{Claimed, Engine, Holder, Panic},
-    fingerprint::Fingerprint,
     key::RecordKey,
     store::{Store, StoreError},
 };
@@ -82,7 +81,7 @@ where
         // stripped its prefix, so the fingerprint does not depend on where the layer sits.
         let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
         let query = uri.query().unwrap_or("");
-        let fingerprint = Fingerprint::new(parts.method.as_str(), uri.path(), query, &body);
+        let fingerprint = self.config.intent.fingerprint(&parts, uri.path(), query, &body);
 
         // 5. claim
         let config = &self.config;

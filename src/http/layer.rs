@@ -129,6 +129,41 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
+    /// Fingerprints a JSON body in its RFC 8785 canonical form (JCS, by
+    /// `serde_json_canonicalizer`): member order, whitespace and number form do not make a
+    /// retry another request. A body that is not JSON is fingerprinted as its bytes. Defaults
+    /// to `false` (the bytes as sent).
+    pub fn canonical_json(mut self, canonical: bool) -> Self {
+        self.config().intent.canonical_json = canonical;
+        self
+    }
+
+    /// Leaves the JSON member that `pointer` (RFC 6901, such as `/client_sent_at`) names out
+    /// of the fingerprint, so that a volatile field does not make every retry a mismatch.
+    /// Turns [`canonical_json`](Self::canonical_json) on.
+    pub fn ignore_json_member(mut self, pointer: impl Into<String>) -> Self {
+        let intent = &mut self.config().intent;
+        intent.canonical_json = true;
+        intent.ignored_members.push(pointer.into());
+        self
+    }
+
+    /// Makes a request header part of the fingerprint (an API version, `Content-Type`): a
+    /// retry with another value, or without the header, is another request.
+    pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
+        self.config().intent.headers.push(name);
+        self
+    }
+
+    /// Fingerprints requests with the app's own function instead (see [`MakeFingerprint`]);
+    /// the other fingerprint options no longer apply.
+    ///
+    /// [`MakeFingerprint`]: crate::MakeFingerprint
+    pub fn fingerprint_with(mut self, make: impl crate::MakeFingerprint) -> Self {
+        self.config().intent.custom = Some(Arc::new(make));
+        self
+    }
+
     /// Sets how long a claim holds its key without renewal. While the handler runs, keep-alive
     /// renews the lease (see [`keep_alive`](Self::keep_alive)); a holder that stops renewing,
     /// because its process died, frees the key within one lease. Defaults to 30 seconds.

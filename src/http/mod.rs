@@ -7,13 +7,14 @@
 //! - `layer.rs`: the builder; `config.rs`: what it configures.
 //! - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
 //!   `future.rs`: its response future; `body.rs`: request and response bodies.
-//! - `key.rs`: the key header; `scope.rs`: whose key it is; `record.rs`: the stored response;
+//! - `intent.rs`: what the fingerprint covers; `key.rs`: the key header; `scope.rs`: whose key it is; `record.rs`: the stored response;
 //!   `problem.rs`: the layer's own answers.
 
 mod body;
 mod config;
 mod future;
 mod handle;
+mod intent;
 mod key;
 mod layer;
 mod problem;
@@ -24,6 +25,7 @@ mod service;
 pub use self::{
     config::{StorePolicy, default_store_policy},
     future::ResponseFuture,
+    intent::MakeFingerprint,
     key::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
     service::Idempotency,

@@ -1,0 +1,226 @@
+//! What a request's fingerprint covers, so that a retry that means the same thing is the same
+//! request: canonical JSON, JSON members left out, selected headers, or the app's own function.
+
+use std::{borrow::Cow, fmt, sync::Arc};
+
+use http::{HeaderName, request::Parts};
+
+use crate::fingerprint::Fingerprint;
+
+/// A fingerprint function of the app's own: given the request parts and body, the fingerprint
+/// that decides whether a retry is the same request.
+///
+/// Implemented for closures `Fn(&Parts, &[u8]) -> Fingerprint`:
+///
+/// ```
+/// use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
+///
+/// // Only the path and the `amount` member: everything else may change between retries.
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprint_with(
+///     |parts: &http::request::Parts, body: &[u8]| {
+///         let json: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+///         Fingerprint::new("", parts.uri.path(), "", json["amount"].to_string().as_bytes())
+///     },
+/// );
+/// ```
+pub trait MakeFingerprint: Send + Sync + 'static {
+    /// The fingerprint of one request.
+    fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint;
+}
+
+impl<F> MakeFingerprint for F
+where
+    F: Fn(&Parts, &[u8]) -> Fingerprint + Send + Sync + 'static,
+{
+    fn fingerprint(&self, parts: &Parts, body: &[u8]) -> Fingerprint {
+        self(parts, body)
+    }
+}
+
+/// The fingerprint options of a layer.
+#[derive(Clone, Default)]
+pub(super) struct Intent {
+    /// Canonicalize a JSON body (RFC 8785) before hashing it.
+    pub(super) canonical_json: bool,
+    /// JSON Pointers (RFC 6901) of members left out of a canonical JSON body.
+    pub(super) ignored_members: Vec<String>,
+    /// Request headers whose values are part of the fingerprint.
+    pub(super) headers: Vec<HeaderName>,
+    pub(super) custom: Option<Arc<dyn MakeFingerprint>>,
+}
+
+impl fmt::Debug for Intent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Intent")
+            .field("canonical_json", &self.canonical_json)
+            .field("ignored_members", &self.ignored_members)
+            .field("headers", &self.headers)
+            .field("custom", &self.custom.is_some())
+            .finish()
+    }
+}
+
+impl Intent {
+    /// The fingerprint of a request whose full original path and query are `path`, `query`.
+    pub(super) fn fingerprint(
+        &self,
+        parts: &Parts,
+        path: &str,
+        query: &str,
+        body: &[u8],
+    ) -> Fingerprint {
+        if let Some(custom) = &self.custom {
+            return custom.fingerprint(parts, body);
+        }
+        let body = if self.canonical_json { self.canonical(body) } else { Cow::Borrowed(body) };
+        let mut fields: Vec<&[u8]> =
+            vec![parts.method.as_str().as_bytes(), path.as_bytes(), query.as_bytes(), &body];
+        // Each selected header: its name, then whether it is there, then its values.
+        let values: Vec<Vec<u8>> = self
+            .headers
+            .iter()
+            .map(|name| {
+                let mut joined = Vec::new();
+                for value in parts.headers.get_all(name) {
+                    joined.extend_from_slice(&(value.len() as u64).to_be_bytes());
+                    joined.extend_from_slice(value.as_bytes());
+                }
+                joined
+            })
+            .collect();
+        for (name, value) in self.headers.iter().zip(&values) {
+            fields.push(name.as_str().as_bytes());
+            fields.push(value);
+        }
+        Fingerprint::of_fields(&fields)
+    }
+
+    /// The body in RFC 8785 form, without the ignored members; the bytes as they are when the
+    /// body is not JSON.
+    fn canonical<'a>(&self, body: &'a [u8]) -> Cow<'a, [u8]> {
+        let Ok(mut json) = serde_json::from_slice::<serde_json::Value>(body) else {
+            return Cow::Borrowed(body);
+        };
+        for pointer in &self.ignored_members {
+            remove(&mut json, pointer);
+        }
+        match serde_json_canonicalizer::to_vec(&json) {
+            Ok(canonical) => Cow::Owned(canonical),
+            Err(_) => Cow::Borrowed(body),
+        }
+    }
+}
+
+/// Removes the member or element that the JSON Pointer `pointer` names, if there is one.
+fn remove(json: &mut serde_json::Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else { return };
+    let last = last.replace("~1", "/").replace("~0", "~");
+    match json.pointer_mut(parent) {
+        Some(serde_json::Value::Object(members)) => {
+            members.remove(&last);
+        }
+        Some(serde_json::Value::Array(elements)) => {
+            if let Ok(index) = last.parse::<usize>()
+                && index < elements.len()
+            {
+                elements.remove(index);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parts(headers: &[(&str, &str)]) -> Parts {
+        let mut request = http::Request::post("/p");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(()).unwrap().into_parts().0
+    }
+
+    fn json_intent(ignored: &[&str]) -> Intent {
+        Intent {
+            canonical_json: true,
+            ignored_members: ignored.iter().map(|p| (*p).to_owned()).collect(),
+            ..Intent::default()
+        }
+    }
+
+    #[test]
+    fn canonical_json_ignores_order_whitespace_and_number_form() {
+        let intent = json_intent(&[]);
+        let p = parts(&[]);
+        let a = intent.fingerprint(&p, "/p", "", br#"{"b":1,"a":[1.0,2]}"#);
+        let b = intent.fingerprint(&p, "/p", "", b"{ \"a\" : [1, 2e0],\n \"b\": 1 }");
+        assert_eq!(a, b);
+        assert_ne!(a, intent.fingerprint(&p, "/p", "", br#"{"b":2,"a":[1,2]}"#));
+    }
+
+    #[test]
+    fn ignored_members_are_left_out_wherever_they_are() {
+        let intent = json_intent(&["/client_sent_at", "/meta/trace~1id", "/items/0"]);
+        let p = parts(&[]);
+        let a = intent.fingerprint(
+            &p,
+            "/p",
+            "",
+            br#"{"amount":1,"client_sent_at":1,"meta":{"trace/id":"x"},"items":[9,8]}"#,
+        );
+        let b = intent.fingerprint(
+            &p,
+            "/p",
+            "",
+            br#"{"amount":1,"client_sent_at":2,"meta":{"trace/id":"y"},"items":[7,8]}"#,
+        );
+        assert_eq!(a, b);
+        let c = intent.fingerprint(
+            &p,
+            "/p",
+            "",
+            br#"{"amount":2,"client_sent_at":1,"meta":{},"items":[0,8]}"#,
+        );
+        assert_ne!(a, c);
+    }
+
+    #[test]
+    fn a_body_that_is_not_json_is_fingerprinted_as_bytes() {
+        let intent = json_intent(&[]);
+        let p = parts(&[]);
+        assert_eq!(
+            intent.fingerprint(&p, "/p", "", b"not json"),
+            intent.fingerprint(&p, "/p", "", b"not json")
+        );
+        assert_ne!(
+            intent.fingerprint(&p, "/p", "", b"not json"),
+            intent.fingerprint(&p, "/p", "", b"not  json")
+        );
+        // Without the option, JSON is bytes too.
+        let plain = Intent::default();
+        assert_ne!(
+            plain.fingerprint(&p, "/p", "", br#"{"a":1}"#),
+            plain.fingerprint(&p, "/p", "", br#"{ "a":1}"#)
+        );
+    }
+
+    #[test]
+    fn selected_headers_are_part_of_the_request() {
+        let intent =
+            Intent { headers: vec![HeaderName::from_static("x-api-version")], ..Intent::default() };
+        let v1 = intent.fingerprint(&parts(&[("x-api-version", "1")]), "/p", "", b"");
+        assert_eq!(
+            v1,
+            intent.fingerprint(&parts(&[("x-api-version", "1"), ("x-other", "z")]), "/p", "", b"")
+        );
+        assert_ne!(v1, intent.fingerprint(&parts(&[("x-api-version", "2")]), "/p", "", b""));
+        assert_ne!(v1, intent.fingerprint(&parts(&[]), "/p", "", b""));
+        // With no header selected, the default is the method, path, query and body alone.
+        assert_eq!(
+            Intent::default().fingerprint(&parts(&[]), "/p", "q", b"b"),
+            Fingerprint::new("POST", "/p", "q", b"b")
+        );
+    }
+}
