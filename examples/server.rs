@@ -29,7 +29,10 @@
 //!      -H 'X-Tenant-Id: acme' -H 'content-type: application/json' -d '{"amount":7}'
 //! ```
 //!
-//! Set `PORT` to listen elsewhere. The tenant header is trusted as is here; behind a real
+//! With `--features metrics`, `GET /metrics` serves the layer's counters and histograms in
+//! Prometheus format (`curl localhost:3000/metrics`). Set `PORT` to listen elsewhere.
+//!
+//! The tenant header is trusted as is here; behind a real
 //! gateway, scope by the authenticated identity instead (see `ExtractorScope`).
 
 use std::{
@@ -90,6 +93,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let app = match std::env::var("REDIS_URL") {
         Ok(url) => app(RedisStore::from_url(&url)?),
         Err(_) => app(MemoryStore::new()),
+    };
+    #[cfg(feature = "metrics")]
+    let app = {
+        let prometheus =
+            metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
+        app.route("/metrics", get(move || std::future::ready(prometheus.render())))
     };
     let port = std::env::var("PORT").unwrap_or_else(|_| "3000".to_owned());
     let listener = tokio::net::TcpListener::bind(format!("127.0.0.1:{port}")).await?;

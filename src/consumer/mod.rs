@@ -192,7 +192,11 @@ impl<St: Store> Idempotent<St> {
         let record_key = RecordKey::new(&self.prefix, scope.as_bytes(), key.as_ref());
         let fingerprint = Fingerprint::of_payload(payload.as_ref());
         let hash = record_key.hash().to_owned();
-        let holder = match engine.claim(record_key, fingerprint).await.map_err(Error::Store)? {
+        let holder = match engine
+            .claim(record_key, fingerprint, scope.into())
+            .await
+            .map_err(Error::Store)?
+        {
             Claimed::Run(holder) => holder,
             Claimed::Replay(stored) => return decode(&stored, &hash).map(Outcome::Replayed),
             Claimed::InProgress { retry_after } => return Ok(Outcome::InProgress { retry_after }),

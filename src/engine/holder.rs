@@ -6,7 +6,7 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 
 use super::{
-    Settings,
+    Settings, observe,
     settle::{complete_with_retries, release},
 };
 use crate::{
@@ -26,6 +26,8 @@ pub(crate) struct Holder<St> {
     fingerprint: Fingerprint,
     owner: OwnerToken,
     settings: Arc<Settings>,
+    /// The metrics label: a route or a scope, never a key.
+    route: Arc<str>,
 }
 
 impl<St> fmt::Debug for Holder<St> {
@@ -41,8 +43,9 @@ impl<St: Store> Holder<St> {
         fingerprint: Fingerprint,
         owner: OwnerToken,
         settings: Arc<Settings>,
+        route: Arc<str>,
     ) -> Self {
-        Self { store, key, fingerprint, owner, settings }
+        Self { store, key, fingerprint, owner, settings, route }
     }
 
     pub(crate) fn key(&self) -> &RecordKey {
@@ -53,10 +56,12 @@ impl<St: Store> Holder<St> {
     /// comes back as `Err`, for the front door to resume where its caller sees it.
     pub(crate) async fn run<F: Future>(self, operation: F) -> Result<(Self, F::Output), Panic> {
         let operation = AssertUnwindSafe(operation).catch_unwind();
+        let started = tokio::time::Instant::now();
         let outcome = match self.settings.keep_alive {
             Some(ceiling) => self.keep_alive(operation, ceiling).await,
             None => operation.await,
         };
+        observe::ran(&self.route, started.elapsed());
         match outcome {
             Ok(output) => Ok((self, output)),
             Err(panic) => {
@@ -68,24 +73,16 @@ impl<St: Store> Holder<St> {
 
     /// Deletes the claim, so that a retry runs the operation again.
     pub(crate) async fn release(self, why: &'static str) {
-        release(&self.store, &self.key, &self.owner, why).await;
+        release(&self.store, &self.key, &self.owner, Some(&self.route), why).await;
     }
 
     /// Stores `outcome` for the retention period. `answered` runs after the first attempt,
     /// whatever the store said: the front door's caller gets its answer there, and a failed
     /// first attempt is then retried in the background of this task.
     pub(crate) async fn complete(self, outcome: Bytes, answered: impl FnOnce()) {
-        let Self { store, key, fingerprint, owner, settings } = self;
-        complete_with_retries(
-            &store,
-            &key,
-            &owner,
-            &fingerprint,
-            outcome,
-            settings.retention,
-            answered,
-        )
-        .await;
+        let Self { store, key, fingerprint, owner, settings, route } = self;
+        let write = (&store, &key, &owner, &fingerprint);
+        complete_with_retries(write, &route, outcome, settings.retention, answered).await;
     }
 
     /// Runs `operation`, renewing the lease every third of a lease until it finishes, the
@@ -116,7 +113,10 @@ impl<St: Store> Holder<St> {
                             renewing = false;
                         }
                         // The next tick tries again; the lease has two more periods to run.
-                        Err(error) => tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed"),
+                        Err(error) => {
+                            observe::store_error(&self.route, "touch");
+                            tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed");
+                        }
                     }
                 }
             }

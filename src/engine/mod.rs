@@ -13,6 +13,7 @@
 //! fingerprint and bytes to store, and the engine's answers back into theirs.
 
 mod holder;
+mod observe;
 mod settle;
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -101,40 +102,74 @@ impl<St: Store> Engine<St> {
     /// Claims `key` for a request with `fingerprint`. When the same request is in progress
     /// and waiting is on, waits (bounded) for it to settle: then replays it, or runs when it
     /// was released.
+    ///
+    /// `route` labels the metrics (the matched route, or the consumer's scope): never a key.
     pub(crate) async fn claim(
         &self,
         key: RecordKey,
         fingerprint: Fingerprint,
+        route: Arc<str>,
     ) -> Result<Claimed<St>, StoreError> {
-        let (mut claim, mut owner) = self.claim_once(&key, &fingerprint, false).await?;
+        let (claim, owner) = match self.claim_or_wait(&key, &fingerprint, &route).await {
+            Ok(claimed) => claimed,
+            Err(error) => {
+                observe::store_error(&route, "claim");
+                return Err(error);
+            }
+        };
+        Ok(match claim {
+            Claim::Claimed => {
+                tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
+                observe::claim(&route, "claimed");
+                let settings = self.settings.clone();
+                Claimed::Run(Holder::new(
+                    self.store.clone(),
+                    key,
+                    fingerprint,
+                    owner,
+                    settings,
+                    route,
+                ))
+            }
+            Claim::Replay(stored) => {
+                observe::claim(&route, "replayed");
+                Claimed::Replay(stored)
+            }
+            Claim::InProgress { remaining } => {
+                observe::claim(&route, "in_progress");
+                Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
+            }
+            Claim::Mismatch => {
+                observe::claim(&route, "mismatch");
+                Claimed::Mismatch
+            }
+        })
+    }
+
+    /// One claim and, when the request is in progress and waiting is on, the wait.
+    async fn claim_or_wait(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        route: &str,
+    ) -> Result<(Claim, OwnerToken), StoreError> {
+        let (mut claim, mut owner) = self.claim_once(key, fingerprint, false).await?;
         if matches!(claim, Claim::InProgress { .. })
             && let Some(wait) = self.settings.wait
         {
             match self.settings.waiters.clone().try_acquire_owned() {
-                Ok(_place) => (claim, owner) = self.wait(&key, &fingerprint, wait).await?,
+                Ok(_place) => {
+                    let started = tokio::time::Instant::now();
+                    (claim, owner) = self.wait(key, fingerprint, wait).await?;
+                    observe::waited(route, started.elapsed());
+                }
                 Err(_) => tracing::debug!(
                     key_hash = key.hash(),
                     "idempotency: too many waiters; not waiting"
                 ),
             }
         }
-        Ok(match claim {
-            Claim::Claimed => {
-                tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
-                Claimed::Run(Holder::new(
-                    self.store.clone(),
-                    key,
-                    fingerprint,
-                    owner,
-                    self.settings.clone(),
-                ))
-            }
-            Claim::Replay(stored) => Claimed::Replay(stored),
-            Claim::InProgress { remaining } => {
-                Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
-            }
-            Claim::Mismatch => Claimed::Mismatch,
-        })
+        Ok((claim, owner))
     }
 
     /// Waits up to `wait` for an in-progress record to settle, without polling: subscribe,
@@ -174,7 +209,7 @@ impl<St: Store> Engine<St> {
         waiting: bool,
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let owner = OwnerToken::random();
-        let mut guard = UnsettledClaim::new(&self.store, key, &owner);
+        let mut guard = UnsettledClaim { armed: Some((&self.store, key, &owner)) };
         let lease = self.settings.lease;
         let claim = if waiting {
             self.store.claim_waiting(key, fingerprint, &owner, lease).await
@@ -191,8 +226,9 @@ impl<St: Store> Engine<St> {
     /// Spawns a claimed operation's task: on the configured `TaskTracker`, or with
     /// `tokio::spawn`. The task is detached: a caller that goes away does not cancel it.
     pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
-        // Boxed here, so that the caller's future does not carry the task's state inline.
-        let task = Box::pin(task);
+        // Boxed here, so that the caller's future does not carry the task's state inline; in
+        // the caller's span, so that its events nest where the request's do.
+        let task = Box::pin(tracing::Instrument::in_current_span(task));
         match &self.settings.tasks {
             Some(tracker) => drop(tracker.spawn(task)),
             None => drop(tokio::spawn(task)),
@@ -205,11 +241,7 @@ struct UnsettledClaim<'a, St: Store> {
     armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken)>,
 }
 
-impl<'a, St: Store> UnsettledClaim<'a, St> {
-    fn new(store: &'a St, key: &'a RecordKey, owner: &'a OwnerToken) -> Self {
-        Self { armed: Some((store, key, owner)) }
-    }
-
+impl<St: Store> UnsettledClaim<'_, St> {
     fn disarm(&mut self) {
         self.armed = None;
     }
@@ -221,7 +253,7 @@ impl<St: Store> Drop for UnsettledClaim<'_, St> {
             let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
             // Fenced by the token: deletes the record only if this claim landed.
             drop(tokio::spawn(async move {
-                release(&store, &key, &owner, "the claim's outcome is unknown").await;
+                release(&store, &key, &owner, None, "the claim's outcome is unknown").await;
             }));
         }
     }

@@ -5,6 +5,7 @@ use std::{future::Future, time::Duration};
 
 use bytes::Bytes;
 
+use super::observe;
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
@@ -18,10 +19,8 @@ const SETTLE_RETRIES: [Duration; 3] =
 /// Stores `outcome`, calls `answered` after the first attempt, then retries a failed first
 /// attempt so that a retry is replayed rather than run again.
 pub(super) async fn complete_with_retries<St: Store>(
-    store: &St,
-    key: &RecordKey,
-    owner: &OwnerToken,
-    fingerprint: &Fingerprint,
+    (store, key, owner, fingerprint): (&St, &RecordKey, &OwnerToken, &Fingerprint),
+    route: &str,
     outcome: Bytes,
     retention: Duration,
     answered: impl FnOnce(),
@@ -30,21 +29,18 @@ pub(super) async fn complete_with_retries<St: Store>(
     let first = store.complete(key, owner, fingerprint, outcome.clone(), retention).await;
     answered();
     let error = match first {
-        Ok(Fenced::Applied) => return tracing::debug!(key_hash = hash, "idempotency: completed"),
-        Ok(Fenced::Rejected) => {
-            return tracing::warn!(
-                key_hash = hash,
-                "idempotency: lease lapsed and the key was taken over; outcome not stored"
-            );
-        }
+        Ok(result) => return settled_complete(result, hash, route),
         Err(error) => error,
     };
+    observe::store_error(route, "complete");
     tracing::warn!(key_hash = hash, %error, "idempotency: storing the response failed; retrying");
     let stored =
         retry_settle(|| store.complete(key, owner, fingerprint, outcome.clone(), retention)).await;
     if let Some(outcome) = stored {
-        return tracing::info!(key_hash = hash, ?outcome, "idempotency: store answered on retry");
+        tracing::info!(key_hash = hash, ?outcome, "idempotency: store answered on retry");
+        return settled_complete(outcome, hash, route);
     }
+    observe::settle(route, "failed");
     tracing::error!(
         key_hash = hash,
         %error,
@@ -52,17 +48,40 @@ pub(super) async fn complete_with_retries<St: Store>(
     );
 }
 
+fn settled_complete(result: Fenced, hash: &str, route: &str) {
+    match result {
+        Fenced::Applied => {
+            observe::settle(route, "stored");
+            tracing::debug!(key_hash = hash, "idempotency: completed");
+        }
+        Fenced::Rejected => {
+            observe::settle(route, "fenced_out");
+            tracing::warn!(
+                key_hash = hash,
+                "idempotency: lease lapsed and the key was taken over; outcome not stored"
+            );
+        }
+    }
+}
+
 /// Releases the key if `owner` still holds it. A release the store fails is tried again in
 /// the background (fenced, so a late one cannot delete another owner's record).
+///
+/// `route` labels the metrics; the guard of a claim whose outcome is unknown passes `None`:
+/// its claim's failure is counted already, and it settles nothing the caller claimed.
 pub(super) async fn release<St: Store>(
     store: &St,
     key: &RecordKey,
     owner: &OwnerToken,
+    route: Option<&str>,
     why: &'static str,
 ) {
     let hash = key.hash();
     let error = match store.release(key, owner).await {
         Ok(Fenced::Applied) => {
+            if let Some(route) = route {
+                observe::settle(route, "released");
+            }
             return tracing::debug!(key_hash = hash, why, "idempotency: released");
         }
         Ok(Fenced::Rejected) => {
@@ -74,16 +93,26 @@ pub(super) async fn release<St: Store>(
         }
         Err(error) => error,
     };
+    if let Some(route) = route {
+        observe::store_error(route, "release");
+    }
     tracing::warn!(key_hash = hash, why, %error, "idempotency: release failed; retrying");
     let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
+    let route = route.map(str::to_owned);
     drop(tokio::spawn(async move {
         if let Some(outcome) = retry_settle(|| store.release(&key, &owner)).await {
+            if let (Fenced::Applied, Some(route)) = (outcome, &route) {
+                observe::settle(route, "released");
+            }
             return tracing::info!(
                 key_hash = key.hash(),
                 why,
                 ?outcome,
                 "idempotency: store answered the release on retry"
             );
+        }
+        if let Some(route) = &route {
+            observe::settle(route, "failed");
         }
         tracing::error!(
             key_hash = key.hash(),

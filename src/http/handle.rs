@@ -3,7 +3,11 @@
 
 use std::sync::Arc;
 
-use axum::{body::Body, extract::OriginalUri, response::Response};
+use axum::{
+    body::Body,
+    extract::{MatchedPath, OriginalUri},
+    response::Response,
+};
 use bytes::Bytes;
 use http::{HeaderValue, Request, StatusCode};
 use http_body::Body as HttpBody;
@@ -86,7 +90,14 @@ where
         // 5. claim
         let config = &self.config;
         let hash = record_key.hash().to_owned();
-        let holder = match self.engine.claim(record_key, fingerprint).await {
+        let span = tracing::Span::current();
+        span.record("key_hash", hash.as_str());
+        let route: Arc<str> =
+            parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str).into();
+        let claimed = self.engine.claim(record_key, fingerprint, route).await;
+        span.record("outcome", outcome_name(&claimed));
+        span.record("replayed", matches!(claimed, Ok(Claimed::Replay(_))));
+        let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,
             Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash, &parts.headers)),
             Ok(Claimed::InProgress { retry_after }) => {
@@ -252,6 +263,18 @@ async fn settle_streamed<St: Store, E>(
             tracing::error!(key_hash = holder.key().hash(), %error, "idempotency: response body failed");
             holder.release("the response body failed").await;
         }
+    }
+}
+
+/// The `outcome` field of the request's span.
+fn outcome_name<St>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
+    match claimed {
+        Ok(Claimed::Run(_)) => "claimed",
+        Ok(Claimed::Replay(_)) => "replayed",
+        Ok(Claimed::InProgress { .. }) => "in_progress",
+        Ok(Claimed::Mismatch) => "mismatch",
+        Err(error) if error.is_unavailable() => "store_unavailable",
+        Err(_) => "corrupt_record",
     }
 }
 

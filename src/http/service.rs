@@ -29,6 +29,7 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body::Body as HttpBody;
 use tower_service::Service;
+use tracing::Instrument as _;
 
 use super::{
     BoxError,
@@ -145,6 +146,14 @@ where
             scope: self.scope.clone(),
             config: self.config.clone(),
         };
-        ResponseFuture::handled(Box::pin(request.handle(req, key)))
+        // One span per handled request; it nests under the caller's (`TraceLayer`'s) span, and
+        // the claimed request's task carries it too.
+        let span = tracing::info_span!(
+            "idempotency",
+            key_hash = tracing::field::Empty,
+            outcome = tracing::field::Empty,
+            replayed = tracing::field::Empty,
+        );
+        ResponseFuture::handled(Box::pin(request.handle(req, key).instrument(span)))
     }
 }

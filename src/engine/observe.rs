@@ -1,0 +1,50 @@
+//! What the engine decides, for an operator: counters and histograms through the `metrics`
+//! facade (feature `metrics`), labelled by route (HTTP: the matched route; consumer door: the
+//! scope), never by key. Without the feature every function here is empty.
+
+use std::time::Duration;
+
+/// `idempotency_claims_total{route, outcome}`: claimed, replayed, in_progress, mismatch.
+pub(crate) fn claim(route: &str, outcome: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_claims_total", "route" => route.to_owned(), "outcome" => outcome)
+        .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, outcome);
+}
+
+/// `idempotency_settles_total{route, result}`: stored, released, fenced_out, failed.
+pub(crate) fn settle(route: &str, result: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_settles_total", "route" => route.to_owned(), "result" => result)
+        .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, result);
+}
+
+/// `idempotency_store_errors_total{route, phase}`: claim, complete, release, touch.
+pub(crate) fn store_error(route: &str, phase: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_store_errors_total", "route" => route.to_owned(), "phase" => phase)
+        .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, phase);
+}
+
+/// `idempotency_wait_seconds{route}`: how long a duplicate waited for its original.
+pub(crate) fn waited(route: &str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("idempotency_wait_seconds", "route" => route.to_owned())
+        .record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, took);
+}
+
+/// `idempotency_handler_seconds{route}`: how long a claimed operation ran.
+pub(crate) fn ran(route: &str, took: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("idempotency_handler_seconds", "route" => route.to_owned())
+        .record(took.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, took);
+}
