@@ -428,7 +428,16 @@ async fn foreign_values_are_reported_and_never_overwritten<H: RawHarness>(h: H) 
         h.plant(&k, value).await;
         let before = h.describe(&k).await;
         let claim = store.claim(&k, &fp("1"), &OwnerToken::random(), LONG).await;
-        assert!(matches!(claim, Err(StoreError::CorruptRecord(_))), "{what}: claim gave {claim:?}");
+        // The reason names what is wrong, from the script itself.
+        let Err(StoreError::CorruptRecord(reason)) = claim else {
+            panic!("{what}: claim gave {claim:?}")
+        };
+        let expected = match what {
+            "a hash" => "not a string",
+            "plain text" | "another version" | "truncated" => "unknown version or truncated",
+            _ => "unknown state",
+        };
+        assert_eq!(reason, expected, "{what}");
         let owner = OwnerToken::random();
         assert_eq!(
             store.complete(&k, &owner, &fp("1"), response("r"), LONG).await.unwrap(),

@@ -355,3 +355,23 @@ fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
         _ => Err(unexpected()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn debug_shows_the_pool_and_the_timeout_never_a_connection_secret() {
+        let store = RedisStore::from_url("redis://:hunter2@127.0.0.1:1").unwrap();
+        let debug = format!("{store:?}");
+        assert!(debug.starts_with("RedisStore { pool: Status {"), "{debug}");
+        assert!(debug.contains("command_timeout: 1s"), "{debug}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+    }
+
+    #[test]
+    fn a_records_settle_channel_shares_its_hash_tag() {
+        let key = RecordKey::new("p", b"", b"k");
+        assert_eq!(settle_channel(&key), format!("p:{{{}}}:settled", key.hash()));
+    }
+}
