@@ -79,10 +79,11 @@ async fn a_killed_subscriber_connection_strands_no_waiter_and_waiting_works_agai
     let started = Instant::now();
     for waiter in waiters {
         let seen = waiter.await.unwrap();
-        // Answered by the original's settle or, at the latest, by the waiter's deadline.
-        assert!(seen.replayed() || seen.status == 202, "{seen:?}");
+        // The subscriber reconnected and subscribed again: the waiters heard the original's
+        // settle (at about 1 s), well before their 3 s deadline.
+        assert!(seen.replayed(), "{seen:?}");
     }
-    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
     assert_eq!(original.await.unwrap().status, 201);
 
     // Waiting works again: a new original, a new waiter, woken well before its deadline.
