@@ -112,3 +112,36 @@ async fn a_store_without_a_subscriber_answers_waiters_by_their_deadline() {
     assert_eq!(original.await.unwrap().status, 201);
     assert_eq!(calls.get(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_subscriber_reconnects_once_redis_is_back() {
+    let mut server = RedisServer::start();
+    let calls = Calls::default();
+    let app = waiting(server.store(), &calls, Duration::from_secs(3));
+    let waited_for = |key: &'static str| {
+        let app = app.clone();
+        async move {
+            let original = send_in_background(&app, delayed("/slow", key, 600, "{}"));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let started = Instant::now();
+            let waiter = send(&app, delayed("/slow", key, 600, "{}")).await;
+            assert_eq!(original.await.unwrap().status, 201);
+            (waiter, started.elapsed())
+        }
+    };
+    // The subscriber is up and serves a waiter.
+    let (waiter, took) = waited_for("before").await;
+    assert!(waiter.replayed() && took < Duration::from_secs(2), "{waiter:?} after {took:?}");
+    // Redis goes away, and comes back empty on the same port, a little later.
+    server.kill();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    server.restart();
+    eventually("requests succeed again", async || {
+        send(&app, keyed("POST", "/payments", "probe", "{}")).await.status == 201
+    })
+    .await;
+    // The subscriber kept trying, and serves waiters again: woken by the settle, not the
+    // 3 s deadline.
+    let (waiter, took) = waited_for("after").await;
+    assert!(waiter.replayed() && took < Duration::from_secs(2), "{waiter:?} after {took:?}");
+}
