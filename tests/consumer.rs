@@ -32,6 +32,7 @@ every_store!(
     consumers_with_different_scopes_each_run_once,
     a_stored_result_of_another_type_is_an_error_naming_the_key_hash,
     a_result_over_the_stored_limit_is_returned_and_released,
+    a_result_of_exactly_the_stored_limit_is_stored,
 );
 
 const SCOPE: &str = "payments-consumer";
@@ -309,4 +310,18 @@ async fn an_unreachable_store_is_an_error_and_nothing_runs() {
     let result = idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await;
     assert!(matches!(result, Err(Error::Store(ref e)) if e.is_unavailable()), "{result:?}");
     assert_eq!(charges.count(), 0);
+}
+
+async fn a_result_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
+    // `12345` encodes to 5 bytes of JSON: a limit of 5 stores it, 4 does not.
+    let five = || async { Ok::<u32, std::io::Error>(12345) };
+    let at_limit = Idempotent::new(h.store()).stored_limit(5);
+    assert_eq!(at_limit.run(SCOPE, "evt_1", PAYLOAD, five).await.unwrap(), Outcome::Ran(12345));
+    assert_eq!(
+        at_limit.run(SCOPE, "evt_1", PAYLOAD, five).await.unwrap(),
+        Outcome::Replayed(12345)
+    );
+    let under = Idempotent::new(h.store()).stored_limit(4);
+    assert_eq!(under.run(SCOPE, "evt_2", PAYLOAD, five).await.unwrap(), Outcome::Ran(12345));
+    assert_eq!(h.held(&record_key("evt_2")).await, None);
 }
