@@ -187,6 +187,15 @@ mod tests {
     }
 
     #[test]
+    fn a_pointer_to_nothing_removes_nothing_and_never_panics() {
+        let intent = json_intent(&["/items/2", "/items/x", "/missing/a", "no-slash", ""]);
+        let p = parts(&[]);
+        let a = intent.fingerprint(&p, "/p", "", br#"{"items":[1,2]}"#);
+        assert_eq!(a, json_intent(&[]).fingerprint(&p, "/p", "", br#"{"items":[1,2]}"#));
+        assert_ne!(a, intent.fingerprint(&p, "/p", "", br#"{"items":[1]}"#));
+    }
+
+    #[test]
     fn a_body_that_is_not_json_is_fingerprinted_as_bytes() {
         let intent = json_intent(&[]);
         let p = parts(&[]);
