@@ -1,5 +1,6 @@
 //! One behaviour suite, run against every store: `memory::*` and `redis::*` are the same tests.
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -17,41 +18,7 @@ use axum::{
 use axum_idempotency::{ExtractorScope, HeaderScope, IdempotencyLayer, RecordKey};
 use common::*;
 
-macro_rules! behaviour_suite {
-    ($($test:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    let harness = <super::MemoryHarness as super::Harness>::start().await;
-                    super::$test(harness).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    let harness = <super::RedisHarness as super::Harness>::start().await;
-                    super::$test(harness).await;
-                }
-            )*
-        }
-        /// The same suite on a 3-master Redis Cluster shared by this test binary.
-        #[cfg(feature = "cluster")]
-        mod cluster {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    let harness = <super::ClusterHarness as super::Harness>::start().await;
-                    super::$test(harness).await;
-                }
-            )*
-        }
-    };
-}
-
-behaviour_suite!(
+every_store!(
     methods_other_than_post_and_patch_pass_through,
     requests_without_a_key_pass_through,
     missing_key_is_400_where_a_key_is_required,

@@ -1,5 +1,6 @@
 //! Faults in the request's own life: a client that goes away, a handler that panics.
 
+#[macro_use]
 mod common;
 
 use std::time::Duration;
@@ -10,28 +11,7 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt;
 use tower_http::catch_panic::CatchPanicLayer;
 
-macro_rules! on_both_stores {
-    ($($test:ident),* $(,)?) => {
-        mod memory {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(<super::MemoryHarness as super::Harness>::start().await).await;
-                }
-            )*
-        }
-        mod redis {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $test() {
-                    super::$test(<super::RedisHarness as super::Harness>::start().await).await;
-                }
-            )*
-        }
-    };
-}
-
-on_both_stores!(
+every_store!(
     dropped_request_still_completes_and_the_retry_is_replayed,
     panic_releases_the_key_and_propagates,
     task_tracker_lets_shutdown_wait_for_running_handlers,
