@@ -122,7 +122,7 @@ impl RedisStore {
     /// record's channel while the record has waiters in this process.
     #[must_use]
     pub fn subscriber(mut self, client: deadpool_redis::redis::Client) -> Self {
-        self.subscriber = Some(Arc::new(Subscriber::new(Listen::Standalone(client))));
+        self.subscriber = Some(Arc::new(Subscriber::new(Listen::Standalone(Box::new(client)))));
         self
     }
 
@@ -143,6 +143,30 @@ impl RedisStore {
         let client = deadpool_redis::redis::Client::open(url)
             .map_err(|error| CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error)))?;
         Ok(Self::new(config.create_pool(Some(Runtime::Tokio1))?).subscriber(client))
+    }
+
+    /// A store over a new pool of connections made by `client`, with the same bounds as
+    /// [`from_url`](Self::from_url), and `client` as the [`subscriber`](Self::subscriber). For
+    /// a client built in code: TLS with the app's own root certificate
+    /// (`Client::build_with_tls`, features `tls-rustls` or `tls-native-tls`), a username,
+    /// another protocol.
+    ///
+    /// # Errors
+    ///
+    /// When the pool cannot be built. No connection is made until the first request.
+    pub fn from_client(client: deadpool_redis::redis::Client) -> Result<Self, CreatePoolError> {
+        let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
+            .map_err(|error| CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error)))?;
+        let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
+        let pool = Pool::builder(manager)
+            .max_size(8)
+            .wait_timeout(timeout)
+            .create_timeout(timeout)
+            .recycle_timeout(timeout)
+            .runtime(Runtime::Tokio1)
+            .build()
+            .map_err(CreatePoolError::Build)?;
+        Ok(Self::new(pool).subscriber(client))
     }
 
     /// A store over a Redis Cluster pool.

@@ -23,7 +23,8 @@ use crate::store::{OnLastLeave, Subscription, Waiters};
 /// Where the listening connection goes.
 #[derive(Clone)]
 pub(super) enum Listen {
-    Standalone(Client),
+    // Boxed: with TLS parameters a client is far larger than the cluster's URL list.
+    Standalone(Box<Client>),
     #[cfg(feature = "cluster")]
     Cluster(Vec<String>),
 }
@@ -56,7 +57,7 @@ impl Subscriber {
             let (listen, waiters) = (self.listen.clone(), self.waiters.clone());
             drop(tokio::spawn(async move {
                 match listen {
-                    Listen::Standalone(client) => standalone(client, waiters, received).await,
+                    Listen::Standalone(client) => standalone(*client, waiters, received).await,
                     #[cfg(feature = "cluster")]
                     Listen::Cluster(urls) => cluster(urls, waiters, received).await,
                 }
