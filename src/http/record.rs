@@ -255,6 +255,16 @@ mod tests {
     }
 
     #[test]
+    fn stored_headers_len_counts_what_the_record_holds() {
+        let headers = sample_headers();
+        let filter = HeaderFilter::default();
+        // Kept: content-type (12 + 16) and x-multi twice (7 + 3, 7 + 3), 6 bytes of lengths each.
+        assert_eq!(stored_headers_len(&headers, &filter), (6 + 12 + 16) + 2 * (6 + 7 + 3));
+        let blob = encode(StatusCode::OK, &headers, &filter, b"");
+        assert_eq!(blob.len(), 5 + stored_headers_len(&headers, &filter));
+    }
+
+    #[test]
     fn exclusions_are_configurable() {
         let mut filter = HeaderFilter::default();
         filter.include(&header::SET_COOKIE);
