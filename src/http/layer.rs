@@ -131,8 +131,10 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
 
     /// Fingerprints a JSON body in its RFC 8785 canonical form (JCS, by
     /// `serde_json_canonicalizer`): member order, whitespace and number form do not make a
-    /// retry another request. A body that is not JSON is fingerprinted as its bytes. Defaults
-    /// to `false` (the bytes as sent).
+    /// retry another request. A body that is not JSON is fingerprinted as its bytes. Numbers
+    /// are IEEE 754 doubles, as RFC 8785 says: integers beyond 2^53 that differ only past a
+    /// double's precision fingerprint alike; send such values as strings. Defaults to `false`
+    /// (the bytes as sent).
     pub fn canonical_json(mut self, canonical: bool) -> Self {
         self.config().intent.canonical_json = canonical;
         self
