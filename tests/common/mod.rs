@@ -159,8 +159,15 @@ impl RedisServer {
     }
 
     fn spawn(port: u16, extra: &[&str]) -> Child {
+        // A directory of its own, emptied first: a replica's full sync makes its master write
+        // an RDB file, which a later server started in the same directory would load.
+        let dir = std::env::temp_dir().join(format!("axum-idempotency-redis-{port}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a directory for redis-server");
         Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&dir)
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -730,7 +737,12 @@ pub async fn send(app: &Router, request: Request<Body>) -> Seen {
 
 /// Waits until `check` holds, for at most two seconds.
 pub async fn eventually<F: AsyncFn() -> bool>(what: &str, check: F) {
-    let deadline = Instant::now() + Duration::from_secs(2);
+    eventually_within(Duration::from_secs(2), what, check).await;
+}
+
+/// Waits until `check` holds, for at most `limit`.
+pub async fn eventually_within<F: AsyncFn() -> bool>(limit: Duration, what: &str, check: F) {
+    let deadline = Instant::now() + limit;
     while !check().await {
         assert!(Instant::now() < deadline, "timed out waiting for: {what}");
         tokio::time::sleep(Duration::from_millis(5)).await;

@@ -13,7 +13,7 @@ use std::{
 use deadpool_redis::{
     Pool,
     redis::{
-        Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Value,
+        Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value,
         aio::{ConnectionLike, MultiplexedConnection},
     },
 };
@@ -28,6 +28,8 @@ pub(super) enum Source {
     Standalone(Pool),
     #[cfg(feature = "cluster")]
     Cluster(ClusterPool),
+    #[cfg(feature = "sentinel")]
+    Sentinel(deadpool_redis::sentinel::Pool),
 }
 
 /// A connection Redis pipelines concurrent commands on.
@@ -93,6 +95,13 @@ impl Connections {
             Source::Cluster(pool) => {
                 SharedConnection::Cluster((*pool.get().await.map_err(pool_error)?).clone())
             }
+            // Taken out of the pool for good: the pool's recycle check is a PING, which a master
+            // demoted by a failover still answers. A new connection asks the sentinels where
+            // the master is now.
+            #[cfg(feature = "sentinel")]
+            Source::Sentinel(pool) => SharedConnection::Standalone(
+                deadpool_redis::sentinel::Connection::take(pool.get().await?),
+            ),
         };
         if !self.eviction_checked.swap(true, Ordering::Relaxed) {
             warn_unless_noeviction(&mut connection).await;
@@ -119,9 +128,13 @@ impl Connections {
             Err(_) => Err(StoreError::Timeout(timeout)),
         };
         if let Err(error) = &result {
-            // A server's error reply leaves the connection sound; anything else may not.
+            // A server's error reply leaves the connection sound; anything else may not. READONLY
+            // is the exception: the server was a master and is a replica now (a failover).
             let server_replied = match error {
-                StoreError::Redis(e) => matches!(e.kind(), ErrorKind::Server(_)),
+                StoreError::Redis(e) => matches!(
+                    e.kind(),
+                    ErrorKind::Server(kind) if kind != ServerErrorKind::ReadOnly
+                ),
                 StoreError::CorruptRecord(_) => true,
                 _ => false,
             };

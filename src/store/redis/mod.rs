@@ -85,6 +85,8 @@ impl fmt::Debug for RedisStore {
             Source::Standalone(pool) => debug.field("pool", &pool.status()),
             #[cfg(feature = "cluster")]
             Source::Cluster(pool) => debug.field("cluster_pool", &pool.status()),
+            #[cfg(feature = "sentinel")]
+            Source::Sentinel(pool) => debug.field("sentinel_pool", &pool.status()),
         };
         debug.field("command_timeout", &self.command_timeout).finish_non_exhaustive()
     }
@@ -167,6 +169,52 @@ impl RedisStore {
             .build()
             .map_err(CreatePoolError::Build)?;
         Ok(Self::new(pool).subscriber(client))
+    }
+
+    /// A store over a Redis Sentinel pool: every connection is made to the master the
+    /// sentinels name at that moment, and one that finds its server demoted (`READONLY`) is
+    /// replaced. Such a store has no [`subscriber`](Self::subscriber): its waiters wait out
+    /// their deadline before their last claim.
+    #[cfg(feature = "sentinel")]
+    #[must_use]
+    pub fn sentinel(pool: deadpool_redis::sentinel::Pool) -> Self {
+        Self::with_source(Source::Sentinel(pool))
+    }
+
+    /// A store over a new Sentinel pool: the sentinels at `urls` name the master of
+    /// `master_name`. At most 8 connections, with one-second wait, create and recycle timeouts.
+    ///
+    /// ```no_run
+    /// use axum_idempotency::RedisStore;
+    ///
+    /// let sentinels = ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379"];
+    /// let store = RedisStore::sentinel_from_urls(sentinels, "mymaster")?;
+    /// # Ok::<_, Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When a URL is not a Redis URL. No connection is made until the first request.
+    #[cfg(feature = "sentinel")]
+    pub fn sentinel_from_urls<I, U>(
+        urls: I,
+        master_name: &str,
+    ) -> Result<Self, deadpool_redis::sentinel::CreatePoolError>
+    where
+        I: IntoIterator<Item = U>,
+        U: AsRef<str>,
+    {
+        use deadpool_redis::sentinel::{Config, SentinelServerType};
+        let urls: Vec<String> = urls.into_iter().map(|url| url.as_ref().to_owned()).collect();
+        let mut config =
+            Config::from_urls(urls, master_name.to_owned(), SentinelServerType::Master);
+        let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
+        config.pool = Some(PoolConfig {
+            max_size: 8,
+            timeouts: Timeouts { wait: timeout, create: timeout, recycle: timeout },
+            ..PoolConfig::default()
+        });
+        Ok(Self::sentinel(config.create_pool(Some(Runtime::Tokio1))?))
     }
 
     /// A store over a Redis Cluster pool.
@@ -271,6 +319,8 @@ impl RedisStore {
     fn publish_command(&self) -> &'static [u8] {
         match self.connections.source {
             Source::Standalone(_) => b"PUBLISH",
+            #[cfg(feature = "sentinel")]
+            Source::Sentinel(_) => b"PUBLISH",
             #[cfg(feature = "cluster")]
             Source::Cluster(_) => b"SPUBLISH",
         }
