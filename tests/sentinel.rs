@@ -135,12 +135,15 @@ async fn the_store_follows_the_master_through_a_failover_and_keeps_its_records()
     // discards: the failover window the README names. Once it is a replica, its answer is
     // READONLY, and the store must move to the new master.
     eventually_within(Duration::from_secs(20), "the old master is demoted", async || {
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query_async(&mut master.connection().await)
-            .await
-            .unwrap();
-        info.contains("role:slave")
+        // While it resyncs from the new master it may refuse a connection (LOADING): ask again.
+        let Ok(mut connection) =
+            redis::Client::open(master.url()).unwrap().get_multiplexed_async_connection().await
+        else {
+            return false;
+        };
+        let info: Result<String, _> =
+            redis::cmd("INFO").arg("replication").query_async(&mut connection).await;
+        info.is_ok_and(|info| info.contains("role:slave"))
     })
     .await;
     // The store finds the new master: requests succeed again, and the completed record is
