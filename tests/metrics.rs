@@ -68,6 +68,14 @@ async fn counters_follow_what_the_layer_decides_labelled_by_route() {
             _ => 0,
         })
         .sum();
+    let ages: Vec<f64> = snapshot
+        .iter()
+        .filter(|(key, ..)| key.key().name() == "idempotency_replayed_record_age_seconds")
+        .flat_map(|(.., value)| match value {
+            DebugValue::Histogram(values) => values.iter().map(|v| v.into_inner()).collect(),
+            _ => Vec::new(),
+        })
+        .collect();
     let counters = counters(snapshot);
     let expected = BTreeMap::from([
         ("idempotency_claims_total{outcome=claimed,route=/payments}".to_owned(), 1),
@@ -84,4 +92,7 @@ async fn counters_follow_what_the_layer_decides_labelled_by_route() {
     assert_eq!(counters, expected);
     // The handler's duration is recorded for each claimed request: three handlers ran.
     assert_eq!(handler_runs, 3);
+    // One replay: its record's age, from the completion time the record carries.
+    assert_eq!(ages.len(), 1, "{ages:?}");
+    assert!((0.0..5.0).contains(&ages[0]), "{ages:?}");
 }

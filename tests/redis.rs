@@ -47,8 +47,12 @@ async fn records_are_compact_strings_that_never_hold_the_raw_key() {
     assert_eq!(&completed[..2], b"1C");
     assert_eq!(completed[2..34], claimed[2..34]);
     let response = &completed[34..];
-    assert_eq!(response[0], 1, "response format");
-    assert_eq!(u16::from_be_bytes([response[1], response[2]]), 201);
+    // Format 2: the completion time (ms since the Unix epoch), then the status.
+    assert_eq!(response[0], 2, "response format");
+    let stored_at = u64::from_be_bytes(response[1..9].try_into().unwrap());
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    assert!(now.as_millis() as u64 - stored_at < 5_000, "stored at {stored_at}");
+    assert_eq!(u16::from_be_bytes([response[9], response[10]]), 201);
     assert!(response.ends_with(first.body.as_bytes()));
     let stored = String::from_utf8_lossy(response);
     assert!(stored.contains("x-payment") && !stored.contains("set-cookie"), "{stored}");

@@ -45,7 +45,11 @@
 
 mod outcome;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::Arc,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use serde::{Serialize, de::DeserializeOwned};
@@ -54,15 +58,17 @@ use tokio_util::task::TaskTracker;
 
 pub use self::outcome::{Error, Outcome};
 use crate::{
-    engine::{Claimed, Engine, Panic, Settings},
+    engine::{Claimed, Engine, Panic, Settings, observe},
     fingerprint::Fingerprint,
     key::RecordKey,
     store::Store,
 };
 
-/// The first byte of a stored result: JSON, format 1. An HTTP record starts with 1, so
-/// neither door can mistake the other's record for its own.
-const RESULT_FORMAT: u8 = b'j';
+/// The first byte of a stored result: `J`, then when it was stored (u64 ms since the Unix
+/// epoch), then JSON. `j`, written before, is JSON alone and is still read. An HTTP record
+/// starts with 1 or 2, so neither door can mistake the other's record for its own.
+const RESULT_FORMAT: u8 = b'J';
+const RESULT_FORMAT_UNTIMED: u8 = b'j';
 
 /// Runs operations once per key and scope, and replays their results: the consumer door.
 ///
@@ -198,7 +204,9 @@ impl<St: Store> Idempotent<St> {
             .map_err(Error::Store)?
         {
             Claimed::Run(holder) => holder,
-            Claimed::Replay(stored) => return decode(&stored, &hash).map(Outcome::Replayed),
+            Claimed::Replay(stored) => {
+                return decode(&stored, &hash, scope).map(Outcome::Replayed);
+            }
             Claimed::InProgress { retry_after } => return Ok(Outcome::InProgress { retry_after }),
             Claimed::Mismatch => return Ok(Outcome::Mismatch),
         };
@@ -251,23 +259,31 @@ impl<St: Store> Idempotent<St> {
 fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, &'static str> {
     let mut out = BytesMut::with_capacity(64).writer();
     out.get_mut().put_u8(RESULT_FORMAT);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    out.get_mut().put_u64(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
     serde_json::to_writer(&mut out, value).map_err(|_| "the result could not be encoded")?;
     let out = out.into_inner();
-    if out.len() - 1 > limit {
+    if out.len() - 9 > limit {
         return Err("the result is over the stored limit");
     }
     Ok(out.freeze())
 }
 
-fn decode<T: DeserializeOwned, E>(stored: &[u8], hash: &str) -> Result<T, Error<E>> {
+fn decode<T: DeserializeOwned, E>(stored: &[u8], hash: &str, scope: &str) -> Result<T, Error<E>> {
     let corrupt = |reason: String| {
         tracing::error!(key_hash = hash, reason, "idempotency: stored result is unreadable");
         Error::Corrupt { key_hash: hash.to_owned(), reason }
     };
-    match stored.split_first() {
-        Some((&RESULT_FORMAT, json)) => {
-            serde_json::from_slice(json).map_err(|error| corrupt(error.to_string()))
+    let json = match stored.split_first() {
+        Some((&RESULT_FORMAT, timed)) if timed.len() >= 8 => {
+            let (at, json) = timed.split_at(8);
+            let at = UNIX_EPOCH
+                + Duration::from_millis(u64::from_be_bytes(at.try_into().unwrap_or_default()));
+            observe::replayed_age(scope, SystemTime::now().duration_since(at).unwrap_or_default());
+            json
         }
-        _ => Err(corrupt("not a result stored by the consumer door".to_owned())),
-    }
+        Some((&RESULT_FORMAT_UNTIMED, json)) => json,
+        _ => return Err(corrupt("not a result stored by the consumer door".to_owned())),
+    };
+    serde_json::from_slice(json).map_err(|error| corrupt(error.to_string()))
 }

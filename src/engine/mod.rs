@@ -13,7 +13,7 @@
 //! fingerprint and bytes to store, and the engine's answers back into theirs.
 
 mod holder;
-mod observe;
+pub(crate) mod observe;
 mod settle;
 
 use std::{future::Future, sync::Arc, time::Duration};

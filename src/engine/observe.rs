@@ -48,3 +48,13 @@ pub(crate) fn ran(route: &str, took: Duration) {
     #[cfg(not(feature = "metrics"))]
     let _ = (route, took);
 }
+
+/// `idempotency_replayed_record_age_seconds{route}`: how old a replayed outcome was, by the
+/// clocks of the instances that stored and replayed it.
+pub(crate) fn replayed_age(route: &str, age: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("idempotency_replayed_record_age_seconds", "route" => route.to_owned())
+        .record(age.as_secs_f64());
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, age);
+}

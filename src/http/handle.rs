@@ -24,7 +24,7 @@ use super::{
     scope::ScopeExtractor,
 };
 use crate::{
-    engine::{Claimed, Engine, Holder, Panic},
+    engine::{Claimed, Engine, Holder, Panic, observe},
     key::RecordKey,
     store::{Store, StoreError},
 };
@@ -94,12 +94,12 @@ where
         span.record("key_hash", hash.as_str());
         let route: Arc<str> =
             parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str).into();
-        let claimed = self.engine.claim(record_key, fingerprint, route).await;
+        let claimed = self.engine.claim(record_key, fingerprint, route.clone()).await;
         span.record("outcome", outcome_name(&claimed));
         span.record("replayed", matches!(claimed, Ok(Claimed::Replay(_))));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,
-            Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash, &parts.headers)),
+            Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash, &route, &parts.headers)),
             Ok(Claimed::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");
                 // Whole seconds, rounded up, never 0 ("retry now").
@@ -278,7 +278,7 @@ fn outcome_name<St>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
     }
 }
 
-fn replay(blob: Bytes, hash: &str, request: &http::HeaderMap) -> Response {
+fn replay(blob: Bytes, hash: &str, route: &str, request: &http::HeaderMap) -> Response {
     match record::decode(blob) {
         Ok(stored) if !record::encoding_acceptable(&stored.headers, request) => {
             // A compression layer inside this one stored an encoded body, and this retry does
@@ -291,6 +291,10 @@ fn replay(blob: Bytes, hash: &str, request: &http::HeaderMap) -> Response {
         }
         Ok(stored) => {
             tracing::debug!(key_hash = hash, "idempotency: replayed");
+            if let Some(at) = stored.completed_at {
+                let age = std::time::SystemTime::now().duration_since(at).unwrap_or_default();
+                observe::replayed_age(route, age);
+            }
             let mut response = Response::new(Body::from(stored.body));
             *response.status_mut() = stored.status;
             *response.headers_mut() = stored.headers;

@@ -3,19 +3,29 @@
 //! Layout (all integers big-endian):
 //!
 //! ```text
-//! u8 format (1) | u16 status | u16 header count | { u16 name len, name, u32 value len, value }* | body
+//! u8 format (2) | u64 completed at (ms since the Unix epoch) | u16 status | u16 header count
+//!   | { u16 name len, name, u32 value len, value }* | body
 //! ```
 //!
+//! Format 1, written before, has no completion time; it is still read.
+//!
 //! One blob in one hash field keeps a completed record small (see `BENCHMARKS.md`).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
-const FORMAT: u8 = 1;
+const FORMAT: u8 = 2;
+/// The format without a completion time.
+const FORMAT_1: u8 = 1;
 
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct StoredResponse {
+    /// When the response was stored, by the clock of the instance that stored it; `None` for
+    /// a record of format 1.
+    pub(crate) completed_at: Option<SystemTime>,
     pub(crate) status: StatusCode,
     pub(crate) headers: HeaderMap,
     pub(crate) body: Bytes,
@@ -35,9 +45,11 @@ pub(crate) fn encode(
     let kept: Vec<(&HeaderName, &HeaderValue)> =
         headers.iter().filter(|(name, _)| filter.keeps(name, headers)).collect();
     let size =
-        5 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
+        13 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
     let mut out = Vec::with_capacity(size);
     out.push(FORMAT);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    out.extend_from_slice(&u64::try_from(now.as_millis()).unwrap_or(u64::MAX).to_be_bytes());
     out.extend_from_slice(&status.as_u16().to_be_bytes());
     // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the casts
     // cannot truncate.
@@ -99,9 +111,14 @@ pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
     if blob.remaining() < 5 {
         return Err(DecodeError("truncated header"));
     }
-    if blob.get_u8() != FORMAT {
-        return Err(DecodeError("unknown response format"));
-    }
+    let completed_at = match blob.get_u8() {
+        FORMAT if blob.remaining() >= 12 => {
+            Some(UNIX_EPOCH + Duration::from_millis(blob.get_u64()))
+        }
+        FORMAT => return Err(DecodeError("truncated header")),
+        FORMAT_1 => None,
+        _ => return Err(DecodeError("unknown response format")),
+    };
     let status = StatusCode::from_u16(blob.get_u16()).map_err(|_| DecodeError("invalid status"))?;
     let count = blob.get_u16();
     // Each header takes at least 6 bytes: a count the blob cannot hold is not trusted for the
@@ -120,7 +137,7 @@ pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
             .map_err(|_| DecodeError("invalid header value"))?;
         headers.try_append(name, value).map_err(|_| DecodeError("too many headers"))?;
     }
-    Ok(StoredResponse { status, headers, body: blob })
+    Ok(StoredResponse { completed_at, status, headers, body: blob })
 }
 
 /// Takes one length-prefixed field whose length is `width` bytes wide.
@@ -261,7 +278,23 @@ mod tests {
         // Kept: content-type (12 + 16) and x-multi twice (7 + 3, 7 + 3), 6 bytes of lengths each.
         assert_eq!(stored_headers_len(&headers, &filter), (6 + 12 + 16) + 2 * (6 + 7 + 3));
         let blob = encode(StatusCode::OK, &headers, &filter, b"");
-        assert_eq!(blob.len(), 5 + stored_headers_len(&headers, &filter));
+        assert_eq!(blob.len(), 13 + stored_headers_len(&headers, &filter));
+    }
+
+    #[test]
+    fn a_record_carries_when_it_was_stored_and_format_1_still_reads() {
+        let before = SystemTime::now() - Duration::from_millis(1);
+        let stored =
+            decode(encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"x"))
+                .unwrap();
+        let at = stored.completed_at.expect("a completion time");
+        assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
+        // Format 1: no time, status 201, no headers, body "ok".
+        let old = decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k'])).unwrap();
+        assert_eq!(
+            (old.completed_at, old.status, &old.body[..]),
+            (None, StatusCode::CREATED, &b"ok"[..])
+        );
     }
 
     #[test]
@@ -340,7 +373,7 @@ mod properties {
         #[test]
         fn decoder_never_panics_on_large_blobs(len in 5usize..600_000, count in any::<u16>(), fill in proptest::collection::vec(any::<u8>(), 1..16)) {
             let mut blob: Vec<u8> = fill.iter().copied().cycle().take(len).collect();
-            blob[..5].copy_from_slice(&[FORMAT, 0, 200, (count >> 8) as u8, count as u8]);
+            blob[..5].copy_from_slice(&[FORMAT_1, 0, 200, (count >> 8) as u8, count as u8]);
             let _ = decode(Bytes::from(blob));
         }
     }
