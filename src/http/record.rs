@@ -295,6 +295,9 @@ mod tests {
             (old.completed_at, old.status, &old.body[..]),
             (None, StatusCode::CREATED, &b"ok"[..])
         );
+        // The shortest record of all: format 1, a status, no header, no body.
+        let shortest = decode(Bytes::from_static(&[1, 0, 204, 0, 0])).unwrap();
+        assert_eq!((shortest.status, shortest.body.len()), (StatusCode::NO_CONTENT, 0));
     }
 
     #[test]
