@@ -111,7 +111,7 @@ async fn the_store_follows_the_master_through_a_failover_and_keeps_its_records()
     let key = global("k1");
     let on_master: Option<Vec<u8>> = master.connection().await.get(key.as_str()).await.unwrap();
     assert_eq!(&on_master.expect("the record is on the master")[..2], b"1C");
-    eventually_within(Duration::from_secs(5), "the replica has the record", async || {
+    eventually_within(Duration::from_secs(20), "the replica has the record", async || {
         replica.connection().await.exists::<_, bool>(key.as_str()).await.unwrap()
     })
     .await;
