@@ -3,45 +3,26 @@
 #[cfg(feature = "cluster")]
 mod cluster;
 mod connection;
+mod scripts;
 mod subscriber;
 
-use std::{
-    fmt,
-    sync::{Arc, LazyLock},
-    time::Duration,
-};
+use std::{fmt, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use deadpool_redis::{
     Config, CreatePoolError, Pool, PoolConfig, Runtime, Timeouts,
-    redis::{FromRedisValue, Script, Value},
+    redis::{FromRedisValue, Script},
 };
 
 #[cfg(feature = "cluster")]
 pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use self::{
     connection::{Connections, Source},
+    scripts::{CLAIM, COMPLETE, RELEASE, TOUCH, millis, parse_claim, settle_channel},
     subscriber::{Listen, Subscriber},
 };
 use super::{Claim, Fenced, OwnerToken, RECORD_VERSION, Store, StoreError, Subscription};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
-
-macro_rules! script {
-    ($name:literal) => {
-        LazyLock::new(|| {
-            Script::new(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/", $name)))
-        })
-    };
-}
-
-static CLAIM: LazyLock<Script> = script!("claim.lua");
-static COMPLETE: LazyLock<Script> = script!("complete.lua");
-static RELEASE: LazyLock<Script> = script!("release.lua");
-static TOUCH: LazyLock<Script> = script!("touch.lua");
-
-/// Where the response starts in a completed record: after the version, the state and the
-/// fingerprint.
-const RESPONSE_OFFSET: usize = 1 + 1 + 32;
 
 /// The default for [`RedisStore::command_timeout`].
 const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -51,7 +32,8 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// A record is one Redis string, with the lease or the retention as its expiry:
 ///
 /// ```text
-/// version '1' | state 'P' (in progress) or 'C' (completed) | fingerprint (32 bytes)
+/// version '1' | state 'P' (in progress), 'W' (in progress, waited for) or 'C' (completed)
+///             | fingerprint (32 bytes)
 ///             | owner token (16 bytes)  or  the encoded response
 /// ```
 ///
@@ -327,17 +309,6 @@ impl RedisStore {
     }
 }
 
-/// The channel a record's settle is published on; it carries the record's hash tag, so it
-/// lives in the record's cluster slot.
-fn settle_channel(key: &RecordKey) -> String {
-    format!("{}:settled", key.as_str())
-}
-
-fn millis(duration: Duration) -> u64 {
-    // PEXPIRE needs at least 1 ms; a zero lease would be an error, not an instant expiry.
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX).max(1)
-}
-
 impl Store for RedisStore {
     async fn claim(
         &self,
@@ -407,29 +378,6 @@ impl Store for RedisStore {
     }
 }
 
-/// Reads the reply of `lua/claim.lua`.
-fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
-    let unexpected =
-        || StoreError::CorruptRecord("unexpected reply from the claim script".to_owned());
-    let Value::Array(items) = reply else { return Err(unexpected()) };
-    let mut items = items.into_iter();
-    let Some(Value::Int(code)) = items.next() else { return Err(unexpected()) };
-    match (code, items.next()) {
-        (0, None) => Ok(Claim::Claimed),
-        (1, Some(Value::BulkString(record))) if record.len() >= RESPONSE_OFFSET => {
-            Ok(Claim::Replay(Bytes::from(record).slice(RESPONSE_OFFSET..)))
-        }
-        (2, None) => Ok(Claim::Mismatch),
-        (3, Some(Value::Int(remaining_ms))) => Ok(Claim::InProgress {
-            remaining: Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)),
-        }),
-        (4, Some(Value::BulkString(reason))) => {
-            Err(StoreError::CorruptRecord(String::from_utf8_lossy(&reason).into_owned()))
-        }
-        _ => Err(unexpected()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -441,11 +389,5 @@ mod tests {
         assert!(debug.starts_with("RedisStore { pool: Status {"), "{debug}");
         assert!(debug.contains("command_timeout: 1s"), "{debug}");
         assert!(!debug.contains("hunter2"), "{debug}");
-    }
-
-    #[test]
-    fn a_records_settle_channel_shares_its_hash_tag() {
-        let key = RecordKey::new("p", b"", b"k");
-        assert_eq!(settle_channel(&key), format!("p:{{{}}}:settled", key.hash()));
     }
 }

@@ -1,0 +1,74 @@
+//! The Lua scripts of a [`RedisStore`](super::RedisStore), one per transition, and how their
+//! arguments and replies are written and read.
+
+use std::{sync::LazyLock, time::Duration};
+
+use bytes::Bytes;
+use deadpool_redis::redis::{Script, Value};
+
+use crate::{
+    key::RecordKey,
+    store::{Claim, StoreError},
+};
+
+macro_rules! script {
+    ($name:literal) => {
+        LazyLock::new(|| {
+            Script::new(include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/lua/", $name)))
+        })
+    };
+}
+
+pub(super) static CLAIM: LazyLock<Script> = script!("claim.lua");
+pub(super) static COMPLETE: LazyLock<Script> = script!("complete.lua");
+pub(super) static RELEASE: LazyLock<Script> = script!("release.lua");
+pub(super) static TOUCH: LazyLock<Script> = script!("touch.lua");
+
+/// Where the response starts in a completed record: after the version, the state and the
+/// fingerprint.
+const RESPONSE_OFFSET: usize = 1 + 1 + 32;
+
+/// The channel a record's settle is published on; it carries the record's hash tag, so it
+/// lives in the record's cluster slot.
+pub(super) fn settle_channel(key: &RecordKey) -> String {
+    format!("{}:settled", key.as_str())
+}
+
+pub(super) fn millis(duration: Duration) -> u64 {
+    // PEXPIRE needs at least 1 ms; a zero lease would be an error, not an instant expiry.
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+/// Reads the reply of `lua/claim.lua`.
+pub(super) fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
+    let unexpected =
+        || StoreError::CorruptRecord("unexpected reply from the claim script".to_owned());
+    let Value::Array(items) = reply else { return Err(unexpected()) };
+    let mut items = items.into_iter();
+    let Some(Value::Int(code)) = items.next() else { return Err(unexpected()) };
+    match (code, items.next()) {
+        (0, None) => Ok(Claim::Claimed),
+        (1, Some(Value::BulkString(record))) if record.len() >= RESPONSE_OFFSET => {
+            Ok(Claim::Replay(Bytes::from(record).slice(RESPONSE_OFFSET..)))
+        }
+        (2, None) => Ok(Claim::Mismatch),
+        (3, Some(Value::Int(remaining_ms))) => Ok(Claim::InProgress {
+            remaining: Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)),
+        }),
+        (4, Some(Value::BulkString(reason))) => {
+            Err(StoreError::CorruptRecord(String::from_utf8_lossy(&reason).into_owned()))
+        }
+        _ => Err(unexpected()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_records_settle_channel_shares_its_hash_tag() {
+        let key = RecordKey::new("p", b"", b"k");
+        assert_eq!(settle_channel(&key), format!("p:{{{}}}:settled", key.hash()));
+    }
+}
