@@ -6,19 +6,36 @@
 -- ARGV[4]  record format version (one byte)
 -- ARGV[5]  '1' when the caller waits for an in-progress record to settle: the record is
 --          marked 'W', and its settle publishes (see complete.lua, release.lua); '0' otherwise
+-- ARGV[6]  recovery window in milliseconds: how long an in-progress record outlives its lease
 -- A record is one string (see src/store/redis/mod.rs):
---   version (1) | state (1) | fingerprint (32) | owner token (16) or response
+--   version (1) | state (1) | fingerprint (32) | owner token (16) | lease deadline, or
+--   version (1) | state (1) | fingerprint (32) | response
 --   state: 'P' in progress, 'W' in progress with waiters, 'C' completed
+--   lease deadline: milliseconds since the Unix epoch by the server's clock, in decimal; an
+--   in-progress record of exactly 50 bytes (written before deadlines) has none, and lives
+--   exactly as long as its lease
 -- Returns one of:
 --   {0}                 claimed: the caller owns the key for the lease
 --   {1, record}         completed with the same fingerprint: the whole record, to replay
 --   {2}                 a different fingerprint holds the key: mismatch
 --   {3, remaining_ms}   in progress under another owner
 --   {4, reason}         the value was not written by this layer (or by another version)
+--   {5}                 taken over: the same fingerprint's lease lapsed within its recovery
+--                       window; the caller owns the key for the lease
 local key = KEYS[1]
+local lease = tonumber(ARGV[3])
+local window = tonumber(ARGV[6])
+local function now_ms()
+  local time = redis.call('TIME')
+  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+end
+local function hold(state, now)
+  redis.call('SET', key, ARGV[4] .. state .. ARGV[1] .. ARGV[2] .. string.format('%.0f', now + lease),
+    'PX', lease + window)
+end
 local record = redis.pcall('GET', key)
 if not record then
-  redis.call('SET', key, ARGV[4] .. 'P' .. ARGV[1] .. ARGV[2], 'PX', ARGV[3])
+  hold('P', now_ms())
   return {0}
 end
 if type(record) == 'table' then
@@ -28,7 +45,15 @@ if string.sub(record, 1, 1) ~= ARGV[4] or #record < 34 then
   return {4, 'unknown version or truncated'}
 end
 local state = string.sub(record, 2, 2)
-if state ~= 'C' and not ((state == 'P' or state == 'W') and #record == 50) then
+local deadline = nil
+if state == 'P' or state == 'W' then
+  if #record > 50 then
+    deadline = tonumber(string.sub(record, 51))
+  end
+  if #record < 50 or (#record > 50 and deadline == nil) then
+    return {4, 'unknown state'}
+  end
+elseif state ~= 'C' then
   return {4, 'unknown state'}
 end
 if string.sub(record, 3, 34) ~= ARGV[1] then
@@ -36,6 +61,19 @@ if string.sub(record, 3, 34) ~= ARGV[1] then
 end
 if state == 'C' then
   return {1, record}
+end
+if deadline ~= nil then
+  local now = now_ms()
+  if now >= deadline then
+    -- The lease lapsed: the caller takes over. A 'W' mark stays, so the settle still
+    -- publishes to whoever waits.
+    hold(state, now)
+    return {5}
+  end
+  if state == 'P' and ARGV[5] == '1' then
+    redis.call('SETRANGE', key, 1, 'W')
+  end
+  return {3, deadline - now}
 end
 if state == 'P' and ARGV[5] == '1' then
   redis.call('SETRANGE', key, 1, 'W')

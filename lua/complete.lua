@@ -15,8 +15,8 @@ local key = KEYS[1]
 local record = redis.pcall('GET', key)
 local waited = false
 if record then
-  if type(record) == 'table' or #record ~= 50 or string.sub(record, 1, 1) ~= ARGV[5]
-      or string.sub(record, 35) ~= ARGV[1] then
+  if type(record) == 'table' or #record < 50 or string.sub(record, 1, 1) ~= ARGV[5]
+      or string.sub(record, 35, 50) ~= ARGV[1] then
     return 0
   end
   local state = string.sub(record, 2, 2)

@@ -8,8 +8,8 @@
 -- Returns 1 when deleted, 0 when the caller no longer owns the key.
 local key = KEYS[1]
 local record = redis.pcall('GET', key)
-if type(record) ~= 'string' or #record ~= 50 or string.sub(record, 1, 1) ~= ARGV[2]
-    or string.sub(record, 35) ~= ARGV[1] then
+if type(record) ~= 'string' or #record < 50 or string.sub(record, 1, 1) ~= ARGV[2]
+    or string.sub(record, 35, 50) ~= ARGV[1] then
   return 0
 end
 local state = string.sub(record, 2, 2)

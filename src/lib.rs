@@ -7,6 +7,7 @@ mod engine;
 mod fingerprint;
 mod http;
 mod key;
+pub mod recovery;
 pub mod store;
 
 pub use deadpool_redis;
@@ -20,5 +21,6 @@ pub use crate::{
         scope::{ExtractorScope, GlobalScope, HeaderScope, ScopeExtractor},
     },
     key::RecordKey,
-    store::{Claim, Fenced, MemoryStore, OwnerToken, RedisStore, Store, StoreError},
+    recovery::{IdempotencyContext, Recover, Recovered},
+    store::{Claim, Fenced, Lease, MemoryStore, OwnerToken, RedisStore, Store, StoreError},
 };

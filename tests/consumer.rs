@@ -279,7 +279,7 @@ async fn a_stored_result_of_another_type_is_an_error_naming_the_key_hash<H: Harn
     let key = record_key("evt_2");
     let fingerprint = Fingerprint::of_payload(PAYLOAD);
     let owner = OwnerToken::random();
-    store.claim(&key, &fingerprint, &owner, Duration::from_secs(60)).await.unwrap();
+    store.claim(&key, &fingerprint, &owner, Duration::from_secs(60).into()).await.unwrap();
     let http_record = bytes::Bytes::from_static(&[1, 0, 200, 0, 0]);
     store.complete(&key, &owner, &fingerprint, http_record, Duration::from_secs(60)).await.unwrap();
     let foreign = idem.run(SCOPE, "evt_2", PAYLOAD, charges.charge(Duration::ZERO)).await;

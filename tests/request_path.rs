@@ -68,8 +68,9 @@ async fn one_key_on_two_resources_through_a_nested_router_is_409<H: Harness>(h: 
     // request through a router without the prefix is another request.
     let store = h.store();
     let nested = Fingerprint::new("POST", "/v1/orders/1/capture", "", b"{}");
-    let claim =
-        store.claim(&global("k1"), &nested, &OwnerToken::random(), Duration::from_secs(1)).await;
+    let claim = store
+        .claim(&global("k1"), &nested, &OwnerToken::random(), Duration::from_secs(1).into())
+        .await;
     assert!(matches!(claim.unwrap(), axum_idempotency::Claim::Replay(_)));
     assert_eq!(calls.get(), 1);
 }
@@ -197,7 +198,7 @@ async fn a_large_corrupt_record_is_500_not_a_panic<H: Harness>(h: H) {
     let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
     let owner = OwnerToken::random();
     let long = Duration::from_secs(60);
-    store.claim(&global("k1"), &fingerprint, &owner, long).await.unwrap();
+    store.claim(&global("k1"), &fingerprint, &owner, long.into()).await.unwrap();
     store.complete(&global("k1"), &owner, &fingerprint, blob.into(), long).await.unwrap();
     let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     seen.assert_problem(500, "corrupt-record");

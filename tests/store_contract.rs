@@ -11,7 +11,9 @@ mod common;
 
 use std::time::Duration;
 
-use axum_idempotency::{Claim, Fenced, Fingerprint, OwnerToken, RecordKey, Store, StoreError};
+use axum_idempotency::{
+    Claim, Fenced, Fingerprint, Lease, OwnerToken, RecordKey, Store, StoreError,
+};
 use bytes::Bytes;
 use common::*;
 
@@ -33,8 +35,15 @@ every_store!(
     touch_by_a_stale_holder_neither_renews_nor_takes_the_new_owners_claim,
     touch_of_a_completed_record_is_rejected_and_keeps_its_retention,
     touch_of_an_absent_key_is_rejected_and_writes_nothing,
-    a_completed_record_whose_response_is_the_owner_token_is_not_a_claim;
+    a_completed_record_whose_response_is_the_owner_token_is_not_a_claim,
+    a_lapsed_claim_within_its_recovery_window_is_taken_over_and_its_holder_fenced_out,
+    a_lapsed_claim_within_its_recovery_window_is_a_mismatch_for_another_fingerprint,
+    a_lapsed_holder_nobody_took_over_from_may_still_settle,
+    a_taken_over_claim_is_remembered_for_a_window_again,
+    touch_with_a_zero_lease_hands_the_key_to_the_next_claim,
+    in_progress_reports_the_time_to_the_deadline_not_to_the_end_of_the_window;
     redis stores:
+    an_in_progress_record_without_a_deadline_is_still_read,
     records_are_written_byte_for_byte,
     fenced_out_writes_leave_the_new_owners_record_byte_for_byte,
     foreign_values_are_reported_and_never_overwritten,
@@ -65,14 +74,14 @@ async fn claimed<S: Store>(
     lease: Duration,
 ) -> OwnerToken {
     let owner = OwnerToken::random();
-    assert_eq!(store.claim(key, fp, &owner, lease).await.unwrap(), Claim::Claimed);
+    assert_eq!(store.claim(key, fp, &owner, lease.into()).await.unwrap(), Claim::Claimed);
     owner
 }
 
 /// The key holds an in-progress claim by someone: a probe with the same fingerprint is told so,
 /// and is not given the key. The probe's token is never used again.
 async fn assert_in_progress<S: Store>(store: &S, key: &RecordKey, fp: &Fingerprint) -> Duration {
-    match store.claim(key, fp, &OwnerToken::random(), LONG).await.unwrap() {
+    match store.claim(key, fp, &OwnerToken::random(), LONG.into()).await.unwrap() {
         Claim::InProgress { remaining } => remaining,
         other => panic!("expected the key in progress, found {other:?}"),
     }
@@ -81,7 +90,10 @@ async fn assert_in_progress<S: Store>(store: &S, key: &RecordKey, fp: &Fingerpri
 /// The key holds a completed record with exactly `expected` as its response.
 async fn assert_replays<S: Store>(store: &S, key: &RecordKey, fp: &Fingerprint, expected: &Bytes) {
     let probe = OwnerToken::random();
-    assert_eq!(store.claim(key, fp, &probe, LONG).await.unwrap(), Claim::Replay(expected.clone()));
+    assert_eq!(
+        store.claim(key, fp, &probe, LONG.into()).await.unwrap(),
+        Claim::Replay(expected.clone())
+    );
 }
 
 /// The key is free: a claim takes it (and the test owns that claim afterwards).
@@ -118,7 +130,7 @@ async fn claim_while_in_progress_reports_the_remaining_lease_or_mismatch<H: Harn
     let remaining = assert_in_progress(&store, &k, &fp("1")).await;
     assert!(remaining <= LONG && remaining > LONG - Duration::from_secs(2), "{remaining:?}");
     assert_eq!(
-        store.claim(&k, &fp("2"), &OwnerToken::random(), LONG).await.unwrap(),
+        store.claim(&k, &fp("2"), &OwnerToken::random(), LONG.into()).await.unwrap(),
         Claim::Mismatch
     );
     // Neither probe took the key or changed it.
@@ -137,7 +149,7 @@ async fn claim_on_completed_replays_the_exact_bytes_or_mismatches<H: Harness>(h:
     );
     assert_replays(&store, &k, &fp("1"), &stored).await;
     assert_eq!(
-        store.claim(&k, &fp("2"), &OwnerToken::random(), LONG).await.unwrap(),
+        store.claim(&k, &fp("2"), &OwnerToken::random(), LONG.into()).await.unwrap(),
         Claim::Mismatch
     );
     assert_eq!(h.held(&k).await, Some(Held::Completed));
@@ -287,7 +299,7 @@ async fn touch_by_the_owner_renews_the_lease<H: Harness>(h: H) {
     let store = h.store();
     let k = key("a");
     let owner = claimed(&store, &k, &fp("1"), SHORT).await;
-    assert_eq!(store.touch(&k, &owner, LONG).await.unwrap(), Fenced::Applied);
+    assert_eq!(store.touch(&k, &owner, LONG.into()).await.unwrap(), Fenced::Applied);
     tokio::time::sleep(PAST_SHORT).await;
     let remaining = assert_in_progress(&store, &k, &fp("1")).await;
     assert!(remaining > LONG - Duration::from_secs(2), "lease not renewed: {remaining:?}");
@@ -304,8 +316,11 @@ async fn touch_by_a_stale_holder_neither_renews_nor_takes_the_new_owners_claim<H
     let stale = claimed(&store, &k, &fp("1"), SHORT).await;
     tokio::time::sleep(PAST_SHORT).await;
     let new = claimed(&store, &k, &fp("1"), SHORT).await;
-    assert_eq!(store.touch(&k, &stale, LONG).await.unwrap(), Fenced::Rejected);
-    assert_eq!(store.touch(&k, &OwnerToken::random(), LONG).await.unwrap(), Fenced::Rejected);
+    assert_eq!(store.touch(&k, &stale, LONG.into()).await.unwrap(), Fenced::Rejected);
+    assert_eq!(
+        store.touch(&k, &OwnerToken::random(), LONG.into()).await.unwrap(),
+        Fenced::Rejected
+    );
     // The new owner's short lease was not extended: it lapses on time.
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(h.held(&k).await, None);
@@ -325,7 +340,7 @@ async fn touch_of_a_completed_record_is_rejected_and_keeps_its_retention<H: Harn
         store.complete(&k, &owner, &fp("1"), response("r"), SHORT).await.unwrap(),
         Fenced::Applied
     );
-    assert_eq!(store.touch(&k, &owner, LONG).await.unwrap(), Fenced::Rejected);
+    assert_eq!(store.touch(&k, &owner, LONG.into()).await.unwrap(), Fenced::Rejected);
     assert_replays(&store, &k, &fp("1"), &response("r")).await;
     tokio::time::sleep(PAST_SHORT).await;
     assert_eq!(h.held(&k).await, None);
@@ -334,7 +349,10 @@ async fn touch_of_a_completed_record_is_rejected_and_keeps_its_retention<H: Harn
 async fn touch_of_an_absent_key_is_rejected_and_writes_nothing<H: Harness>(h: H) {
     let store = h.store();
     let k = key("a");
-    assert_eq!(store.touch(&k, &OwnerToken::random(), LONG).await.unwrap(), Fenced::Rejected);
+    assert_eq!(
+        store.touch(&k, &OwnerToken::random(), LONG.into()).await.unwrap(),
+        Fenced::Rejected
+    );
     assert_eq!(h.held(&k).await, None);
     assert_eq!(h.record_count().await, 0);
 }
@@ -354,13 +372,13 @@ async fn a_completed_record_whose_response_is_the_owner_token_is_not_a_claim<H: 
         store.complete(&k, &owner, &fp("1"), response("second"), LONG).await.unwrap(),
         Fenced::Rejected
     );
-    assert_eq!(store.touch(&k, &owner, LONG).await.unwrap(), Fenced::Rejected);
+    assert_eq!(store.touch(&k, &owner, LONG.into()).await.unwrap(), Fenced::Rejected);
     assert_eq!(store.release(&k, &owner).await.unwrap(), Fenced::Rejected);
     assert_replays(&store, &k, &fp("1"), &lookalike).await;
 }
 
-/// `version '1' | state | fingerprint (32) | owner (16) or response`, as `src/store/redis.rs`
-/// documents it.
+/// `version '1' | state | fingerprint (32) | owner (16) | deadline, or response`, as
+/// `lua/claim.lua` documents it.
 fn record(state: u8, fp: &Fingerprint, tail: &[u8]) -> Vec<u8> {
     let mut record = vec![b'1', state];
     record.extend_from_slice(fp.as_bytes());
@@ -368,15 +386,44 @@ fn record(state: u8, fp: &Fingerprint, tail: &[u8]) -> Vec<u8> {
     record
 }
 
+/// Splits an in-progress record into its first 50 bytes and its lease deadline, in
+/// milliseconds from now by this machine's clock (the test's Redis runs on it).
+fn split_deadline(raw: Option<Vec<u8>>) -> (Vec<u8>, i64) {
+    let raw = raw.expect("a record");
+    assert!(raw.len() > 50, "no deadline in {raw:?}");
+    let deadline: i64 = std::str::from_utf8(&raw[50..]).unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    (raw[..50].to_vec(), deadline - i64::try_from(now.as_millis()).unwrap())
+}
+
 async fn records_are_written_byte_for_byte<H: RawHarness>(h: H) {
     let store = h.store();
     let k = key("a");
     let owner = claimed(&store, &k, &fp("1"), LONG).await;
-    assert_eq!(h.raw(&k).await, Some(record(b'P', &fp("1"), owner.as_bytes())));
+    let (head, deadline_in) = split_deadline(h.raw(&k).await);
+    assert_eq!(head, record(b'P', &fp("1"), owner.as_bytes()));
+    assert!(deadline_in > 28_000 && deadline_in <= 30_000, "lease deadline in {deadline_in} ms");
+    // Without a recovery window the record goes with its lease.
     let pttl = h.pttl(&k).await;
     assert!(pttl > 28_000 && pttl <= 30_000, "lease PTTL {pttl}");
-    assert_eq!(store.touch(&k, &owner, Duration::from_secs(60)).await.unwrap(), Fenced::Applied);
+    assert_eq!(
+        store.touch(&k, &owner, Duration::from_secs(60).into()).await.unwrap(),
+        Fenced::Applied
+    );
     assert!(h.pttl(&k).await > 58_000, "touch did not renew");
+    let (head, deadline_in) = split_deadline(h.raw(&k).await);
+    assert_eq!(head, record(b'P', &fp("1"), owner.as_bytes()));
+    assert!(
+        deadline_in > 58_000 && deadline_in <= 60_000,
+        "touch moved the deadline to {deadline_in}"
+    );
+    // A recovery window keeps the record past the deadline.
+    let windowed = Lease::new(Duration::from_secs(60)).recovery_window(Duration::from_secs(3600));
+    assert_eq!(store.touch(&k, &owner, windowed).await.unwrap(), Fenced::Applied);
+    let pttl = h.pttl(&k).await;
+    assert!(pttl > 3_658_000 && pttl <= 3_660_000, "lease + window PTTL {pttl}");
+    let (_, deadline_in) = split_deadline(h.raw(&k).await);
+    assert!(deadline_in > 58_000 && deadline_in <= 60_000, "deadline {deadline_in}");
     let body = Bytes::from(vec![7u8; 300]);
     assert_eq!(
         store
@@ -394,16 +441,19 @@ async fn fenced_out_writes_leave_the_new_owners_record_byte_for_byte<H: RawHarne
     let store = h.store();
     let k = key("a");
     let (stale, new) = stale_and_new_owner(&store, &k, &fp("1")).await;
-    let expected = record(b'P', &fp("1"), new.as_bytes());
-    assert_eq!(h.raw(&k).await, Some(expected.clone()));
+    let expected = h.raw(&k).await;
+    assert_eq!(split_deadline(expected.clone()).0, record(b'P', &fp("1"), new.as_bytes()));
     let pttl_before = h.pttl(&k).await;
     assert_eq!(
         store.complete(&k, &stale, &fp("1"), response("stale"), LONG).await.unwrap(),
         Fenced::Rejected
     );
     assert_eq!(store.release(&k, &stale).await.unwrap(), Fenced::Rejected);
-    assert_eq!(store.touch(&k, &stale, Duration::from_secs(600)).await.unwrap(), Fenced::Rejected);
-    assert_eq!(h.raw(&k).await, Some(expected));
+    assert_eq!(
+        store.touch(&k, &stale, Duration::from_secs(600).into()).await.unwrap(),
+        Fenced::Rejected
+    );
+    assert_eq!(h.raw(&k).await, expected);
     let pttl_after = h.pttl(&k).await;
     assert!(
         pttl_after <= pttl_before,
@@ -421,13 +471,14 @@ async fn foreign_values_are_reported_and_never_overwritten<H: RawHarness>(h: H) 
         ("truncated", RawValue::String(b"1C".to_vec())),
         ("unknown state", RawValue::String(record(b'X', &fp("1"), b"body"))),
         ("in progress of the wrong length", RawValue::String(record(b'P', &fp("1"), &[9; 15]))),
+        ("a deadline that is no number", RawValue::String(record(b'W', &fp("1"), &[b'x'; 20]))),
         ("a hash", RawValue::Hash),
     ];
     for (what, value) in foreign {
         let k = key(what);
         h.plant(&k, value).await;
         let before = h.describe(&k).await;
-        let claim = store.claim(&k, &fp("1"), &OwnerToken::random(), LONG).await;
+        let claim = store.claim(&k, &fp("1"), &OwnerToken::random(), LONG.into()).await;
         // The reason names what is wrong, from the script itself.
         let Err(StoreError::CorruptRecord(reason)) = claim else {
             panic!("{what}: claim gave {claim:?}")
@@ -445,8 +496,168 @@ async fn foreign_values_are_reported_and_never_overwritten<H: RawHarness>(h: H) 
             "{what}"
         );
         assert_eq!(store.release(&k, &owner).await.unwrap(), Fenced::Rejected, "{what}");
-        assert_eq!(store.touch(&k, &owner, LONG).await.unwrap(), Fenced::Rejected, "{what}");
+        assert_eq!(store.touch(&k, &owner, LONG.into()).await.unwrap(), Fenced::Rejected, "{what}");
         assert_eq!(h.describe(&k).await, before, "{what}: the value changed");
         assert_eq!(h.pttl(&k).await, -1, "{what}: an expiry was set");
     }
+}
+
+const WINDOW: Duration = Duration::from_secs(3600);
+
+fn windowed(lease: Duration) -> Lease {
+    Lease::new(lease).recovery_window(WINDOW)
+}
+
+async fn a_lapsed_claim_within_its_recovery_window_is_taken_over_and_its_holder_fenced_out<
+    H: Harness,
+>(
+    h: H,
+) {
+    let store = h.store();
+    let k = key("a");
+    let stale = OwnerToken::random();
+    assert_eq!(store.claim(&k, &fp("1"), &stale, windowed(SHORT)).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(PAST_SHORT).await;
+    // Past the lease the record is still there, and a claim takes it over.
+    assert_eq!(h.held(&k).await, Some(Held::InProgress));
+    let new = OwnerToken::random();
+    assert_eq!(store.claim(&k, &fp("1"), &new, windowed(LONG)).await.unwrap(), Claim::TakenOver);
+    // The new owner holds it for its lease: a probe is told so, and the lapsed holder can
+    // neither complete, release nor renew.
+    assert!(assert_in_progress(&store, &k, &fp("1")).await > LONG - Duration::from_secs(2));
+    assert_eq!(
+        store.complete(&k, &stale, &fp("1"), response("stale"), LONG).await.unwrap(),
+        Fenced::Rejected
+    );
+    assert_eq!(store.release(&k, &stale).await.unwrap(), Fenced::Rejected);
+    assert_eq!(store.touch(&k, &stale, windowed(LONG)).await.unwrap(), Fenced::Rejected);
+    assert_eq!(
+        store.complete(&k, &new, &fp("1"), response("new"), LONG).await.unwrap(),
+        Fenced::Applied
+    );
+    assert_replays(&store, &k, &fp("1"), &response("new")).await;
+}
+
+async fn a_lapsed_claim_within_its_recovery_window_is_a_mismatch_for_another_fingerprint<
+    H: Harness,
+>(
+    h: H,
+) {
+    let store = h.store();
+    let k = key("a");
+    let short_window = Lease::new(SHORT).recovery_window(Duration::from_millis(400));
+    let owner = OwnerToken::random();
+    assert_eq!(store.claim(&k, &fp("1"), &owner, short_window).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(PAST_SHORT).await;
+    // The first request may have happened: its key is not another request's yet.
+    assert_eq!(
+        store.claim(&k, &fp("2"), &OwnerToken::random(), windowed(LONG)).await.unwrap(),
+        Claim::Mismatch
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    // Past the window the record is gone: any request claims the key afresh.
+    assert_eq!(h.held(&k).await, None);
+    assert_eq!(
+        store.claim(&k, &fp("2"), &OwnerToken::random(), windowed(LONG)).await.unwrap(),
+        Claim::Claimed
+    );
+}
+
+async fn a_lapsed_holder_nobody_took_over_from_may_still_settle<H: Harness>(h: H) {
+    let store = h.store();
+    let (completed, released) = (key("completed"), key("released"));
+    let (first, second) = (OwnerToken::random(), OwnerToken::random());
+    assert_eq!(
+        store.claim(&completed, &fp("1"), &first, windowed(SHORT)).await.unwrap(),
+        Claim::Claimed
+    );
+    assert_eq!(
+        store.claim(&released, &fp("1"), &second, windowed(SHORT)).await.unwrap(),
+        Claim::Claimed
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(
+        store.complete(&completed, &first, &fp("1"), response("late"), LONG).await.unwrap(),
+        Fenced::Applied
+    );
+    assert_replays(&store, &completed, &fp("1"), &response("late")).await;
+    assert_eq!(store.release(&released, &second).await.unwrap(), Fenced::Applied);
+    assert_eq!(h.held(&released).await, None);
+    // Released, the key is claimed afresh: nothing of the first run is left to recover.
+    assert_eq!(
+        store.claim(&released, &fp("1"), &OwnerToken::random(), windowed(LONG)).await.unwrap(),
+        Claim::Claimed
+    );
+}
+
+async fn a_taken_over_claim_is_remembered_for_a_window_again<H: Harness>(h: H) {
+    let store = h.store();
+    let k = key("a");
+    let lease = Lease::new(SHORT).recovery_window(Duration::from_millis(400));
+    assert_eq!(
+        store.claim(&k, &fp("1"), &OwnerToken::random(), lease).await.unwrap(),
+        Claim::Claimed
+    );
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(
+        store.claim(&k, &fp("1"), &OwnerToken::random(), lease).await.unwrap(),
+        Claim::TakenOver
+    );
+    // The first claim's lease and window ended 550 ms after it, at 600 ms the record is still
+    // there: the takeover's own lease and window keep it.
+    tokio::time::sleep(PAST_SHORT).await;
+    assert_eq!(
+        store.claim(&k, &fp("1"), &OwnerToken::random(), lease).await.unwrap(),
+        Claim::TakenOver
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_eq!(h.held(&k).await, None);
+}
+
+async fn touch_with_a_zero_lease_hands_the_key_to_the_next_claim<H: Harness>(h: H) {
+    let store = h.store();
+    let k = key("a");
+    let owner = OwnerToken::random();
+    assert_eq!(store.claim(&k, &fp("1"), &owner, windowed(LONG)).await.unwrap(), Claim::Claimed);
+    let ended = Lease::new(Duration::ZERO).recovery_window(WINDOW);
+    assert_eq!(store.touch(&k, &OwnerToken::random(), ended).await.unwrap(), Fenced::Rejected);
+    assert!(assert_in_progress(&store, &k, &fp("1")).await > LONG - Duration::from_secs(2));
+    assert_eq!(store.touch(&k, &owner, ended).await.unwrap(), Fenced::Applied);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    assert_eq!(h.held(&k).await, Some(Held::InProgress));
+    assert_eq!(
+        store.claim(&k, &fp("1"), &OwnerToken::random(), windowed(LONG)).await.unwrap(),
+        Claim::TakenOver
+    );
+}
+
+async fn in_progress_reports_the_time_to_the_deadline_not_to_the_end_of_the_window<H: Harness>(
+    h: H,
+) {
+    let store = h.store();
+    let k = key("a");
+    let owner = OwnerToken::random();
+    assert_eq!(store.claim(&k, &fp("1"), &owner, windowed(LONG)).await.unwrap(), Claim::Claimed);
+    let remaining = assert_in_progress(&store, &k, &fp("1")).await;
+    assert!(remaining <= LONG && remaining > LONG - Duration::from_secs(2), "{remaining:?}");
+    let _ = h;
+}
+
+async fn an_in_progress_record_without_a_deadline_is_still_read<H: RawHarness>(h: H) {
+    // An in-progress record of 50 bytes, as written before deadlines: it lives as long as its
+    // lease, and is reported in progress (never taken over) until then.
+    let store = h.store();
+    let k = key("legacy");
+    h.plant(&k, RawValue::String(record(b'P', &fp("1"), &[9; 16]))).await;
+    assert!(matches!(
+        store.claim(&k, &fp("1"), &OwnerToken::random(), windowed(LONG)).await.unwrap(),
+        Claim::InProgress { .. }
+    ));
+    assert_eq!(
+        store.claim(&k, &fp("2"), &OwnerToken::random(), windowed(LONG)).await.unwrap(),
+        Claim::Mismatch
+    );
+    let stranger = OwnerToken::random();
+    assert_eq!(store.release(&k, &stranger).await.unwrap(), Fenced::Rejected);
+    assert_eq!(h.raw(&k).await, Some(record(b'P', &fp("1"), &[9; 16])));
 }

@@ -22,12 +22,12 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
-pub(crate) use self::holder::{Holder, Panic};
+pub(crate) use self::holder::{Holder, Panic, Recovery};
 use self::settle::release;
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Claim, OwnerToken, Store, StoreError},
+    store::{Claim, Lease, OwnerToken, Store, StoreError},
 };
 
 /// What the engine needs to know of a front door's configuration.
@@ -48,6 +48,50 @@ pub(crate) struct Settings {
     pub(crate) waiters: Arc<Semaphore>,
     /// The longest `Retry-After` hint given to a duplicate that is not waited for.
     pub(crate) retry_after: Duration,
+    /// When and how a claim asks the front door's recovery hook; `None`: there is none.
+    pub(crate) recovery: Option<RecoveryPolicy>,
+}
+
+/// How the engine uses a front door's recovery hook.
+#[derive(Debug, Clone)]
+pub(crate) struct RecoveryPolicy {
+    /// How long a lapsed claim is remembered, so that the next claim is a takeover; the
+    /// retention when `None`.
+    pub(crate) window: Option<Duration>,
+    /// Ask on every claim, not only on a takeover (for stores that may lose records).
+    pub(crate) every_claim: bool,
+    /// The longest the hook may take.
+    pub(crate) timeout: Duration,
+    /// Run the operation when the hook fails, rather than refuse it.
+    pub(crate) run_on_failure: bool,
+}
+
+impl Default for RecoveryPolicy {
+    fn default() -> Self {
+        Self {
+            window: None,
+            every_claim: false,
+            timeout: Duration::from_secs(5),
+            run_on_failure: false,
+        }
+    }
+}
+
+impl Settings {
+    /// The lease of a claim: with a recovery window when a hook is there to use it.
+    pub(crate) fn lease(&self) -> Lease {
+        let window = self
+            .recovery
+            .as_ref()
+            .map_or(Duration::ZERO, |policy| policy.window.unwrap_or(self.retention));
+        Lease::new(self.lease).recovery_window(window)
+    }
+
+    /// The recovery policy, set to its defaults when it was not there: the front door's
+    /// builder sets a hook, or tunes the policy of one.
+    pub(crate) fn recovery_mut(&mut self) -> &mut RecoveryPolicy {
+        self.recovery.get_or_insert_with(RecoveryPolicy::default)
+    }
 }
 
 /// The default for the number of waiters at once.
@@ -63,6 +107,7 @@ impl Default for Settings {
             wait: None,
             waiters: Arc::new(Semaphore::new(DEFAULT_MAX_WAITERS)),
             retry_after: Duration::from_secs(1),
+            recovery: None,
         }
     }
 }
@@ -118,9 +163,15 @@ impl<St: Store> Engine<St> {
             }
         };
         Ok(match claim {
-            Claim::Claimed => {
-                tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
-                observe::claim(&route, "claimed");
+            Claim::Claimed | Claim::TakenOver => {
+                let taken_over = claim == Claim::TakenOver;
+                if taken_over {
+                    tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
+                    observe::claim(&route, "taken_over");
+                } else {
+                    tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
+                    observe::claim(&route, "claimed");
+                }
                 let settings = self.settings.clone();
                 Claimed::Run(Holder::new(
                     self.store.clone(),
@@ -129,6 +180,7 @@ impl<St: Store> Engine<St> {
                     owner,
                     settings,
                     route,
+                    taken_over,
                 ))
             }
             Claim::Replay(stored) => {
@@ -210,7 +262,7 @@ impl<St: Store> Engine<St> {
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let owner = OwnerToken::random();
         let mut guard = UnsettledClaim { armed: Some((&self.store, key, &owner)) };
-        let lease = self.settings.lease;
+        let lease = self.settings.lease();
         let claim = if waiting {
             self.store.claim_waiting(key, fingerprint, &owner, lease).await
         } else {

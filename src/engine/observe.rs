@@ -4,13 +4,24 @@
 
 use std::time::Duration;
 
-/// `idempotency_claims_total{route, outcome}`: claimed, replayed, in_progress, mismatch.
+/// `idempotency_claims_total{route, outcome}`: claimed, taken_over, replayed, in_progress,
+/// mismatch.
 pub(crate) fn claim(route: &str, outcome: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!("idempotency_claims_total", "route" => route.to_owned(), "outcome" => outcome)
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (route, outcome);
+}
+
+/// `idempotency_recoveries_total{route, result}`: what the recovery hook answered: happened,
+/// unknown, failed.
+pub(crate) fn recovery(route: &str, result: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_recoveries_total", "route" => route.to_owned(), "result" => result)
+        .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = (route, result);
 }
 
 /// `idempotency_settles_total{route, result}`: stored, released, fenced_out, failed.

@@ -8,7 +8,7 @@ use std::{
 
 use bytes::Bytes;
 
-use super::{Claim, Fenced, OwnerToken, Store, StoreError, Subscription, Waiters};
+use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, Waiters};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// The smallest map that is swept for expired records.
@@ -54,12 +54,14 @@ impl Default for Records {
 struct Record {
     fingerprint: Fingerprint,
     state: State,
+    /// When the record goes: an in-progress record's lease deadline plus its recovery window,
+    /// a completed one's retention.
     expires_at: Instant,
 }
 
 #[derive(Debug)]
 enum State {
-    InProgress(OwnerToken),
+    InProgress { owner: OwnerToken, deadline: Instant },
     Completed(Bytes),
 }
 
@@ -94,7 +96,7 @@ impl MemoryStore {
         let records = self.lock();
         let record = records.live(key.as_str(), Instant::now())?;
         Some(match record.state {
-            State::InProgress(_) => RecordState::InProgress,
+            State::InProgress { .. } => RecordState::InProgress,
             State::Completed(_) => RecordState::Completed,
         })
     }
@@ -128,7 +130,7 @@ impl MemoryStore {
         let mut records = self.lock();
         let owned = matches!(
             records.live(key.as_str(), Instant::now()),
-            Some(Record { state: State::InProgress(holder), .. }) if holder == owner
+            Some(Record { state: State::InProgress { owner: holder, .. }, .. }) if holder == owner
         );
         if !owned {
             return Fenced::Rejected;
@@ -141,6 +143,10 @@ impl MemoryStore {
 impl Records {
     fn live(&self, key: &str, now: Instant) -> Option<&Record> {
         self.map.get(key).filter(|record| record.expires_at > now)
+    }
+
+    fn live_mut(&mut self, key: &str, now: Instant) -> Option<&mut Record> {
+        self.map.get_mut(key).filter(|record| record.expires_at > now)
     }
 
     /// Makes sure a record for `key` fits: sweeps the expired ones when the map is full, and
@@ -163,7 +169,7 @@ impl Store for MemoryStore {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> Result<Claim, StoreError> {
         let now = Instant::now();
         let mut records = self.lock();
@@ -171,25 +177,33 @@ impl Store for MemoryStore {
             records.map.retain(|_, record| record.expires_at > now);
             records.sweep_at = (2 * records.map.len()).max(SWEEP_FROM);
         }
-        if let Some(record) = records.live(key.as_str(), now) {
-            return Ok(if record.fingerprint != *fingerprint {
-                Claim::Mismatch
-            } else {
-                match &record.state {
-                    State::Completed(response) => Claim::Replay(response.clone()),
-                    State::InProgress(_) => {
-                        Claim::InProgress { remaining: record.expires_at - now }
-                    }
+        if let Some(record) = records.live_mut(key.as_str(), now) {
+            if record.fingerprint != *fingerprint {
+                return Ok(Claim::Mismatch);
+            }
+            return Ok(match &mut record.state {
+                State::Completed(response) => Claim::Replay(response.clone()),
+                State::InProgress { deadline, .. } if *deadline > now => {
+                    Claim::InProgress { remaining: *deadline - now }
+                }
+                // The lease lapsed within the recovery window: the key is the caller's now,
+                // and the lapsed holder is fenced out by its token.
+                State::InProgress { owner: holder, deadline } => {
+                    *holder = owner.clone();
+                    *deadline = now + lease.duration;
+                    record.expires_at = *deadline + lease.recovery_window;
+                    Claim::TakenOver
                 }
             });
         }
         records.make_room(key.as_str(), now)?;
+        let deadline = now + lease.duration;
         records.map.insert(
             key.as_str().to_owned(),
             Record {
                 fingerprint: fingerprint.clone(),
-                state: State::InProgress(owner.clone()),
-                expires_at: now + lease,
+                state: State::InProgress { owner: owner.clone(), deadline },
+                expires_at: deadline + lease.recovery_window,
             },
         );
         Ok(Claim::Claimed)
@@ -206,7 +220,8 @@ impl Store for MemoryStore {
         let now = Instant::now();
         let mut records = self.lock();
         match records.live(key.as_str(), now) {
-            Some(Record { state: State::InProgress(holder), .. }) if holder == owner => {}
+            Some(Record { state: State::InProgress { owner: holder, .. }, .. })
+                if holder == owner => {}
             Some(_) => return Ok(Fenced::Rejected),
             // The lease lapsed and nobody took over: the response is still the one answer.
             None => records.make_room(key.as_str(), now)?,
@@ -242,11 +257,14 @@ impl Store for MemoryStore {
         &self,
         key: &RecordKey,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> Result<Fenced, StoreError> {
         Ok(self.fenced(key, owner, |records, key| {
-            if let Some(record) = records.map.get_mut(key) {
-                record.expires_at = Instant::now() + lease;
+            if let Some(record) = records.map.get_mut(key)
+                && let State::InProgress { deadline, .. } = &mut record.state
+            {
+                *deadline = Instant::now() + lease.duration;
+                record.expires_at = *deadline + lease.recovery_window;
             }
         }))
     }
@@ -265,7 +283,7 @@ mod tests {
             let fingerprint = fingerprint.clone();
             async move {
                 let key = RecordKey::new("t", b"", i.to_string().as_bytes());
-                store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await.unwrap()
+                store.claim(&key, &fingerprint, &OwnerToken::random(), lease.into()).await.unwrap()
             }
         };
         for i in 0..SWEEP_FROM {
@@ -297,15 +315,16 @@ mod tests {
         let fingerprint = Fingerprint::new("POST", "/", "", b"");
         let done = RecordKey::new("t", b"", b"done");
         let owner = OwnerToken::random();
-        store.claim(&done, &fingerprint, &owner, long).await.unwrap();
+        store.claim(&done, &fingerprint, &owner, long.into()).await.unwrap();
         store.complete(&done, &owner, &fingerprint, Bytes::from_static(b"r"), long).await.unwrap();
         claim_many(&store, "live", 2, long).await;
         let extra = RecordKey::new("t", b"", b"extra");
-        let full = store.claim(&extra, &fingerprint, &OwnerToken::random(), long).await;
+        let full = store.claim(&extra, &fingerprint, &OwnerToken::random(), long.into()).await;
         assert!(matches!(full, Err(StoreError::CapacityReached(3))), "{full:?}");
         assert!(full.unwrap_err().is_unavailable());
         // Everything already there is still there: replays and claims answer as before.
-        let replay = store.claim(&done, &fingerprint, &OwnerToken::random(), long).await.unwrap();
+        let replay =
+            store.claim(&done, &fingerprint, &OwnerToken::random(), long.into()).await.unwrap();
         assert_eq!(replay, Claim::Replay(Bytes::from_static(b"r")));
         assert_eq!(store.len(), 3);
         // Room made by expiry is used.
@@ -321,7 +340,7 @@ mod tests {
         let fingerprint = Fingerprint::new("POST", "/", "", b"");
         for i in 0..n {
             let key = RecordKey::new("t", b"", format!("{prefix}{i}").as_bytes());
-            let claim = store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await;
+            let claim = store.claim(&key, &fingerprint, &OwnerToken::random(), lease.into()).await;
             assert_eq!(claim.unwrap(), Claim::Claimed);
         }
     }
@@ -333,17 +352,19 @@ mod tests {
         let done = RecordKey::new("t", b"", b"done");
         let owner = OwnerToken::random();
         let long = Duration::from_secs(60);
-        store.claim(&done, &fingerprint, &owner, long).await.unwrap();
+        store.claim(&done, &fingerprint, &owner, long.into()).await.unwrap();
         let response = Bytes::from_static(b"stored");
         store.complete(&done, &owner, &fingerprint, response.clone(), long).await.unwrap();
         // Past the mark: the map is swept with every record still live.
         claim_many(&store, "live", SWEEP_FROM + 100, long).await;
         assert_eq!(store.lock().map.len(), SWEEP_FROM + 101);
         assert_eq!(store.len(), SWEEP_FROM + 101);
-        let replay = store.claim(&done, &fingerprint, &OwnerToken::random(), long).await.unwrap();
+        let replay =
+            store.claim(&done, &fingerprint, &OwnerToken::random(), long.into()).await.unwrap();
         assert_eq!(replay, Claim::Replay(response));
         let live = RecordKey::new("t", b"", b"live7");
-        let probe = store.claim(&live, &fingerprint, &OwnerToken::random(), long).await.unwrap();
+        let probe =
+            store.claim(&live, &fingerprint, &OwnerToken::random(), long.into()).await.unwrap();
         assert!(matches!(probe, Claim::InProgress { .. }), "{probe:?}");
         // The mark moved to twice what the sweep kept.
         assert_eq!(store.lock().sweep_at, 2 * SWEEP_FROM);

@@ -3,7 +3,9 @@
 //! A record moves through three transitions, each one atomic in the store:
 //!
 //! - [`Store::claim`]: an absent key becomes *in progress* under a fresh owner token and a
-//!   lease; a present key reports what holds it ([`Claim`]).
+//!   lease; a present key reports what holds it ([`Claim`]). A claim whose lease lapsed is
+//!   remembered for the lease's recovery window: a claim in that window takes it over
+//!   ([`Claim::TakenOver`]), so that the new owner knows to ask its system of record first.
 //! - [`Store::complete`]: the owner stores the encoded response for the retention period.
 //! - [`Store::release`]: the owner deletes the record so that a retry can run.
 //!
@@ -43,15 +45,18 @@ pub(crate) const RECORD_VERSION: &str = "1";
 pub trait Store: Clone + Send + Sync + 'static {
     /// Claims `key` for a request with `fingerprint`, or reports what holds it.
     ///
-    /// An absent key (never written, expired, or released) is claimed for `owner` and expires
-    /// after `lease` unless completed, released or touched. The caller draws `owner` before the
-    /// call, so that it can release a claim whose answer it never saw.
+    /// An absent key (never written, expired, or released) is claimed for `owner`: its lease
+    /// ends after `lease.duration` unless completed, released or touched, and the record is
+    /// kept for `lease.recovery_window` after that. A claim with the same fingerprint in that
+    /// window takes the lapsed claim over for `owner` ([`Claim::TakenOver`]); the lapsed
+    /// holder is fenced out from then on. The caller draws `owner` before the call, so that it
+    /// can release a claim whose answer it never saw.
     fn claim(
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Stores `response` under `key` for `retention`, if `owner` still holds the key or the key
@@ -80,7 +85,7 @@ pub trait Store: Clone + Send + Sync + 'static {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send {
         self.claim(key, fingerprint, owner, lease)
     }
@@ -95,20 +100,68 @@ pub trait Store: Clone + Send + Sync + 'static {
         std::future::ready(Subscription::unsupported())
     }
 
-    /// Renews the lease of the record under `key` to `lease` if `owner` still holds it.
+    /// Renews the lease of the record under `key` to `lease` if `owner` still holds it. A
+    /// zero `lease.duration` ends the lease now and keeps the record for its recovery window:
+    /// the next claim takes it over.
     fn touch(
         &self,
         key: &RecordKey,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> impl Future<Output = Result<Fenced, StoreError>> + Send;
+}
+
+/// How long a claim holds its key, and how long a lapsed claim is remembered after.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum_idempotency::store::Lease;
+///
+/// let lease = Lease::new(Duration::from_secs(30)).recovery_window(Duration::from_secs(3600));
+/// assert_eq!(lease.duration, Duration::from_secs(30));
+/// assert_eq!(Lease::from(Duration::from_secs(30)).recovery_window, Duration::ZERO);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// How long the claim holds its key without renewal.
+    pub duration: Duration,
+    /// How long an in-progress record outlives its lapsed lease, so that the next claim
+    /// knows it takes over from a holder that may have died mid-operation. Zero: the record
+    /// expires with its lease, and the next claim is a plain [`Claim::Claimed`].
+    pub recovery_window: Duration,
+}
+
+impl Lease {
+    /// A lease of `duration`, without a recovery window.
+    #[must_use]
+    pub const fn new(duration: Duration) -> Self {
+        Self { duration, recovery_window: Duration::ZERO }
+    }
+
+    /// Sets the recovery window.
+    #[must_use]
+    pub const fn recovery_window(mut self, window: Duration) -> Self {
+        self.recovery_window = window;
+        self
+    }
+}
+
+impl From<Duration> for Lease {
+    fn from(duration: Duration) -> Self {
+        Self::new(duration)
+    }
 }
 
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Claim {
     /// The key was absent and now belongs to the caller's owner token.
     Claimed,
+    /// The key held a claim with the same fingerprint whose lease lapsed (its holder died, or
+    /// is too slow), within its recovery window: it now belongs to the caller's owner token.
+    /// The operation may have happened: ask the system of record before running it again.
+    TakenOver,
     /// A request with the same fingerprint completed; here is its encoded response.
     Replay(Bytes),
     /// A request with the same fingerprint is still running; its lease ends in `remaining`.

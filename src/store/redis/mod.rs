@@ -18,10 +18,10 @@ use deadpool_redis::{
 pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use self::{
     connection::{Connections, Source},
-    scripts::{CLAIM, COMPLETE, RELEASE, TOUCH, millis, parse_claim, settle_channel},
+    scripts::{CLAIM, COMPLETE, RELEASE, TOUCH, millis, parse_claim, settle_channel, whole_millis},
     subscriber::{Listen, Subscriber},
 };
-use super::{Claim, Fenced, OwnerToken, RECORD_VERSION, Store, StoreError, Subscription};
+use super::{Claim, Fenced, Lease, OwnerToken, RECORD_VERSION, Store, StoreError, Subscription};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// The default for [`RedisStore::command_timeout`].
@@ -281,17 +281,19 @@ impl RedisStore {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
         waiting: bool,
     ) -> Result<Claim, StoreError> {
-        let lease = millis(lease).to_string();
+        let window = whole_millis(lease.recovery_window).to_string();
+        let lease = millis(lease.duration).to_string();
         let waiting: &[u8] = if waiting { b"1" } else { b"0" };
-        let args: [&[u8]; 5] = [
+        let args: [&[u8]; 6] = [
             fingerprint.as_bytes(),
             owner.as_bytes(),
             lease.as_bytes(),
             RECORD_VERSION.as_bytes(),
             waiting,
+            window.as_bytes(),
         ];
         parse_claim(self.invoke(&CLAIM, &[key.as_str()], &args).await?)
     }
@@ -315,7 +317,7 @@ impl Store for RedisStore {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> Result<Claim, StoreError> {
         self.claim_marking(key, fingerprint, owner, lease, false).await
     }
@@ -325,7 +327,7 @@ impl Store for RedisStore {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> Result<Claim, StoreError> {
         // Without a subscriber nobody would hear the publish: do not ask for one.
         self.claim_marking(key, fingerprint, owner, lease, self.subscriber.is_some()).await
@@ -370,10 +372,13 @@ impl Store for RedisStore {
         &self,
         key: &RecordKey,
         owner: &OwnerToken,
-        lease: Duration,
+        lease: Lease,
     ) -> Result<Fenced, StoreError> {
-        let lease = millis(lease).to_string();
-        let args: [&[u8]; 3] = [owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes()];
+        // A zero lease is meant: it ends the lease now.
+        let window = whole_millis(lease.recovery_window).to_string();
+        let lease = whole_millis(lease.duration).to_string();
+        let args: [&[u8]; 4] =
+            [owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes(), window.as_bytes()];
         self.fenced(&TOUCH, &[key.as_str()], &args).await
     }
 }

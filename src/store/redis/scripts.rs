@@ -36,7 +36,13 @@ pub(super) fn settle_channel(key: &RecordKey) -> String {
 
 pub(super) fn millis(duration: Duration) -> u64 {
     // PEXPIRE needs at least 1 ms; a zero lease would be an error, not an instant expiry.
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX).max(1)
+    whole_millis(duration).max(1)
+}
+
+/// `duration` in whole milliseconds, zero included. Bounded so that the scripts' arithmetic
+/// (Lua numbers are doubles) stays exact: 2^50 ms is over 35,000 years.
+pub(super) fn whole_millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX).min(1 << 50)
 }
 
 /// Reads the reply of `lua/claim.lua`.
@@ -52,6 +58,7 @@ pub(super) fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
             Ok(Claim::Replay(Bytes::from(record).slice(RESPONSE_OFFSET..)))
         }
         (2, None) => Ok(Claim::Mismatch),
+        (5, None) => Ok(Claim::TakenOver),
         (3, Some(Value::Int(remaining_ms))) => Ok(Claim::InProgress {
             remaining: Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)),
         }),
