@@ -59,11 +59,16 @@ impl<St: Store> Worker<St> {
         let rows = self.rows.clone();
         let outcome = self
             .idem
-            .run("payments-consumer", format!("evt_{number}"), &payload, move || async move {
-                // The side effect: in a real consumer, the charge at the payment provider.
-                rows.lock().unwrap().entry(number).or_default().side_effects += 1;
-                Ok::<_, std::io::Error>(format!("ch_{number}"))
-            })
+            .run(
+                "payments-consumer",
+                format!("evt_{number}"),
+                &payload,
+                move |_context| async move {
+                    // The side effect: in a real consumer, the charge at the payment provider.
+                    rows.lock().unwrap().entry(number).or_default().side_effects += 1;
+                    Ok::<_, std::io::Error>(format!("ch_{number}"))
+                },
+            )
             .await
             .expect("the idempotency store answers");
         let (label, ackable) = match outcome {

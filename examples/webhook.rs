@@ -95,7 +95,7 @@ async fn receive<St: Store>(
     let (event_id, kind) = (event.id.clone(), event.kind);
     let outcome = app
         .idem
-        .run(&scope, &event.id, &body, move || async move {
+        .run(&scope, &event.id, &body, move |_context| async move {
             // The side effect: here, a ledger entry for the event.
             let entry = ledger_app.ledger.fetch_add(1, Ordering::SeqCst) + 1;
             println!("processing {event_id} ({kind}): ledger entry {entry}");

@@ -13,7 +13,7 @@ use std::{
 };
 
 use axum_idempotency::{
-    Fingerprint, Idempotent, OwnerToken, RecordKey, RedisStore, Store,
+    Fingerprint, IdempotencyContext, Idempotent, OwnerToken, RecordKey, RedisStore, Store,
     consumer::{Error, Outcome},
 };
 use common::*;
@@ -66,12 +66,14 @@ impl Charges {
     fn charge(
         &self,
         delay: Duration,
-    ) -> impl FnOnce() -> std::pin::Pin<
+    ) -> impl FnOnce(
+        IdempotencyContext,
+    ) -> std::pin::Pin<
         Box<dyn Future<Output = Result<Receipt, std::io::Error>> + Send>,
     > + Send
     + 'static {
         let counter = self.0.clone();
-        move || {
+        move |_context| {
             Box::pin(async move {
                 let call = counter.fetch_add(1, Ordering::SeqCst) + 1;
                 tokio::time::sleep(delay).await;
@@ -133,7 +135,7 @@ async fn a_retryable_failure_releases_the_key<H: Harness>(h: H) {
     let idem = Idempotent::new(h.store());
     let calls = Arc::new(AtomicUsize::new(0));
     let operation = |calls: Arc<AtomicUsize>| {
-        move || async move {
+        move |_| async move {
             if calls.fetch_add(1, Ordering::SeqCst) == 0 {
                 return Err("provider timed out");
             }
@@ -153,7 +155,7 @@ async fn a_final_failure_is_stored_and_replayed<H: Harness>(h: H) {
     let calls = Arc::new(AtomicUsize::new(0));
     // A declined card is final: returned inside `Ok`, it is the stored result.
     let decline = |calls: Arc<AtomicUsize>| {
-        move || async move {
+        move |_| async move {
             calls.fetch_add(1, Ordering::SeqCst);
             Ok::<Result<Receipt, Declined>, std::io::Error>(Err(Declined::InsufficientFunds))
         }
@@ -171,7 +173,7 @@ async fn a_panic_releases_the_key_and_reaches_the_caller<H: Harness>(h: H) {
     let run = {
         let idem = idem.clone();
         tokio::spawn(async move {
-            idem.run(SCOPE, "evt_1", PAYLOAD, || async {
+            idem.run(SCOPE, "evt_1", PAYLOAD, |_| async {
                 if true {
                     panic!("operation panicked on purpose");
                 }
@@ -269,7 +271,8 @@ async fn a_stored_result_of_another_type_is_an_error_naming_the_key_hash<H: Harn
     let charges = Charges::default();
     idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await.unwrap();
     // A deploy changed the result type: the stored receipt is not a number.
-    let reread = idem.run(SCOPE, "evt_1", PAYLOAD, || async { Ok::<u64, std::io::Error>(7) }).await;
+    let reread =
+        idem.run(SCOPE, "evt_1", PAYLOAD, |_| async { Ok::<u64, std::io::Error>(7) }).await;
     match reread {
         Err(Error::Corrupt { key_hash, .. }) => assert_eq!(key_hash, record_key("evt_1").hash()),
         other => panic!("expected a corrupt-record error, got {other:?}"),
@@ -314,7 +317,7 @@ async fn an_unreachable_store_is_an_error_and_nothing_runs() {
 
 async fn a_result_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
     // `12345` encodes to 5 bytes of JSON: a limit of 5 stores it, 4 does not.
-    let five = || async { Ok::<u32, std::io::Error>(12345) };
+    let five = |_| async { Ok::<u32, std::io::Error>(12345) };
     let at_limit = Idempotent::new(h.store()).stored_limit(5);
     assert_eq!(at_limit.run(SCOPE, "evt_1", PAYLOAD, five).await.unwrap(), Outcome::Ran(12345));
     assert_eq!(

@@ -33,10 +33,15 @@ async fn records_are_compact_strings_that_never_hold_the_raw_key() {
         redis.clone().exists::<_, bool>(key.as_str()).await.unwrap()
     })
     .await;
-    // In progress: version, state, fingerprint, owner token.
+    // In progress: version, state, fingerprint, owner token, lease deadline (13 decimal
+    // digits of milliseconds since the Unix epoch, by the server's clock).
     let claimed: Vec<u8> = redis.get(key.as_str()).await.unwrap();
-    assert_eq!(claimed.len(), 1 + 1 + 32 + 16);
+    assert_eq!(claimed.len(), 1 + 1 + 32 + 16 + 13);
     assert_eq!(&claimed[..2], b"1P");
+    let deadline: u64 = std::str::from_utf8(&claimed[50..]).unwrap().parse().unwrap();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap();
+    let deadline_in = deadline - now.as_millis() as u64;
+    assert!((6_000..=7_000).contains(&deadline_in), "lease deadline in {deadline_in} ms");
     let lease_left: i64 = redis.pttl(key.as_str()).await.unwrap();
     assert!((6_000..=7_000).contains(&lease_left), "lease PTTL {lease_left}");
 

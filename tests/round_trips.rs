@@ -64,7 +64,7 @@ async fn consumer_door_fresh_is_two_replay_one_in_progress_one() {
     let run = |id: String, delay_ms: u64| {
         let idem = idem.clone();
         async move {
-            idem.run("consumer", id, b"payload", move || async move {
+            idem.run("consumer", id, b"payload", move |_context| async move {
                 tokio::time::sleep(std::time::Duration::from_millis(delay_ms)).await;
                 Ok::<_, std::io::Error>(42u32)
             })

@@ -51,7 +51,7 @@ impl Shared {
         let id = event.clone();
         let outcome = self
             .idem
-            .run("ledger-consumer", &event, payload, move || async move {
+            .run("ledger-consumer", &event, payload, move |_context| async move {
                 *side_effects.lock().unwrap().entry(id).or_default() += 1;
                 Ok::<_, std::io::Error>(())
             })

@@ -151,7 +151,7 @@ async fn past_max_waiters_a_retry_is_answered_at_once<H: Harness>(h: H) {
 async fn a_delivery_waits_for_the_running_one_and_gets_its_result<H: Harness>(h: H) {
     let idem = Idempotent::new(h.store()).wait_for_in_progress(Duration::from_secs(5));
     let operation = |value: u32, delay: u64| {
-        move || async move {
+        move |_context| async move {
             tokio::time::sleep(Duration::from_millis(delay)).await;
             Ok::<_, std::io::Error>(value)
         }

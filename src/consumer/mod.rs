@@ -18,7 +18,7 @@
 //! let payload = br#"{"amount":100}"#;
 //! for delivery in 0..2 {
 //!     let outcome = idem
-//!         .run("payments-consumer", event_id, payload, || async {
+//!         .run("payments-consumer", event_id, payload, |_context| async {
 //!             Ok::<_, std::io::Error>(Receipt { charge: "ch_1".into() }) // the side effect
 //!         })
 //!         .await?;
@@ -42,10 +42,17 @@
 //!   card) is a result: return it inside `Ok` (`T = Result<Receipt, Declined>`), and it is
 //!   stored and replayed like any other. A panic releases the key and is resumed in the caller.
 //! - **store errors** are errors ([`Error::Store`]): nothing runs without its claim.
+//! - **the context** ([`IdempotencyContext`]) is the operation's argument: write its key hash
+//!   with the outcome, in the transaction of the side effect, so that a
+//!   [`recover`](Idempotent::recover) hook can find the outcome when a worker died before its
+//!   result was stored.
+//!
+//! [`IdempotencyContext`]: crate::IdempotencyContext
 
 mod outcome;
 
 use std::{
+    fmt,
     future::Future,
     sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -58,9 +65,10 @@ use tokio_util::task::TaskTracker;
 
 pub use self::outcome::{Error, Outcome};
 use crate::{
-    engine::{Claimed, Engine, Panic, Settings, observe},
+    engine::{Claimed, Engine, Panic, Recovery, Settings, observe},
     fingerprint::Fingerprint,
     key::RecordKey,
+    recovery::{IdempotencyContext, Lookup, NoRecovery, Recover},
     store::Store,
 };
 
@@ -72,21 +80,47 @@ const RESULT_FORMAT_UNTIMED: u8 = b'j';
 
 /// Runs operations once per key and scope, and replays their results: the consumer door.
 ///
-/// Cloning is cheap; clones share the store.
-#[derive(Debug, Clone)]
+/// Cloning is cheap; clones share the store and the recovery hook.
 #[must_use]
-pub struct Idempotent<St> {
+pub struct Idempotent<St, H = NoRecovery> {
     store: St,
     settings: Arc<Settings>,
     prefix: String,
     stored_limit: usize,
+    hook: Option<Arc<H>>,
+}
+
+impl<St: Clone, H> Clone for Idempotent<St, H> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            settings: self.settings.clone(),
+            prefix: self.prefix.clone(),
+            stored_limit: self.stored_limit,
+            hook: self.hook.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug, H> fmt::Debug for Idempotent<St, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idempotent")
+            .field("store", &self.store)
+            .field("settings", &self.settings)
+            .field("prefix", &self.prefix)
+            .field("stored_limit", &self.stored_limit)
+            .field("recovers", &self.hook.is_some())
+            .finish()
+    }
 }
 
 /// How a claimed operation ended, as sent from its task to the caller.
 enum Finished<T, E> {
     Ran(T),
+    Recovered(T),
     Failed(E),
     Panic(Panic),
+    Refused,
 }
 
 impl<St: Store> Idempotent<St> {
@@ -97,7 +131,54 @@ impl<St: Store> Idempotent<St> {
             settings: Arc::new(Settings::default()),
             prefix: "idempotency-consumer".to_owned(),
             stored_limit: 1024 * 1024,
+            hook: None,
         }
+    }
+}
+
+impl<St: Store, H> Idempotent<St, H> {
+    /// Asks `hook` before an operation runs again after a takeover: when a delivery finds the
+    /// same event's lease lapsed (its worker died, perhaps after its side effect committed),
+    /// the hook looks it up in the system of record, given the [`IdempotencyContext`] and the
+    /// payload. [`Recovered::Happened`] is stored and returned as [`Outcome::Replayed`]
+    /// without running the operation; [`Recovered::Unknown`] runs it; a failed hook is
+    /// [`Error::Recovery`] and runs nothing.
+    ///
+    /// The hook answers for one result type: `run` then takes operations of that type.
+    ///
+    /// [`Recovered::Happened`]: crate::Recovered::Happened
+    /// [`Recovered::Unknown`]: crate::Recovered::Unknown
+    pub fn recover<H2>(self, hook: H2) -> Idempotent<St, H2> {
+        let Self { store, mut settings, prefix, stored_limit, hook: _ } = self;
+        Arc::make_mut(&mut settings).recovering = true;
+        Idempotent { store, settings, prefix, stored_limit, hook: Some(Arc::new(hook)) }
+    }
+
+    /// Sets how long after its lease a lapsed claim is remembered as a takeover. Defaults to
+    /// the retention. Only used with a [`recover`](Self::recover) hook.
+    pub fn recovery_window(mut self, window: Duration) -> Self {
+        self.settings().recovery.window = Some(window);
+        self
+    }
+
+    /// Asks the [`recover`](Self::recover) hook on every claim, not only on a takeover, for a
+    /// store that may lose records. Costs one lookup per new delivery. Off by default.
+    pub fn recover_every_claim(mut self, every: bool) -> Self {
+        self.settings().recovery.every_claim = every;
+        self
+    }
+
+    /// Sets the longest the [`recover`](Self::recover) hook may take. Defaults to 5 seconds.
+    pub fn recovery_timeout(mut self, timeout: Duration) -> Self {
+        self.settings().recovery.timeout = timeout;
+        self
+    }
+
+    /// When the [`recover`](Self::recover) hook fails, runs the operation anyway (logged and
+    /// counted) instead of returning [`Error::Recovery`]. Defaults to `false`.
+    pub fn run_when_recovery_fails(mut self, run: bool) -> Self {
+        self.settings().recovery.run_on_failure = run;
+        self
     }
 
     fn settings(&mut self) -> &mut Settings {
@@ -191,8 +272,9 @@ impl<St: Store> Idempotent<St> {
     where
         T: Serialize + DeserializeOwned + Send + 'static,
         E: Send + 'static,
-        F: FnOnce() -> Fut + Send + 'static,
+        F: FnOnce(IdempotencyContext) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
+        H: Recover<Bytes, T>,
     {
         let engine = Engine::new(self.store.clone(), self.settings.clone());
         let record_key = RecordKey::new(&self.prefix, scope.as_bytes(), key.as_ref());
@@ -211,10 +293,44 @@ impl<St: Store> Idempotent<St> {
             Claimed::Mismatch => return Ok(Outcome::Mismatch),
         };
 
+        let context = IdempotencyContext::new(
+            scope.as_bytes().to_vec(),
+            holder.key(),
+            holder.fingerprint().clone(),
+            holder.taken_over(),
+        );
+        let recovery = match &self.hook {
+            Some(hook) if holder.needs_recovery() => {
+                let lookup = Lookup::new(context.clone(), Bytes::copy_from_slice(payload.as_ref()));
+                Some((hook.clone(), lookup))
+            }
+            _ => None,
+        };
         let (finished_tx, finished_rx) = oneshot::channel();
         let stored_limit = self.stored_limit;
         engine.spawn(async move {
-            let (holder, value) = match holder.run(operation()).await {
+            let holder = match recovery {
+                None => holder,
+                Some((hook, lookup)) => match holder.recover(hook.recover(lookup)).await {
+                    Recovery::Run(holder) => holder,
+                    Recovery::Happened(holder, value) => {
+                        // The system of record's answer is stored whatever its size: the
+                        // operation must not run again.
+                        let stored = encode(&value, usize::MAX);
+                        let answer = move || drop(finished_tx.send(Finished::Recovered(value)));
+                        match stored {
+                            Ok(stored) => holder.complete(stored, answer).await,
+                            Err(why) => {
+                                holder.release(why).await;
+                                answer();
+                            }
+                        }
+                        return;
+                    }
+                    Recovery::Refused => return drop(finished_tx.send(Finished::Refused)),
+                },
+            };
+            let (holder, value) = match holder.run(operation(context)).await {
                 Ok((holder, Ok(value))) => (holder, value),
                 Ok((holder, Err(error))) => {
                     holder.release("the operation failed").await;
@@ -245,7 +361,9 @@ impl<St: Store> Idempotent<St> {
         });
         match finished_rx.await {
             Ok(Finished::Ran(value)) => Ok(Outcome::Ran(value)),
+            Ok(Finished::Recovered(value)) => Ok(Outcome::Replayed(value)),
             Ok(Finished::Failed(error)) => Err(Error::Operation(error)),
+            Ok(Finished::Refused) => Err(Error::Recovery),
             Ok(Finished::Panic(panic)) => std::panic::resume_unwind(panic),
             // The task was dropped unfinished: the runtime is shutting down.
             Err(_) => Err(Error::Cancelled),

@@ -51,6 +51,10 @@ pub enum Error<E> {
     },
     /// The operation's task ended without an answer: the runtime is shutting down.
     Cancelled,
+    /// The delivery took over a lapsed claim and the recovery hook failed (an error, a panic,
+    /// or no answer within the recovery timeout): the operation did not run. A redelivery
+    /// takes over again and asks again.
+    Recovery,
 }
 
 impl<E: fmt::Display> fmt::Display for Error<E> {
@@ -62,6 +66,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 write!(f, "the stored result under key hash {key_hash} is unreadable: {reason}")
             }
             Self::Cancelled => f.write_str("the operation's task was cancelled"),
+            Self::Recovery => f.write_str("the recovery hook failed; the operation did not run"),
         }
     }
 }
@@ -71,7 +76,7 @@ impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
         match self {
             Self::Operation(error) => Some(error),
             Self::Store(error) => Some(error),
-            Self::Corrupt { .. } | Self::Cancelled => None,
+            Self::Corrupt { .. } | Self::Cancelled | Self::Recovery => None,
         }
     }
 }

@@ -79,7 +79,7 @@ impl<St: Store> Holder<St> {
     /// Whether the front door must ask its recovery hook before it runs the operation: on a
     /// takeover, or on every claim when so configured.
     pub(crate) fn needs_recovery(&self) -> bool {
-        self.settings.recovery.as_ref().is_some_and(|policy| self.taken_over || policy.every_claim)
+        self.settings.recovering && (self.taken_over || self.settings.recovery.every_claim)
     }
 
     /// Waits (within the recovery timeout) for the hook's `lookup`, and says what to do.
@@ -87,7 +87,7 @@ impl<St: Store> Holder<St> {
         self,
         lookup: impl Future<Output = Result<Recovered<T>, BoxError>>,
     ) -> Recovery<St, T> {
-        let policy = self.settings.recovery.clone().unwrap_or_default();
+        let policy = self.settings.recovery.clone();
         let hash = self.key.hash();
         let lookup = AssertUnwindSafe(lookup).catch_unwind();
         let failure = match tokio::time::timeout(policy.timeout, lookup).await {

@@ -48,8 +48,11 @@ pub(crate) struct Settings {
     pub(crate) waiters: Arc<Semaphore>,
     /// The longest `Retry-After` hint given to a duplicate that is not waited for.
     pub(crate) retry_after: Duration,
-    /// When and how a claim asks the front door's recovery hook; `None`: there is none.
-    pub(crate) recovery: Option<RecoveryPolicy>,
+    /// When and how a claim asks the front door's recovery hook.
+    pub(crate) recovery: RecoveryPolicy,
+    /// Whether the front door has a recovery hook: only then is a lapsed claim remembered
+    /// for a window, and the hook asked.
+    pub(crate) recovering: bool,
 }
 
 /// How the engine uses a front door's recovery hook.
@@ -80,17 +83,11 @@ impl Default for RecoveryPolicy {
 impl Settings {
     /// The lease of a claim: with a recovery window when a hook is there to use it.
     pub(crate) fn lease(&self) -> Lease {
-        let window = self
-            .recovery
-            .as_ref()
-            .map_or(Duration::ZERO, |policy| policy.window.unwrap_or(self.retention));
+        let window = match self.recovering {
+            true => self.recovery.window.unwrap_or(self.retention),
+            false => Duration::ZERO,
+        };
         Lease::new(self.lease).recovery_window(window)
-    }
-
-    /// The recovery policy, set to its defaults when it was not there: the front door's
-    /// builder sets a hook, or tunes the policy of one.
-    pub(crate) fn recovery_mut(&mut self) -> &mut RecoveryPolicy {
-        self.recovery.get_or_insert_with(RecoveryPolicy::default)
     }
 }
 
@@ -107,7 +104,8 @@ impl Default for Settings {
             wait: None,
             waiters: Arc::new(Semaphore::new(DEFAULT_MAX_WAITERS)),
             retry_after: Duration::from_secs(1),
-            recovery: None,
+            recovery: RecoveryPolicy::default(),
+            recovering: false,
         }
     }
 }

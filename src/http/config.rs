@@ -3,7 +3,7 @@
 
 use http::{HeaderName, Method, StatusCode};
 
-use super::{intent::Intent, record::HeaderFilter};
+use super::{intent::Intent, record::HeaderFilter, recover::Hook};
 
 /// Decides from the status whether a response is stored for replay (`true`) or the key is
 /// released so that a retry runs the handler again (`false`).
@@ -43,6 +43,7 @@ pub(super) struct Config {
     pub(super) store_policy: StorePolicy,
     pub(super) header_filter: HeaderFilter,
     pub(super) fail_open: bool,
+    pub(super) recover: Option<Hook>,
 }
 
 impl Default for Config {
@@ -61,6 +62,7 @@ impl Default for Config {
             store_policy: default_store_policy,
             header_filter: HeaderFilter::default(),
             fail_open: false,
+            recover: None,
         }
     }
 }

@@ -21,11 +21,13 @@ use super::{
     config::Config,
     problem::{ProblemType, problem, problem_retry_after},
     record,
+    recover::{Resolved, lookup_request, resolve},
     scope::ScopeExtractor,
 };
 use crate::{
     engine::{Claimed, Engine, Holder, Panic, observe},
     key::RecordKey,
+    recovery::{IdempotencyContext, Lookup},
     store::{Store, StoreError},
 };
 
@@ -123,12 +125,25 @@ where
             Err(error) => return Ok(store_error_response(&error, &hash)),
         };
 
+        // The handler's view of its claim; the recovery hook's too, with a copy of the request
+        // when it is to be asked.
+        let context = IdempotencyContext::new(
+            scope,
+            holder.key(),
+            holder.fingerprint().clone(),
+            holder.taken_over(),
+        );
+        let lookup = (config.recover.is_some() && holder.needs_recovery())
+            .then(|| Lookup::new(context.clone(), lookup_request(&parts, &body)));
+        parts.extensions.insert(context);
+
         // 6 and 7 in a task of their own, so that a client that goes away neither cancels
-        // its handler nor leaves its key claimed until the lease ends.
+        // its handler (nor its recovery) nor leaves its key claimed until the lease ends.
         let (finished_tx, finished_rx) = oneshot::channel();
         let request = Request::from_parts(parts, Body::from(body));
         let engine = self.engine.clone();
-        engine.spawn(run_claimed(self.inner, self.config, holder, request, finished_tx));
+        let task = run_claimed(self.inner, self.config, holder, lookup, request, finished_tx);
+        engine.spawn(task);
         match finished_rx.await {
             Ok(Finished::Response(response)) => Ok(response),
             Ok(Finished::Error(error)) => Err(error),
@@ -141,12 +156,14 @@ where
     }
 }
 
-/// Steps 6 (the inner service) and 7 (the settle). A panic is caught only to release the key;
-/// it is then resumed in the response future, as if the layer were not there.
+/// Recovery when it is due, then steps 6 (the inner service) and 7 (the settle). A panic is
+/// caught only to release the key; it is then resumed in the response future, as if the
+/// layer were not there.
 async fn run_claimed<S, St, ResBody>(
     inner: S,
     config: Arc<Config>,
     holder: Holder<St>,
+    lookup: Option<Lookup<Request<Bytes>>>,
     request: Request<Body>,
     finished: oneshot::Sender<Finished<S::Error>>,
 ) where
@@ -157,6 +174,22 @@ async fn run_claimed<S, St, ResBody>(
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let holder = match lookup {
+        None => holder,
+        Some(lookup) => match resolve(&config, holder, lookup).await {
+            Resolved::Run(holder) => holder,
+            Resolved::Replay(holder, blob) => {
+                let route = request
+                    .extensions()
+                    .get::<MatchedPath>()
+                    .map_or("unrouted", MatchedPath::as_str);
+                let response = replay(blob.clone(), holder.key().hash(), route, request.headers());
+                let answer = move || drop(finished.send(Finished::Response(response)));
+                return holder.complete(blob, answer).await;
+            }
+            Resolved::Refuse(response) => return drop(finished.send(Finished::Response(response))),
+        },
+    };
     let (holder, response) = match holder.run(inner.oneshot(request)).await {
         Ok((holder, Ok(response))) => (holder, response),
         Ok((holder, Err(error))) => {

@@ -8,6 +8,7 @@ use tower_layer::Layer;
 
 use super::{
     config::{Config, StorePolicy},
+    recover::Hook,
     scope::{GlobalScope, ScopeExtractor},
     service::Idempotency,
 };
@@ -287,6 +288,78 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// its own either way, so that a client that goes away does not cancel its handler.
     pub fn task_tracker(mut self, tracker: TaskTracker) -> Self {
         self.settings().tasks = Some(tracker);
+        self
+    }
+
+    /// Asks `hook` before a request runs again after a takeover: when a claim finds the same
+    /// request's lease lapsed (its holder died, perhaps after its side effect committed), the
+    /// hook looks the request up in the system of record. [`Recovered::Happened`] is stored and
+    /// answered as a replay (`Idempotency-Replayed: true`) without running the handler;
+    /// [`Recovered::Unknown`] runs it. A hook that fails, panics or times out
+    /// ([`recovery_timeout`](Self::recovery_timeout)) is answered 503 problem+json
+    /// (`recovery-failed`) and the handler does not run (see
+    /// [`run_when_recovery_fails`](Self::run_when_recovery_fails)).
+    ///
+    /// The handler finds the [`IdempotencyContext`] in its request (an extractor): write its
+    /// key hash with the outcome, in the transaction of the side effect, for the hook to find.
+    /// A takeover is recognised within the [`recovery_window`](Self::recovery_window).
+    ///
+    /// ```
+    /// use axum_idempotency::{IdempotencyContext, IdempotencyLayer, MemoryStore, recovery::{Lookup, Recovered}};
+    /// use bytes::Bytes;
+    /// use http::{Request, Response};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).recover(
+    ///     |lookup: Lookup<Request<Bytes>>| async move {
+    ///         // SELECT status, body FROM outbox WHERE key_hash = $1
+    ///         let _ = lookup.context.key_hash();
+    ///         Ok::<_, std::io::Error>(Recovered::<Response<Bytes>>::Unknown)
+    ///     },
+    /// );
+    /// ```
+    ///
+    /// [`Recovered::Happened`]: crate::Recovered::Happened
+    /// [`Recovered::Unknown`]: crate::Recovered::Unknown
+    /// [`IdempotencyContext`]: crate::IdempotencyContext
+    pub fn recover<H>(mut self, hook: H) -> Self
+    where
+        H: crate::Recover<http::Request<bytes::Bytes>, http::Response<bytes::Bytes>>,
+    {
+        self.config().recover = Some(Hook::new(hook));
+        self.settings().recovering = true;
+        self
+    }
+
+    /// Sets how long after its lease a lapsed claim is remembered, so that a retry in that
+    /// window is a takeover and asks the [`recover`](Self::recover) hook. After it the record
+    /// is gone and a retry runs as a new request. Defaults to the
+    /// [`retention`](Self::retention). Only used with a hook.
+    pub fn recovery_window(mut self, window: Duration) -> Self {
+        self.settings().recovery.window = Some(window);
+        self
+    }
+
+    /// Asks the [`recover`](Self::recover) hook on every claim, not only on a takeover: for a
+    /// store that may lose records (Redis restarted without persistence, a failover that lost
+    /// writes, a `MemoryStore` across a restart). Costs one hook lookup per new request.
+    /// Off by default.
+    pub fn recover_every_claim(mut self, every: bool) -> Self {
+        self.settings().recovery.every_claim = every;
+        self
+    }
+
+    /// Sets the longest the [`recover`](Self::recover) hook may take; past it, recovery has
+    /// failed. Defaults to 5 seconds.
+    pub fn recovery_timeout(mut self, timeout: Duration) -> Self {
+        self.settings().recovery.timeout = timeout;
+        self
+    }
+
+    /// When the [`recover`](Self::recover) hook fails, runs the handler anyway (logged at
+    /// error level and counted) instead of answering 503. Defaults to `false`: a payment is
+    /// better refused than run twice.
+    pub fn run_when_recovery_fails(mut self, run: bool) -> Self {
+        self.settings().recovery.run_on_failure = run;
         self
     }
 

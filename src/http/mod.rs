@@ -8,7 +8,8 @@
 //! - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
 //!   `future.rs`: its response future; `body.rs`: request and response bodies.
 //! - `intent.rs`: what the fingerprint covers; `key.rs`: the key header; `scope.rs`: whose key it is; `record.rs`: the stored response;
-//!   `problem.rs`: the layer's own answers.
+//!   `problem.rs`: the layer's own answers; `recover.rs`: the recovery hook and the
+//!   `IdempotencyContext` extractor.
 
 mod body;
 mod config;
@@ -19,6 +20,7 @@ mod key;
 mod layer;
 mod problem;
 mod record;
+mod recover;
 pub mod scope;
 mod service;
 

@@ -18,6 +18,7 @@ pub(crate) enum ProblemType {
     CorruptRecord,
     HandlerFailed,
     EncodingNotAcceptable,
+    RecoveryFailed,
 }
 
 impl ProblemType {
@@ -60,6 +61,10 @@ impl ProblemType {
             Self::EncodingNotAcceptable => (
                 "urn:axum-idempotency:problem:encoding-not-acceptable",
                 "The stored response's content encoding is not acceptable to this request",
+            ),
+            Self::RecoveryFailed => (
+                "urn:axum-idempotency:problem:recovery-failed",
+                "An earlier attempt's outcome could not be checked; the request did not run",
             ),
             Self::HandlerFailed => {
                 ("urn:axum-idempotency:problem:handler-failed", "The request handler failed")

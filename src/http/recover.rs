@@ -1,0 +1,121 @@
+//! Recovery on the HTTP door: asking the app's hook before a taken-over request runs again,
+//! and the [`IdempotencyContext`] extractor.
+
+use std::{convert::Infallible, fmt, future::Future, pin::Pin, sync::Arc};
+
+use axum::{
+    body::Body,
+    extract::{FromRequestParts, OptionalFromRequestParts},
+    response::Response,
+};
+use bytes::Bytes;
+use http::{Request, StatusCode, request::Parts};
+
+use super::{
+    config::Config,
+    problem::{ProblemType, problem, problem_retry_after},
+    record,
+};
+use crate::{
+    engine::{Holder, Recovery},
+    recovery::{BoxError, IdempotencyContext, Lookup, Recover, Recovered},
+    store::Store,
+};
+
+type HookFuture =
+    Pin<Box<dyn Future<Output = Result<Recovered<Response<Bytes>>, BoxError>> + Send>>;
+
+/// The layer's recovery hook, its type erased: it is asked only on a takeover (or on every
+/// claim, when so configured), so a boxed future costs nothing on the common path.
+#[derive(Clone)]
+pub(super) struct Hook(Arc<dyn Fn(Lookup<Request<Bytes>>) -> HookFuture + Send + Sync>);
+
+impl Hook {
+    pub(super) fn new<H: Recover<Request<Bytes>, Response<Bytes>>>(hook: H) -> Self {
+        let hook = Arc::new(hook);
+        Self(Arc::new(move |lookup| {
+            let hook = hook.clone();
+            Box::pin(async move { hook.recover(lookup).await })
+        }))
+    }
+}
+
+impl fmt::Debug for Hook {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Hook(..)")
+    }
+}
+
+/// The hook's copy of the request: its head and the buffered body. Extensions stay with the
+/// handler's request (they need not be `Clone`); the context is the one the hook needs.
+pub(super) fn lookup_request(parts: &Parts, body: &Bytes) -> Request<Bytes> {
+    let mut request = Request::new(body.clone());
+    *request.method_mut() = parts.method.clone();
+    *request.uri_mut() = parts.uri.clone();
+    *request.version_mut() = parts.version;
+    *request.headers_mut() = parts.headers.clone();
+    request
+}
+
+/// What the hook's answer leaves the claimed request to do.
+pub(super) enum Resolved<St> {
+    /// Run the handler.
+    Run(Holder<St>),
+    /// The request happened: store this record and answer it as a replay.
+    Replay(Holder<St>, Bytes),
+    /// Recovery failed and the handler must not run: answer this.
+    Refuse(Response),
+}
+
+/// Asks the hook about the claimed request, within the recovery timeout.
+pub(super) async fn resolve<St: Store>(
+    config: &Config,
+    holder: Holder<St>,
+    lookup: Lookup<Request<Bytes>>,
+) -> Resolved<St> {
+    let Some(hook) = &config.recover else { return Resolved::Run(holder) };
+    match holder.recover((hook.0)(lookup)).await {
+        Recovery::Run(holder) => Resolved::Run(holder),
+        Recovery::Happened(holder, response) => {
+            let (head, body) = response.into_parts();
+            let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
+            Resolved::Replay(holder, blob)
+        }
+        Recovery::Refused => Resolved::Refuse(problem_retry_after(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ProblemType::RecoveryFailed,
+            None,
+            1,
+        )),
+    }
+}
+
+/// The handler's own view of its claim, put in the request's extensions by the layer.
+///
+/// Rejects with 400 problem+json (`key-missing`) when the request carries no key (or did not
+/// pass through the layer); take `Option<IdempotencyContext>` for routes where the key is
+/// optional.
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyContext {
+    type Rejection = Response<Body>;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        parts.extensions.get::<Self>().cloned().ok_or_else(|| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                ProblemType::KeyMissing,
+                Some("this endpoint needs an Idempotency-Key"),
+            )
+        })
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
+    type Rejection = Infallible;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        Ok(parts.extensions.get::<Self>().cloned())
+    }
+}
