@@ -19,9 +19,11 @@
 //! - `REDIS_URL`: records in Redis: a retry after the lease takes the dead claim over, and only
 //!   a takeover asks the outbox. Without it, records are in memory, which a restart loses: the
 //!   outbox is then asked on every claim.
-//! - `OUTBOX_LEASE_MS` (default 30000; the demo uses 1000), `OUTBOX_EVERY_CLAIM=1`.
-//! - `OUTBOX_PAUSE=before-insert|before-commit|after-commit`, `OUTBOX_PAUSE_MS` (default:
-//!   forever): the handler stops there and says so on stdout, for a crash to be staged.
+//! - `OUTBOX_LEASE_MS` (default 30000; the demo uses 1000), `OUTBOX_EVERY_CLAIM=1`,
+//!   `OUTBOX_RECOVERY_TIMEOUT_MS` (default 5000).
+//! - `OUTBOX_PAUSE=before-insert|before-commit|after-commit|after-complete`, `OUTBOX_PAUSE_MS`
+//!   (default: forever): the request stops there and says so on stdout, for a crash to be
+//!   staged (`after-complete`: its response is stored, and not yet sent).
 //!
 //! tokio-postgres with deadpool-postgres rather than sqlx: nothing needs a database at build
 //! time, the dependency tree is smaller, and it is the pool family the crate uses for Redis.
@@ -33,6 +35,7 @@ use axum::{
     body::Body,
     extract::State,
     http::{HeaderValue, Request, Response, StatusCode, header},
+    middleware::Next,
     routing::post,
 };
 use axum_idempotency::{
@@ -87,6 +90,7 @@ enum Records {
 #[derive(Clone)]
 struct Settings {
     lease: Duration,
+    recovery_timeout: Duration,
     every_claim: bool,
     pause: Option<(String, Option<Duration>)>,
 }
@@ -97,6 +101,9 @@ impl Settings {
         let ms = |value: String| value.parse().map(Duration::from_millis).ok();
         Self {
             lease: var("OUTBOX_LEASE_MS").and_then(ms).unwrap_or(Duration::from_secs(30)),
+            recovery_timeout: var("OUTBOX_RECOVERY_TIMEOUT_MS")
+                .and_then(ms)
+                .unwrap_or(Duration::from_secs(5)),
             every_claim: matches!(records, Records::Memory(_))
                 || var("OUTBOX_EVERY_CLAIM").as_deref() == Some("1"),
             pause: var("OUTBOX_PAUSE").map(|point| (point, var("OUTBOX_PAUSE_MS").and_then(ms))),
@@ -270,8 +277,18 @@ async fn serve(records: Records, port: u16) -> Result<(), BoxError> {
             let layer = IdempotencyLayer::new($store)
                 .lease(settings.lease)
                 .recover(move |lookup| recover_from_outbox(db.clone(), lookup))
-                .recover_every_claim(settings.every_claim);
-            axum::serve(listener, routes.layer(layer)).await?
+                .recover_every_claim(settings.every_claim)
+                .recovery_timeout(settings.recovery_timeout);
+            // Outside the idempotency layer: the response has been stored when it gets here.
+            let after_complete = axum::middleware::from_fn(move |request, next: Next| {
+                let settings = settings.clone();
+                async move {
+                    let response = next.run(request).await;
+                    settings.pause_at("after-complete", "-").await;
+                    response
+                }
+            });
+            axum::serve(listener, routes.layer(layer).layer(after_complete)).await?
         }};
     }
     match records {

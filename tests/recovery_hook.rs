@@ -43,11 +43,17 @@ every_store!(
 const LAPSE: Duration = Duration::from_millis(100);
 const PAST_LAPSE: Duration = Duration::from_millis(250);
 
+/// One question to the hook: the key hash, whether a takeover, the URI, the body.
+type Asking = (String, bool, String, Bytes);
+
+/// What a hook answers in these tests.
+type Answer = std::future::Ready<Result<Recovered<Response<Bytes>>, std::io::Error>>;
+
 /// What the hook saw and how often it was asked.
 #[derive(Clone, Default)]
 struct Asked {
     count: Arc<AtomicUsize>,
-    seen: Arc<std::sync::Mutex<Vec<(String, bool, String, Bytes)>>>,
+    seen: Arc<std::sync::Mutex<Vec<Asking>>>,
 }
 
 impl Asked {
@@ -69,13 +75,7 @@ impl Asked {
 /// A hook that finds the outbox row of every request it is asked about.
 fn knows(
     asked: &Asked,
-) -> impl Fn(
-    Lookup<Request<Bytes>>,
-) -> std::future::Ready<Result<Recovered<Response<Bytes>>, std::io::Error>>
-+ Clone
-+ Send
-+ Sync
-+ 'static {
+) -> impl Fn(Lookup<Request<Bytes>>) -> Answer + Clone + Send + Sync + 'static {
     let asked = asked.clone();
     move |lookup| {
         asked.record(&lookup);
@@ -91,12 +91,7 @@ fn knows(
 /// A hook that finds nothing.
 fn knows_nothing(
     asked: &Asked,
-) -> impl Fn(
-    Lookup<Request<Bytes>>,
-) -> std::future::Ready<Result<Recovered<Response<Bytes>>, std::io::Error>>
-+ Send
-+ Sync
-+ 'static {
+) -> impl Fn(Lookup<Request<Bytes>>) -> Answer + Send + Sync + 'static {
     let asked = asked.clone();
     move |lookup| {
         asked.record(&lookup);
@@ -105,14 +100,7 @@ fn knows_nothing(
 }
 
 /// A hook whose database is down.
-fn fails(
-    asked: &Asked,
-) -> impl Fn(
-    Lookup<Request<Bytes>>,
-) -> std::future::Ready<Result<Recovered<Response<Bytes>>, std::io::Error>>
-+ Send
-+ Sync
-+ 'static {
+fn fails(asked: &Asked) -> impl Fn(Lookup<Request<Bytes>>) -> Answer + Send + Sync + 'static {
     let asked = asked.clone();
     move |lookup| {
         asked.record(&lookup);
@@ -325,7 +313,7 @@ async fn a_takeover_on_the_consumer_door_asks_the_hook_and_replays_what_it_knows
         let asked = asked.clone();
         move |lookup: Lookup<Bytes>| {
             asked.fetch_add(1, Ordering::SeqCst);
-            let known = lookup.request == &b"amount=100"[..] && lookup.context.is_takeover();
+            let known = lookup.request == b"amount=100"[..] && lookup.context.is_takeover();
             async move {
                 Ok::<_, std::io::Error>(match known {
                     true => Recovered::Happened(Receipt { charge: "ch_outbox".into() }),

@@ -1,0 +1,468 @@
+//! Recovery from the system of record, end to end: `examples/outbox.rs` runs as child
+//! processes over a private redis-server and a PostgreSQL database of each test's own (dropped
+//! at the end), and is killed with SIGKILL, or paused with SIGSTOP, at the point each failure
+//! window names. What a client sees, what Redis holds and how many payment rows exist are
+//! asserted from outside the processes.
+//!
+//! Needs PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`,
+//! a role that may create databases) and `redis-server` on PATH; fails when either is missing.
+//! The service binary is the `outbox` example, built for these tests' features.
+
+mod common;
+
+use std::{
+    path::PathBuf,
+    process::Stdio,
+    sync::{
+        OnceLock,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum::body::Body;
+use axum_idempotency::{RecordKey, deadpool_redis::redis::AsyncCommands};
+use common::RedisServer;
+use http::Request;
+use http_body_util::BodyExt;
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+/// The services' lease: short, so that a test waits past it.
+const LEASE_MS: u64 = 1000;
+const PAST_LEASE: Duration = Duration::from_millis(LEASE_MS + 400);
+
+/// A database of the test's own on the PostgreSQL server `DATABASE_URL` names; dropped (its
+/// connections with it) when the test ends, whether it passed or not.
+struct Database {
+    admin: tokio_postgres::Config,
+    name: String,
+}
+
+impl Database {
+    async fn create() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+        let admin: tokio_postgres::Config = url.parse().expect("DATABASE_URL is a PostgreSQL URL");
+        let name = format!(
+            "axum_idempotency_recovery_{}_{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        );
+        let client = connect(&admin).await.unwrap_or_else(|error| {
+            panic!(
+                "these tests need PostgreSQL at {url} (DATABASE_URL), a role that may create databases: {error}"
+            )
+        });
+        // Databases of earlier runs that were killed before they could drop theirs.
+        let sql =
+            "SELECT datname FROM pg_database WHERE datname LIKE 'axum_idempotency_recovery_%'";
+        for row in client.query(sql, &[]).await.unwrap() {
+            let stale: String = row.get(0);
+            let pid = stale.trim_start_matches("axum_idempotency_recovery_").split('_').next();
+            if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+                let _ = client
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS {stale} WITH (FORCE)"))
+                    .await;
+            }
+        }
+        client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+        Self { admin, name }
+    }
+
+    /// The database's URL, for the service.
+    fn url(&self) -> String {
+        let host = match &self.admin.get_hosts()[0] {
+            tokio_postgres::config::Host::Tcp(host) => host.clone(),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        };
+        let port = self.admin.get_ports().first().copied().unwrap_or(5432);
+        let user = self.admin.get_user().unwrap_or("postgres");
+        let password = match self.admin.get_password() {
+            Some(password) => format!(" password='{}'", String::from_utf8_lossy(password)),
+            None => String::new(),
+        };
+        format!("host={host} port={port} user={user}{password} dbname={}", self.name)
+    }
+
+    async fn client(&self) -> tokio_postgres::Client {
+        connect(&self.url().parse().unwrap()).await.unwrap()
+    }
+
+    /// The payment rows made for `key_hash`.
+    async fn payments(&self, key_hash: &str) -> i64 {
+        let sql = "SELECT count(*) FROM payments WHERE key_hash = $1";
+        self.client().await.query_one(sql, &[&key_hash]).await.unwrap().get(0)
+    }
+
+    /// The outbox row's body for `key_hash`, as JSON.
+    async fn outbox(&self, key_hash: &str) -> Option<Value> {
+        let sql = "SELECT body FROM idempotency_outbox WHERE key_hash = $1";
+        let row = self.client().await.query_opt(sql, &[&key_hash]).await.unwrap()?;
+        Some(serde_json::from_slice(&row.get::<_, Vec<u8>>(0)).unwrap())
+    }
+}
+
+impl Drop for Database {
+    fn drop(&mut self) {
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        // Drop runs inside the test's runtime: a thread with a runtime of its own does the I/O.
+        let dropped = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(
+                async move {
+                    let client = connect(&admin).await?;
+                    client
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .await
+                },
+            )
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) && !std::thread::panicking() {
+            panic!("database {} was not dropped: {dropped:?}", self.name);
+        }
+    }
+}
+
+async fn connect(
+    config: &tokio_postgres::Config,
+) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+/// The `outbox` example, built for this test binary's features and profile. `cargo test`
+/// builds examples too, but not with `--test recovery` alone: a stale binary would test old
+/// code, so the build is asked for here (a no-op when it is fresh).
+fn service_binary() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let features: Vec<&str> = [
+                ("cluster", cfg!(feature = "cluster")),
+                ("metrics", cfg!(feature = "metrics")),
+                ("tls-rustls", cfg!(feature = "tls-rustls")),
+                ("tls-native-tls", cfg!(feature = "tls-native-tls")),
+                ("sentinel", cfg!(feature = "sentinel")),
+            ]
+            .into_iter()
+            .filter_map(|(name, on)| on.then_some(name))
+            .collect();
+            let mut cargo = std::process::Command::new(env!("CARGO"));
+            cargo.current_dir(env!("CARGO_MANIFEST_DIR")).args([
+                "build",
+                "--quiet",
+                "--example",
+                "outbox",
+                "--features",
+                &features.join(","),
+            ]);
+            if !cfg!(debug_assertions) {
+                cargo.arg("--release");
+            }
+            // The variables cargo sets for a test describe this package to it; passed on, they
+            // would make cargo see changed build inputs and rebuild dependencies each time.
+            for (name, _) in std::env::vars_os() {
+                let name = name.to_string_lossy();
+                let keep = ["CARGO_HOME", "CARGO_TARGET_DIR"].contains(&name.as_ref())
+                    || name.starts_with("CARGO_BUILD_");
+                if (name.starts_with("CARGO_") && !keep) || name == "OUT_DIR" {
+                    cargo.env_remove(name.as_ref());
+                }
+            }
+            let status = cargo.status().expect("cargo runs");
+            assert!(status.success(), "cargo build --example outbox failed: {status}");
+            let deps = std::env::current_exe().unwrap();
+            deps.parent().unwrap().parent().unwrap().join("examples").join("outbox")
+        })
+        .clone()
+}
+
+/// One process of the service (`outbox serve`), or of one delivery (`outbox consume`).
+struct Process {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    port: u16,
+}
+
+impl Process {
+    fn spawn(args: &[&str], db: &Database, redis: &RedisServer, env: &[(&str, &str)]) -> Self {
+        let port = common::free_port();
+        let mut command = tokio::process::Command::new(service_binary());
+        command
+            .args(args)
+            .env("DATABASE_URL", db.url())
+            .env("REDIS_URL", redis.url())
+            .env("OUTBOX_LEASE_MS", LEASE_MS.to_string())
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        if args.first() == Some(&"serve") {
+            command.args(["--port", &port.to_string()]);
+        }
+        let mut child = command.spawn().expect("the outbox example starts");
+        let stdout = child.stdout.take().unwrap();
+        Self { child, lines: BufReader::new(stdout).lines(), port }
+    }
+
+    async fn serve(db: &Database, redis: &RedisServer, env: &[(&str, &str)]) -> Self {
+        let mut process = Self::spawn(&["serve"], db, redis, env);
+        process.line_starting("listening").await;
+        process
+    }
+
+    /// Waits (at most 30 s) for a line of stdout that starts with `prefix`, and returns it.
+    async fn line_starting(&mut self, prefix: &str) -> String {
+        let found = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(line) = self.lines.next_line().await.unwrap() {
+                if line.starts_with(prefix) {
+                    return line;
+                }
+            }
+            panic!("the process exited before it printed {prefix:?}");
+        });
+        found.await.unwrap_or_else(|_| panic!("no {prefix:?} within 30 s"))
+    }
+
+    async fn sigkill(&mut self) {
+        self.child.kill().await.unwrap();
+    }
+
+    fn signal(&self, signal: &str) {
+        let pid = self.child.id().unwrap().to_string();
+        let status = std::process::Command::new("kill").args([signal, &pid]).status().unwrap();
+        assert!(status.success(), "kill {signal} {pid}");
+    }
+}
+
+/// What a client saw.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    replayed: bool,
+    body: Value,
+}
+
+async fn pay(port: u16, key: &str) -> Result<Answer, hyper_util::client::legacy::Error> {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
+    let request = Request::post(format!("http://127.0.0.1:{port}/payments"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"amount":100}"#))
+        .unwrap();
+    // Bounded: a handler blocked on a lock it should never have reached fails the test.
+    let response = tokio::time::timeout(Duration::from_secs(15), client.request(request))
+        .await
+        .expect("an answer within 15 s")?;
+    let status = response.status().as_u16();
+    let replayed = response.headers().get("idempotency-replayed").is_some_and(|v| v == "true");
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&body)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&body).into()));
+    Ok(Answer { status, replayed, body })
+}
+
+fn hash(key: &str) -> String {
+    RecordKey::new("idempotency", b"", key.as_bytes()).hash().to_owned()
+}
+
+/// The idempotency record in Redis for `key`: its state byte, and the whole value.
+async fn record(redis: &RedisServer, key: &str) -> Option<(char, Vec<u8>)> {
+    let key = RecordKey::new("idempotency", b"", key.as_bytes());
+    let value: Option<Vec<u8>> = redis.connection().await.get(key.as_str()).await.unwrap();
+    value.map(|value| (char::from(value[1]), value))
+}
+
+/// Sends a payment to `process` and waits until its handler stops at `point`.
+async fn send_until_paused(
+    process: &mut Process,
+    key: &str,
+    point: &str,
+) -> tokio::task::JoinHandle<Result<Answer, hyper_util::client::legacy::Error>> {
+    let port = process.port;
+    let key = key.to_owned();
+    let request = tokio::spawn(async move { pay(port, &key).await });
+    let line = process.line_starting("paused").await;
+    assert!(line.starts_with(&format!("paused {point} ")), "{line}");
+    request
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_commit_before_complete_is_answered_from_the_outbox() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "after-commit")]).await;
+    let second = Process::serve(&db, &redis, &[]).await;
+    let request = send_until_paused(&mut first, "pay-1", "after-commit").await;
+    first.sigkill().await;
+    assert!(request.await.unwrap().is_err(), "the killed instance answered");
+    // The payment committed; Redis still holds the dead claim, in progress.
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+    let original = db.outbox(&hash("pay-1")).await.expect("the outbox row committed");
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('P'));
+
+    tokio::time::sleep(PAST_LEASE).await;
+    let retry = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed), (201, true), "{retry:?}");
+    assert_eq!(retry.body, original);
+    // The handler did not run again: one row, and the record holds the recovered outcome.
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('C'));
+    let again = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((again.status, again.replayed, &again.body), (201, true, &original));
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_complete_before_the_response_is_a_replay_without_asking() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "after-complete")]).await;
+    // Recovery times out at once on the second instance: were it asked, the answer would be
+    // 503. It is not asked: the record is completed, and the retry is its replay.
+    let second = Process::serve(&db, &redis, &[("OUTBOX_RECOVERY_TIMEOUT_MS", "0")]).await;
+    let request = send_until_paused(&mut first, "pay-1", "after-complete").await;
+    first.sigkill().await;
+    assert!(request.await.unwrap().is_err(), "the killed instance answered");
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('C'));
+    let original = db.outbox(&hash("pay-1")).await.unwrap();
+
+    let retry = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed, &retry.body), (201, true, &original), "{retry:?}");
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_before_commit_leaves_nothing_and_the_retry_runs_once() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "before-commit")]).await;
+    let second = Process::serve(&db, &redis, &[]).await;
+    let request = send_until_paused(&mut first, "pay-1", "before-commit").await;
+    first.sigkill().await;
+    assert!(request.await.unwrap().is_err());
+    assert_eq!(db.payments(&hash("pay-1")).await, 0, "an uncommitted payment is visible");
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('P'));
+
+    tokio::time::sleep(PAST_LEASE).await;
+    let retry = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed), (201, false), "{retry:?}");
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+    assert_eq!(Some(retry.body.clone()), db.outbox(&hash("pay-1")).await);
+    let again = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((again.status, again.replayed, &again.body), (201, true, &retry.body));
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_losing_the_record_is_answered_from_the_outbox_with_recovery_on_every_claim() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let service = Process::serve(&db, &redis, &[("OUTBOX_EVERY_CLAIM", "1")]).await;
+    let first = pay(service.port, "pay-1").await.unwrap();
+    assert_eq!((first.status, first.replayed), (201, false));
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('C'));
+    let () = axum_idempotency::deadpool_redis::redis::cmd("FLUSHALL")
+        .query_async(&mut redis.connection().await)
+        .await
+        .unwrap();
+    assert_eq!(record(&redis, "pay-1").await, None);
+
+    let retry = pay(service.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed), (201, true), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('C'));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_paused_past_its_lease_is_fenced_out_and_the_database_keeps_one_payment() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    // The first instance stops before its insert for 2.5 s of its own time; SIGSTOP freezes it
+    // there, past its lease.
+    let pause = [("OUTBOX_PAUSE", "before-insert"), ("OUTBOX_PAUSE_MS", "2500")];
+    let mut slow = Process::serve(&db, &redis, &pause).await;
+    let second = Process::serve(&db, &redis, &[]).await;
+    let slow_request = send_until_paused(&mut slow, "pay-1", "before-insert").await;
+    slow.signal("-STOP");
+
+    tokio::time::sleep(PAST_LEASE).await;
+    // The retry takes over; the outbox knows nothing (nothing committed): the handler runs.
+    let retry = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed), (201, false), "{retry:?}");
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+    let (state, stored) = record(&redis, "pay-1").await.unwrap();
+    assert_eq!(state, 'C');
+
+    // The first holder wakes, runs its insert, and meets the unique key hash: its handler
+    // answers with the outcome that committed, and its complete is fenced out.
+    slow.signal("-CONT");
+    let late = tokio::time::timeout(Duration::from_secs(10), slow_request)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!((late.status, late.replayed), (201, false), "{late:?}");
+    assert_eq!(late.body, retry.body, "the slow holder's client sees the payment that was made");
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+    assert_eq!(record(&redis, "pay-1").await, Some(('C', stored)), "the record changed");
+    let again = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((again.status, again.replayed, &again.body), (201, true, &retry.body));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_on_the_consumer_door_is_recovered_without_running_again() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let consume = ["consume", "--event", "evt_1", "--amount", "100"];
+    let mut worker = Process::spawn(&consume, &db, &redis, &[("OUTBOX_PAUSE", "after-commit")]);
+    worker.line_starting("paused after-commit").await;
+    worker.sigkill().await;
+    let key_hash =
+        RecordKey::new("idempotency-consumer", b"payments-consumer", b"evt_1").hash().to_owned();
+    assert_eq!(db.payments(&key_hash).await, 1);
+    let original = db.outbox(&key_hash).await.unwrap();
+
+    tokio::time::sleep(PAST_LEASE).await;
+    let mut redelivery = Process::spawn(&consume, &db, &redis, &[]);
+    let line: Value = serde_json::from_str(&redelivery.line_starting("{").await).unwrap();
+    assert_eq!(line["outcome"], "replayed", "{line}");
+    assert_eq!(line["receipt"], original);
+    assert_eq!(db.payments(&key_hash).await, 1);
+    let mut again = Process::spawn(&consume, &db, &redis, &[]);
+    let line: Value = serde_json::from_str(&again.line_starting("{").await).unwrap();
+    assert_eq!((&line["outcome"], &line["receipt"]), (&Value::from("replayed"), &original));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_hook_that_fails_or_times_out_answers_503_and_runs_nothing() {
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "before-commit")]).await;
+    let second = Process::serve(&db, &redis, &[("OUTBOX_RECOVERY_TIMEOUT_MS", "500")]).await;
+    let request = send_until_paused(&mut first, "pay-1", "before-commit").await;
+    first.sigkill().await;
+    assert!(request.await.unwrap().is_err());
+    tokio::time::sleep(PAST_LEASE).await;
+
+    // Times out: the outbox is locked by a transaction that does not end.
+    let mut locker = db.client().await;
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE idempotency_outbox IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let refused = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert!(refused.body["type"].as_str().unwrap().ends_with("recovery-failed"), "{refused:?}");
+    lock.rollback().await.unwrap();
+    assert_eq!(db.payments(&hash("pay-1")).await, 0);
+
+    // Fails: the outbox is gone.
+    let client = db.client().await;
+    client.batch_execute("ALTER TABLE idempotency_outbox RENAME TO outbox_away").await.unwrap();
+    let refused = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!(refused.status, 503, "{refused:?}");
+    assert_eq!(db.payments(&hash("pay-1")).await, 0);
+    // Still a takeover for the next retry: with the outbox back, it asks and runs once.
+    assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('P'));
+    client.batch_execute("ALTER TABLE outbox_away RENAME TO idempotency_outbox").await.unwrap();
+    let ran = pay(second.port, "pay-1").await.unwrap();
+    assert_eq!((ran.status, ran.replayed), (201, false), "{ran:?}");
+    assert_eq!(db.payments(&hash("pay-1")).await, 1);
+}
