@@ -99,3 +99,71 @@ async fn consumer_door_fresh_is_two_replay_one_in_progress_one() {
     assert_eq!(in_progress, BTreeMap::from([("evalsha".to_owned(), n)]), "in progress: claim only");
     slow.await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovery_hook_costs_nothing_fresh_and_one_lookup_on_a_takeover() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+
+    use axum_idempotency::{
+        Claim, Fingerprint, OwnerToken, Store,
+        recovery::{Lookup, Recovered},
+        store::Lease,
+    };
+    use bytes::Bytes;
+    use http::Response;
+
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let lookups = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let lookups = lookups.clone();
+        move |_lookup: Lookup<Request<Bytes>>| {
+            lookups.fetch_add(1, Ordering::SeqCst);
+            let response = Response::builder().status(201).body(Bytes::from_static(b"outbox"));
+            std::future::ready(Ok::<_, http::Error>(Recovered::Happened(response.unwrap())))
+        }
+    };
+    let store = RedisStore::new(server.pool());
+    let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).recover(hook));
+    send(&app, keyed("POST", "/payments", "warm", "{}")).await;
+    let n = 20;
+
+    reset_command_stats(&server).await;
+    for i in 0..n {
+        let fresh = send(&app, keyed("POST", "/payments", &format!("fresh-{i}"), "{}")).await;
+        assert!(!fresh.replayed());
+    }
+    let fresh = command_calls(&server).await;
+    assert_eq!(fresh, BTreeMap::from([("evalsha".to_owned(), 2 * n)]), "fresh: claim + complete");
+    assert_eq!(lookups.load(Ordering::SeqCst), 0, "a fresh claim asked the hook");
+
+    // Dead holders, planted: their leases lapse unsettled.
+    let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
+    let lease = Lease::new(std::time::Duration::from_millis(50))
+        .recovery_window(std::time::Duration::from_secs(60));
+    for i in 0..n {
+        let key = global(&format!("dead-{i}"));
+        let claim = store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await.unwrap();
+        assert_eq!(claim, Claim::Claimed);
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    reset_command_stats(&server).await;
+    for i in 0..n {
+        let taken = send(&app, keyed("POST", "/payments", &format!("dead-{i}"), "{}")).await;
+        assert_eq!(
+            (taken.status.as_u16(), taken.replayed(), taken.body.as_str()),
+            (201, true, "outbox")
+        );
+    }
+    let takeover = command_calls(&server).await;
+    assert_eq!(
+        takeover,
+        BTreeMap::from([("evalsha".to_owned(), 2 * n)]),
+        "takeover: claim + complete"
+    );
+    assert_eq!(lookups.load(Ordering::SeqCst), n as usize, "one lookup per takeover");
+    assert_eq!(calls.get(), 1 + n as usize, "the handler ran on a takeover");
+}
