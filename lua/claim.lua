@@ -16,7 +16,8 @@
 --   exactly as long as its lease
 -- Returns one of:
 --   {0}                 claimed: the caller owns the key for the lease
---   {1, record}         completed with the same fingerprint: the whole record, to replay
+--   {1, record, ttl}    completed with the same fingerprint: the whole record, to replay, and
+--                       its remaining time to live in milliseconds
 --   {2}                 a different fingerprint holds the key: mismatch
 --   {3, remaining_ms}   in progress under another owner
 --   {4, reason}         the value was not written by this layer (or by another version)
@@ -60,7 +61,7 @@ if string.sub(record, 3, 34) ~= ARGV[1] then
   return {2}
 end
 if state == 'C' then
-  return {1, record}
+  return {1, record, redis.call('PTTL', key)}
 end
 if deadline ~= nil then
   local now = now_ms()

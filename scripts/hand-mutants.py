@@ -56,7 +56,7 @@ MUTANTS = [
      "                    record.expires_at = *deadline + lease.recovery_window;\n                    Claim::TakenOver",
      "                    Claim::TakenOver", MEMORY),
     ("MemoryStore takeover keeping the old owner", "src/store/memory.rs",
-     "                    *holder = owner.clone();\n", "", MEMORY),
+     "                    *holder = owner.clone();\n", "                    let _ = (&holder, owner);\n", MEMORY),
     ("MemoryStore touch keeping the old deadline", "src/store/memory.rs",
      "                *deadline = Instant::now() + lease.duration;\n", "", MEMORY),
     ("claim.lua replaying an in-progress record", "lua/claim.lua",

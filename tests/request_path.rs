@@ -71,7 +71,7 @@ async fn one_key_on_two_resources_through_a_nested_router_is_409<H: Harness>(h: 
     let claim = store
         .claim(&global("k1"), &nested, &OwnerToken::random(), Duration::from_secs(1).into())
         .await;
-    assert!(matches!(claim.unwrap(), axum_idempotency::Claim::Replay(_)));
+    assert!(matches!(claim.unwrap(), axum_idempotency::Claim::Replay { .. }));
     assert_eq!(calls.get(), 1);
 }
 

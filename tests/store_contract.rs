@@ -41,7 +41,8 @@ every_store!(
     a_lapsed_holder_nobody_took_over_from_may_still_settle,
     a_taken_over_claim_is_remembered_for_a_window_again,
     touch_with_a_zero_lease_hands_the_key_to_the_next_claim,
-    in_progress_reports_the_time_to_the_deadline_not_to_the_end_of_the_window;
+    in_progress_reports_the_time_to_the_deadline_not_to_the_end_of_the_window,
+    a_replay_reports_the_time_left_of_its_retention;
     redis stores:
     an_in_progress_record_without_a_deadline_is_still_read,
     records_are_written_byte_for_byte,
@@ -90,10 +91,13 @@ async fn assert_in_progress<S: Store>(store: &S, key: &RecordKey, fp: &Fingerpri
 /// The key holds a completed record with exactly `expected` as its response.
 async fn assert_replays<S: Store>(store: &S, key: &RecordKey, fp: &Fingerprint, expected: &Bytes) {
     let probe = OwnerToken::random();
-    assert_eq!(
-        store.claim(key, fp, &probe, LONG.into()).await.unwrap(),
-        Claim::Replay(expected.clone())
-    );
+    match store.claim(key, fp, &probe, LONG.into()).await.unwrap() {
+        Claim::Replay { response, remaining } => {
+            assert_eq!(&response, expected);
+            assert!(remaining > Duration::ZERO, "a live record with no time left");
+        }
+        other => panic!("expected a replay, found {other:?}"),
+    }
 }
 
 /// The key is free: a claim takes it (and the test owns that claim afterwards).
@@ -660,4 +664,21 @@ async fn an_in_progress_record_without_a_deadline_is_still_read<H: RawHarness>(h
     let stranger = OwnerToken::random();
     assert_eq!(store.release(&k, &stranger).await.unwrap(), Fenced::Rejected);
     assert_eq!(h.raw(&k).await, Some(record(b'P', &fp("1"), &[9; 16])));
+}
+
+async fn a_replay_reports_the_time_left_of_its_retention<H: Harness>(h: H) {
+    let store = h.store();
+    let k = key("a");
+    let owner = claimed(&store, &k, &fp("1"), LONG).await;
+    let retention = Duration::from_secs(60);
+    let written = store.complete(&k, &owner, &fp("1"), response("r"), retention).await;
+    assert_eq!(written.unwrap(), Fenced::Applied);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    match store.claim(&k, &fp("1"), &OwnerToken::random(), LONG.into()).await.unwrap() {
+        Claim::Replay { remaining, .. } => assert!(
+            remaining > Duration::from_secs(58) && remaining <= Duration::from_millis(59_850),
+            "{remaining:?} left of 60 s, 200 ms in"
+        ),
+        other => panic!("expected a replay, found {other:?}"),
+    }
 }

@@ -181,7 +181,7 @@ impl<St: Store> Engine<St> {
                     taken_over,
                 ))
             }
-            Claim::Replay(stored) => {
+            Claim::Replay { response: stored, .. } => {
                 observe::claim(&route, "replayed");
                 Claimed::Replay(stored)
             }

@@ -182,7 +182,9 @@ impl Store for MemoryStore {
                 return Ok(Claim::Mismatch);
             }
             return Ok(match &mut record.state {
-                State::Completed(response) => Claim::Replay(response.clone()),
+                State::Completed(response) => {
+                    Claim::Replay { response: response.clone(), remaining: record.expires_at - now }
+                }
                 State::InProgress { deadline, .. } if *deadline > now => {
                     Claim::InProgress { remaining: *deadline - now }
                 }
@@ -325,7 +327,7 @@ mod tests {
         // Everything already there is still there: replays and claims answer as before.
         let replay =
             store.claim(&done, &fingerprint, &OwnerToken::random(), long.into()).await.unwrap();
-        assert_eq!(replay, Claim::Replay(Bytes::from_static(b"r")));
+        assert!(matches!(replay, Claim::Replay { response, .. } if response == "r"));
         assert_eq!(store.len(), 3);
         // Room made by expiry is used.
         let short = MemoryStore::with_capacity(1);
@@ -361,7 +363,7 @@ mod tests {
         assert_eq!(store.len(), SWEEP_FROM + 101);
         let replay =
             store.claim(&done, &fingerprint, &OwnerToken::random(), long.into()).await.unwrap();
-        assert_eq!(replay, Claim::Replay(response));
+        assert!(matches!(replay, Claim::Replay { response: r, .. } if r == response));
         let live = RecordKey::new("t", b"", b"live7");
         let probe =
             store.claim(&live, &fingerprint, &OwnerToken::random(), long.into()).await.unwrap();

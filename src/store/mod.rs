@@ -16,6 +16,7 @@
 //!
 //! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
 
+mod caching;
 mod memory;
 mod redis;
 mod subscription;
@@ -24,6 +25,7 @@ use std::{fmt, future::Future, time::Duration};
 
 use bytes::Bytes;
 
+pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
 pub use self::redis::RedisStore;
@@ -163,7 +165,13 @@ pub enum Claim {
     /// The operation may have happened: ask the system of record before running it again.
     TakenOver,
     /// A request with the same fingerprint completed; here is its encoded response.
-    Replay(Bytes),
+    Replay {
+        /// The response, as [`Store::complete`] was given it.
+        response: Bytes,
+        /// Time left of the record's retention, by the store's clock: how long a copy of it
+        /// may be kept (see [`CachingStore`]).
+        remaining: Duration,
+    },
     /// A request with the same fingerprint is still running; its lease ends in `remaining`.
     InProgress {
         /// Time left on the holder's lease, by the store's clock.

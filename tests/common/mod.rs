@@ -25,13 +25,14 @@ use axum_idempotency::{
         Config, Pool, Runtime,
         redis::{self, AsyncCommands},
     },
-    store::RecordState,
+    store::{CachingStore, RecordState},
 };
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 
 /// Runs each named test, a generic `async fn(H: Harness)`, once per store: `memory::*`,
-/// `redis::*` (a private redis-server per test) and, with the `cluster` feature, `cluster::*`
+/// `redis::*` (a private redis-server per test), `cached::*` (`CachingStore` in front of
+/// such a server) and, with the `cluster` feature, `cluster::*`
 /// (one 3-master cluster shared by the test binary). Tests listed after `redis stores:` take a
 /// [`RawHarness`] and run on the Redis stores only.
 #[macro_export]
@@ -59,6 +60,14 @@ macro_rules! every_store {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $raw() {
                     super::$raw(<super::RedisHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+        mod cached {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::CachedHarness as super::Harness>::start().await).await;
                 }
             )*
         }
@@ -341,6 +350,40 @@ impl Harness for RedisHarness {
 
     fn second_store(&self) -> RedisStore {
         self.server.store()
+    }
+
+    async fn held(&self, key: &RecordKey) -> Option<Held> {
+        self.server.held(key).await
+    }
+
+    async fn record_count(&self) -> usize {
+        let mut connection = self.server.connection().await;
+        redis::cmd("DBSIZE").query_async(&mut connection).await.expect("DBSIZE")
+    }
+}
+
+/// `CachingStore` in front of Redis: completed records copied in process. `store()` is one
+/// instance's cache; `second_store()` another instance's, over the same Redis.
+pub struct CachedHarness {
+    pub server: RedisServer,
+    pub store: CachingStore<RedisStore>,
+}
+
+impl Harness for CachedHarness {
+    type Store = CachingStore<RedisStore>;
+
+    async fn start() -> Self {
+        let server = RedisServer::start();
+        let store = CachingStore::new(server.store());
+        Self { server, store }
+    }
+
+    fn store(&self) -> CachingStore<RedisStore> {
+        self.store.clone()
+    }
+
+    fn second_store(&self) -> CachingStore<RedisStore> {
+        CachingStore::new(self.server.store())
     }
 
     async fn held(&self, key: &RecordKey) -> Option<Held> {

@@ -55,7 +55,14 @@ pub(super) fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
     match (code, items.next()) {
         (0, None) => Ok(Claim::Claimed),
         (1, Some(Value::BulkString(record))) if record.len() >= RESPONSE_OFFSET => {
-            Ok(Claim::Replay(Bytes::from(record).slice(RESPONSE_OFFSET..)))
+            // A record without an expiry (PTTL -1, not written by this layer) has no time left
+            // to be copied for.
+            let remaining = match items.next() {
+                Some(Value::Int(ms)) => Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+                _ => Duration::ZERO,
+            };
+            let response = Bytes::from(record).slice(RESPONSE_OFFSET..);
+            Ok(Claim::Replay { response, remaining })
         }
         (2, None) => Ok(Claim::Mismatch),
         (5, None) => Ok(Claim::TakenOver),
