@@ -14,7 +14,7 @@ use std::{
 use axum::{Router, body::Body, http::Request, routing::post};
 use axum_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
 
-use crate::{ChildGuard, Error, commandstats, tower_service_shim::oneshot};
+use crate::{ChildGuard, Error, matrix::commandstats, tower_service_shim::oneshot};
 
 const DUPLICATES: usize = 64;
 const KEYS: usize = 20;
@@ -59,7 +59,7 @@ enum Layered {
 }
 
 pub(crate) async fn storm() -> Result<(), Error> {
-    let redis = ChildGuard::redis_server()?;
+    let redis = ChildGuard::redis_server(false)?;
     let url = format!("redis://127.0.0.1:{}", redis.port);
     let mut control = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
     println!(
