@@ -1,7 +1,7 @@
 //! `CachingStore` over a private Redis: what the near cache promises beyond the behaviour
-//! suite (which runs against it as `cached::*`): copies never outlive their records, a copy
-//! answers replays and mismatches with no round trip, and a record deleted by hand is replayed
-//! for at most `max_age`.
+//! suite (which runs against it as `cached::*`): copies never outlive their records, the first
+//! retry copies a record and the ones after it cost no round trip, and a record deleted by
+//! hand is replayed for at most `max_age`.
 
 mod common;
 
@@ -56,6 +56,10 @@ async fn a_record_deleted_by_hand_is_replayed_for_at_most_max_age() {
     let store = CachingStore::new(server.store()).max_age(Duration::from_millis(400));
     let key = RecordKey::new("idempotency", b"", b"k1");
     complete(&store, &key, Duration::from_secs(3600)).await;
+    // Stored, not copied: the first retry reads Redis, and copies it.
+    assert_eq!(store.cached(), 0);
+    assert!(matches!(claim(&store, &key, "1").await, Claim::Replay { .. }));
+    assert_eq!(store.cached(), 1);
     let () = server.connection().await.del(key.as_str()).await.unwrap();
     // The copy still answers, for the same request and against another one.
     assert!(
@@ -72,6 +76,12 @@ async fn a_cached_replay_or_mismatch_costs_no_round_trip() {
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(CachingStore::new(server.store())));
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    // The first retry reads Redis (one round trip) and copies the record; the storm after it
+    // costs none.
+    reset_command_stats(&server).await;
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    let first = command_calls(&server).await;
+    assert_eq!(first, BTreeMap::from([("evalsha".to_owned(), 1)]), "first retry: one claim");
     let n = 50;
     reset_command_stats(&server).await;
     for _ in 0..n {

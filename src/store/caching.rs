@@ -21,12 +21,16 @@ pub const DEFAULT_CACHE_AGE: Duration = Duration::from_secs(60);
 ///
 /// A completed record never changes until it expires: `complete` only writes over an
 /// in-progress record of the same owner, and `release` only deletes in-progress records. So a
-/// copy of it is exact for as long as the record lives. The cache keeps the completed records
-/// this process stored or replayed, and answers a claim that finds one (a replay, or a mismatch
-/// against it) itself; every other claim, and every other transition, goes to the inner store.
+/// copy of it is exact for as long as the record lives. The cache keeps a copy of each
+/// completed record this process replayed (the first retry of a request goes to the inner
+/// store; the storm after it does not), and answers a claim that finds one (a replay, or a
+/// mismatch against it) itself; every other claim, and every other transition, goes to the
+/// inner store. Records that are never retried are never copied: the fresh path costs what
+/// the inner store's does.
 ///
 /// - Each copy expires no later than its record (its remaining retention, as the inner store
-///   reported it), and no later than [`max_age`](Self::max_age) (default 1 minute).
+///   reported it with the replay), and no later than [`max_age`](Self::max_age) (default 1
+///   minute).
 /// - The copies are bounded in bytes ([`max_bytes`](Self::max_bytes), default 32 MiB); past
 ///   it the oldest go first. A copy costs its response plus about 150 bytes.
 /// - **Opt in, knowing what it changes:** a record deleted by hand in the inner store (a
@@ -245,14 +249,9 @@ impl<St: Store> Store for CachingStore<St> {
         response: Bytes,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        // Measured before the write: the record's retention starts after it.
-        let since = Instant::now();
-        let written =
-            self.inner.complete(key, owner, fingerprint, response.clone(), retention).await?;
-        if written == Fenced::Applied {
-            self.keep(key, fingerprint, &response, since, retention);
-        }
-        Ok(written)
+        // Not copied here: most records are never asked for again, and a copy of each would
+        // cost the fresh path its allocations. The first retry copies it.
+        self.inner.complete(key, owner, fingerprint, response, retention).await
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
@@ -285,6 +284,9 @@ mod tests {
         assert_eq!(store.claim(&key, &fp("1"), &owner, long.into()).await.unwrap(), Claim::Claimed);
         let response = Bytes::from(vec![b'r'; body]);
         store.complete(&key, &owner, &fp("1"), response, long).await.unwrap();
+        // The first replay copies it.
+        let replay = store.claim(&key, &fp("1"), &OwnerToken::random(), long.into()).await;
+        assert!(matches!(replay.unwrap(), Claim::Replay { .. }));
         key
     }
 

@@ -94,7 +94,9 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
         // Any `.layer()` on a router costs a boxed service and future of its own: this is that
         // cost alone, with a layer that does nothing.
         "identity" => bare().layer(tower::layer::util::Identity::new()),
-        "memory" => bare().layer(IdempotencyLayer::new(MemoryStore::new())),
+        // Room for every fresh key of a run: the default capacity (100,000 live records)
+        // refuses claims with 503 once a few cells have filled it.
+        "memory" => bare().layer(IdempotencyLayer::new(MemoryStore::with_capacity(5_000_000))),
         "redis" => bare().layer(IdempotencyLayer::new(RedisStore::from_url(redis_url)?)),
         "cached" => bare().layer(IdempotencyLayer::new(CachingStore::new(RedisStore::from_url(
             redis_url,
