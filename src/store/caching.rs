@@ -303,10 +303,12 @@ mod tests {
         let held: Vec<bool> =
             keys.iter().map(|k| store.lock().entries.contains_key(k.as_str())).collect();
         assert_eq!(held, [false, false, true, true, true]);
-        // A response larger than the whole cache is never kept.
-        let big = CachingStore::new(MemoryStore::new()).max_bytes(500);
+        // A response larger than the whole cache is never kept, and evicts nothing.
+        let big = CachingStore::new(MemoryStore::new()).max_bytes(600);
+        let small = completed(&big, "small", 10).await;
         completed(&big, "big", 1000).await;
-        assert_eq!(big.cached(), 0);
+        assert_eq!(big.cached(), 1);
+        assert!(big.lock().entries.contains_key(small.as_str()));
     }
 
     #[tokio::test]
