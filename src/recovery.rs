@@ -84,10 +84,18 @@ impl IdempotencyContext {
     /// different for each `purpose`.
     ///
     /// ```
-    /// # use axum_idempotency::{IdempotencyContext, RecordKey};
-    /// # fn context() -> IdempotencyContext { unimplemented!() }
-    /// # fn call(context: IdempotencyContext) {
-    /// let charge_key = context.derived_key("stripe-charge");
+    /// use axum_idempotency::{Idempotent, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let idem = Idempotent::new(MemoryStore::new());
+    /// let outcome = idem
+    ///     .run("payments", "evt_1", b"{}", |context| async move {
+    ///         // Pass this to the payment provider as its own idempotency key.
+    ///         Ok::<_, std::io::Error>(context.derived_key("stripe-charge"))
+    ///     })
+    ///     .await
+    ///     .unwrap();
+    /// let charge_key = outcome.into_result().unwrap();
     /// assert_eq!(charge_key.len(), 64);
     /// # }
     /// ```
