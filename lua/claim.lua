@@ -10,7 +10,8 @@
 -- A record is one string (see src/store/redis/mod.rs):
 --   version (1) | state (1) | fingerprint (32) | owner token (16) | lease deadline, or
 --   version (1) | state (1) | fingerprint (32) | response
---   state: 'P' in progress, 'W' in progress with waiters, 'C' completed
+--   version (1) | 'X' | fingerprint (32) | owner token (16), the marker abandon.lua leaves
+--   state: 'P' in progress, 'W' in progress with waiters, 'C' completed, 'X' abandoned
 --   lease deadline: milliseconds since the Unix epoch by the server's clock, in decimal; an
 --   in-progress record of exactly 50 bytes (written before deadlines) has none, and lives
 --   exactly as long as its lease
@@ -23,6 +24,7 @@
 --   {4, reason}         the value was not written by this layer (or by another version)
 --   {5}                 taken over: the same fingerprint's lease lapsed within its recovery
 --                       window; the caller owns the key for the lease
+--   {6}                 refused: the caller's own token abandoned this claim before it landed
 local key = KEYS[1]
 local lease = tonumber(ARGV[3])
 local window = tonumber(ARGV[6])
@@ -46,6 +48,15 @@ if string.sub(record, 1, 1) ~= ARGV[4] or #record < 34 then
   return {4, 'unknown version or truncated'}
 end
 local state = string.sub(record, 2, 2)
+if state == 'X' and #record == 50 then
+  -- An abandoned claim's marker: it refuses that claim, landing late; for any other claim
+  -- the key is absent.
+  if string.sub(record, 35, 50) == ARGV[2] then
+    return {6}
+  end
+  hold('P', now_ms())
+  return {0}
+end
 local deadline = nil
 if state == 'P' or state == 'W' then
   if #record > 50 then

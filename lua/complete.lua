@@ -8,13 +8,23 @@
 -- ARGV[5]  record format version
 -- ARGV[6]  the publish command: PUBLISH (standalone) or SPUBLISH (Cluster)
 -- Writes when the caller still owns the key, or when the key is absent (the lease lapsed and
--- nobody took over). Publishes on the channel only when the record was marked as waited for
--- ('W'), so a request nobody waits for costs no publish. Returns 1 when written, 0 when
--- another owner, a stored response, or a value this layer did not write holds it.
+-- nobody took over; the marker of an abandoned claim, see abandon.lua, counts as absent).
+-- Publishes on the channel only when the record was marked as waited for ('W'), so a request
+-- nobody waits for costs no publish.
+-- Returns 1 when written; 2 when the record already holds this very response (an earlier
+-- attempt of this complete landed, though its answer was lost); 0 when another owner, another
+-- stored response, or a value this layer did not write holds it.
 local key = KEYS[1]
+local completed = ARGV[5] .. 'C' .. ARGV[2] .. ARGV[3]
 local record = redis.pcall('GET', key)
 local waited = false
+if type(record) == 'string' and #record == 50 and string.sub(record, 2, 2) == 'X' then
+  record = false
+end
 if record then
+  if record == completed then
+    return 2
+  end
   if type(record) == 'table' or #record < 50 or string.sub(record, 1, 1) ~= ARGV[5]
       or string.sub(record, 35, 50) ~= ARGV[1] then
     return 0
@@ -25,7 +35,7 @@ if record then
   end
   waited = state == 'W'
 end
-redis.call('SET', key, ARGV[5] .. 'C' .. ARGV[2] .. ARGV[3], 'PX', ARGV[4])
+redis.call('SET', key, completed, 'PX', ARGV[4])
 if waited then
   redis.call(ARGV[6], KEYS[2], 'completed')
 end

@@ -14,8 +14,9 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # (name, file, original text, mutated text, tests that must catch it)
-REDIS = ["--test", "store_contract", "--", "redis::", "cluster::"]
-MEMORY = ["--test", "store_contract", "--", "memory::"]
+REDIS = ["--test", "store_contract", "--test", "store_lost_answers", "--", "redis::", "cluster::"]
+MEMORY = ["--test", "store_contract", "--test", "store_lost_answers", "--", "memory::"]
+LOST = ["--test", "redis_lost_answers"]
 WAITING = ["--test", "waiting", "--test", "redis_waiting", "--test", "round_trips", "--", "--skip", "memory::"]
 MUTANTS = [
     ("complete.lua without the owner comparison", "lua/complete.lua",
@@ -53,12 +54,12 @@ MUTANTS = [
     ("MemoryStore taking over before the deadline", "src/store/memory.rs",
      "State::InProgress { deadline, .. } if *deadline > now =>", "State::InProgress { deadline, .. } if false =>", MEMORY),
     ("MemoryStore takeover keeping the old expiry", "src/store/memory.rs",
-     "                    record.expires_at = *deadline + lease.recovery_window;\n                    Claim::TakenOver",
+     "                    record.expires_at = later(*deadline, lease.recovery_window);\n                    Claim::TakenOver",
      "                    Claim::TakenOver", MEMORY),
     ("MemoryStore takeover keeping the old owner", "src/store/memory.rs",
      "                    *holder = owner.clone();\n", "                    let _ = (&holder, owner);\n", MEMORY),
     ("MemoryStore touch keeping the old deadline", "src/store/memory.rs",
-     "                *deadline = Instant::now() + lease.duration;\n", "", MEMORY),
+     "                *deadline = later(Instant::now(), lease.duration);\n", "", MEMORY),
     ("claim.lua replaying an in-progress record", "lua/claim.lua",
      "if state == 'C' then", "if true then", REDIS),
     ("claim.lua never marking a waited record", "lua/claim.lua",
@@ -80,6 +81,34 @@ MUTANTS = [
     ("MemoryStore release/touch of any live record", "src/store/memory.rs",
      "Some(Record { state: State::InProgress { owner: holder, .. }, .. }) if holder == owner\n",
      "Some(_)\n", MEMORY),
+    ("MemoryStore complete refusing its own response stored already", "src/store/memory.rs",
+     "                if *stored == response && held == fingerprint =>", "                if false =>", MEMORY),
+    ("MemoryStore complete accepting another response stored already", "src/store/memory.rs",
+     "                if *stored == response && held == fingerprint =>", "                if held == fingerprint =>", MEMORY),
+    ("abandon.lua leaving no marker on an absent key", "lua/abandon.lua",
+     "  redis.call('SET', key, ARGV[3] .. 'X' .. ARGV[2] .. ARGV[1], 'PX', ARGV[5])\n", "", REDIS),
+    ("abandon.lua without the owner comparison", "lua/abandon.lua",
+     "\n    or string.sub(record, 35, 50) ~= ARGV[1] then\n  return 0", " then\n  return 0", REDIS),
+    ("abandon.lua of a completed record", "lua/abandon.lua",
+     "if state ~= 'P' and state ~= 'W' then\n  return 0\nend\n", "", REDIS),
+    ("abandon.lua deleting what a window should keep", "lua/abandon.lua",
+     "if window > 0 then", "if false then", REDIS),
+    ("abandon.lua keeping the lease running", "lua/abandon.lua",
+     "string.sub(record, 1, 50) .. string.format('%.0f', now)", "record", REDIS),
+    ("claim.lua letting the abandoned claim land", "lua/claim.lua",
+     "    return {6}\n", "    hold('P', now_ms())\n    return {0}\n", REDIS),
+    ("claim.lua reading a marker as a foreign value", "lua/claim.lua",
+     "if state == 'X' and #record == 50 then", "if false then", REDIS),
+    ("complete.lua refusing its own response stored already", "lua/complete.lua",
+     "  if record == completed then\n    return 2\n  end\n", "", REDIS),
+    ("complete.lua reading a marker as a foreign value", "lua/complete.lua",
+     "  record = false\n", "  record = record\n", REDIS),
+    ("the guard releasing rather than abandoning", "src/engine/settle.rs",
+     "        match store.abandon(key, owner, fingerprint, lease).await {",
+     "        match store.release(key, owner).await {", LOST),
+    ("the guard trying once", "src/engine/settle.rs",
+     "            Err(error) if tokio::time::Instant::now() + delay >= give_up_at => {",
+     "            Err(error) if true => {", LOST),
     ("MemoryStore sweep keeping only records expiring now", "src/store/memory.rs",
      "records.map.retain(|_, record| record.expires_at > now);",
      "records.map.retain(|_, record| record.expires_at == now);",

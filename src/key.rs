@@ -7,6 +7,18 @@ use sha2::{Digest, Sha256};
 /// The hash is SHA-256 over the length-prefixed scope and key, in hex, so that one scope can
 /// never reach another's record and the raw key is never written to the store or the logs.
 /// The braces are a Redis Cluster hash tag: every key of one record lands in one slot.
+///
+/// Redis takes the *first* `{…}` of a key as its hash tag, so a brace in the prefix would
+/// move the tag (or, with `{}`, make Redis hash the whole key, splitting a record from its
+/// settle channel across slots). The prefix is written with `{`, `}` and `%` escaped as
+/// `%7B`, `%7D` and `%25`: any prefix is safe, and two prefixes never share a key.
+///
+/// ```
+/// use axum_idempotency::RecordKey;
+///
+/// let key = RecordKey::new("svc{}", b"", b"k");
+/// assert!(key.as_str().starts_with("svc%7B%7D:{"));
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RecordKey {
     full: String,
@@ -33,7 +45,14 @@ impl RecordKey {
         }
         let digest = hasher.finalize();
         let mut full = String::with_capacity(prefix.len() + 3 + 2 * digest.len());
-        full.push_str(prefix);
+        for c in prefix.chars() {
+            match c {
+                '{' => full.push_str("%7B"),
+                '}' => full.push_str("%7D"),
+                '%' => full.push_str("%25"),
+                c => full.push(c),
+            }
+        }
         full.push_str(":{");
         let hash_start = full.len();
         const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -71,5 +90,24 @@ mod tests {
         assert!(!a.as_str().contains("secret"));
         assert_eq!(a.hash().len(), 64);
         assert_eq!(a.as_str(), format!("idem:{{{}}}", a.hash()));
+    }
+
+    #[test]
+    fn braces_in_the_prefix_never_move_the_hash_tag() {
+        for prefix in ["{}", "svc{}", "{payments}", "a}b{", "%7B"] {
+            let key = RecordKey::new(prefix, b"t", b"k");
+            let tag_start = key.as_str().find('{').unwrap();
+            assert_eq!(
+                &key.as_str()[tag_start + 1..key.as_str().len() - 1],
+                key.hash(),
+                "{prefix}"
+            );
+        }
+        // Escaping keeps prefixes apart: `{` and a literal `%7B` are two prefixes.
+        assert_ne!(RecordKey::new("{", b"", b"k"), RecordKey::new("%7B", b"", b"k"));
+        assert_eq!(
+            RecordKey::new("{x}%", b"", b"k").as_str().split(':').next(),
+            Some("%7Bx%7D%25")
+        );
     }
 }

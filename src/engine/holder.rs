@@ -4,6 +4,7 @@ use std::{any::Any, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, tim
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
+use tokio::{sync::oneshot, task::JoinHandle};
 
 use super::{
     Settings, observe,
@@ -21,6 +22,11 @@ pub(crate) type Panic = Box<dyn Any + Send>;
 
 /// The owner of a claimed key. It settles the key exactly once: [`complete`](Self::complete)
 /// or [`release`](Self::release) consume it.
+///
+/// From the claim to the settle, whatever runs in between (the recovery hook, the operation,
+/// a response body), a task of its own renews the lease every third of a lease, for at most
+/// the keep-alive ceiling from the claim. The settle stops it first, and waits for a renewal
+/// on the wire, so that no renewal lands after the settle.
 pub(crate) struct Holder<St> {
     store: St,
     key: RecordKey,
@@ -31,6 +37,15 @@ pub(crate) struct Holder<St> {
     route: Arc<str>,
     /// The claim took over from a holder whose lease lapsed.
     taken_over: bool,
+    /// The lease's renewal, when keep-alive is on; it stops when the holder settles or is
+    /// dropped.
+    renewal: Option<Renewal>,
+}
+
+/// The task that renews a holder's lease, and the way to stop it.
+struct Renewal {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
 }
 
 /// What a recovery hook's answer leaves the holder to do.
@@ -60,7 +75,24 @@ impl<St: Store> Holder<St> {
         route: Arc<str>,
         taken_over: bool,
     ) -> Self {
-        Self { store, key, fingerprint, owner, settings, route, taken_over }
+        let renewal = settings.keep_alive.map(|ceiling| {
+            let (stop, stopped) = oneshot::channel();
+            let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
+            let (lease, route) = (settings.lease(), route.clone());
+            let task = tokio::spawn(renew(store, key, owner, lease, route, ceiling, stopped));
+            Renewal { stop, task }
+        });
+        Self { store, key, fingerprint, owner, settings, route, taken_over, renewal }
+    }
+
+    /// Stops the lease's renewal, and waits for a renewal on the wire: before a settle, so
+    /// that no renewal lands after it.
+    async fn stop_renewal(&mut self) {
+        if let Some(Renewal { stop, task }) = self.renewal.take() {
+            let _ = stop.send(());
+            // Err only when the runtime shuts down: nothing is renewing then either.
+            let _ = task.await;
+        }
     }
 
     pub(crate) fn key(&self) -> &RecordKey {
@@ -132,7 +164,8 @@ impl<St: Store> Holder<St> {
     /// Ends the lease now, keeping the record for its recovery window, so that the next
     /// claim takes it over (and asks the hook again) rather than claiming it fresh. Without
     /// a window there is nothing to keep: the claim is released.
-    async fn hand_back(self) {
+    async fn hand_back(mut self) {
+        self.stop_renewal().await;
         let lease = self.settings.lease();
         if lease.recovery_window.is_zero() {
             return self.release("recovery failed").await;
@@ -148,15 +181,11 @@ impl<St: Store> Holder<St> {
         }
     }
 
-    /// Runs `operation` with the lease renewed while it runs. A panic releases the key and
-    /// comes back as `Err`, for the front door to resume where its caller sees it.
+    /// Runs `operation` (the lease is renewed all along). A panic releases the key and comes
+    /// back as `Err`, for the front door to resume where its caller sees it.
     pub(crate) async fn run<F: Future>(self, operation: F) -> Result<(Self, F::Output), Panic> {
-        let operation = AssertUnwindSafe(operation).catch_unwind();
         let started = tokio::time::Instant::now();
-        let outcome = match self.settings.keep_alive {
-            Some(ceiling) => self.keep_alive(operation, ceiling).await,
-            None => operation.await,
-        };
+        let outcome = AssertUnwindSafe(operation).catch_unwind().await;
         observe::ran(&self.route, started.elapsed());
         match outcome {
             Ok(output) => Ok((self, output)),
@@ -168,53 +197,62 @@ impl<St: Store> Holder<St> {
     }
 
     /// Deletes the claim, so that a retry runs the operation again.
-    pub(crate) async fn release(self, why: &'static str) {
+    pub(crate) async fn release(mut self, why: &'static str) {
+        self.stop_renewal().await;
         release(&self.store, &self.key, &self.owner, Some(&self.route), why).await;
     }
 
     /// Stores `outcome` for the retention period. `answered` runs after the first attempt,
     /// whatever the store said: the front door's caller gets its answer there, and a failed
     /// first attempt is then retried in the background of this task.
-    pub(crate) async fn complete(self, outcome: Bytes, answered: impl FnOnce()) {
+    pub(crate) async fn complete(mut self, outcome: Bytes, answered: impl FnOnce()) {
+        self.stop_renewal().await;
         let Self { store, key, fingerprint, owner, settings, route, .. } = self;
         let write = (&store, &key, &owner, &fingerprint);
         complete_with_retries(write, &route, outcome, settings.retention, answered).await;
     }
+}
 
-    /// Runs `operation`, renewing the lease every third of a lease until it finishes, the
-    /// key is lost, or `ceiling` has passed since the claim.
-    async fn keep_alive<T>(&self, operation: impl Future<Output = T>, ceiling: Duration) -> T {
-        let lease = self.settings.lease();
-        let hash = self.key.hash();
-        let period = (lease.duration / 3).max(Duration::from_millis(1));
-        let give_up_at = tokio::time::Instant::now() + ceiling;
-        let mut renewals = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
-        renewals.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut renewing = true;
-        tokio::pin!(operation);
-        loop {
-            tokio::select! {
-                biased;
-                output = &mut operation => return output,
-                now = renewals.tick(), if renewing => {
-                    if now >= give_up_at {
-                        tracing::warn!(key_hash = hash, "idempotency: keep-alive ceiling reached; the lease will lapse");
-                        renewing = false;
-                        continue;
-                    }
-                    match self.store.touch(&self.key, &self.owner, lease).await {
-                        Ok(Fenced::Applied) => {}
-                        Ok(Fenced::Rejected) => {
-                            tracing::warn!(key_hash = hash, "idempotency: lease lost to another request");
-                            renewing = false;
-                        }
-                        // The next tick tries again; the lease has two more periods to run.
-                        Err(error) => {
-                            observe::store_error(&self.route, "touch");
-                            tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed");
-                        }
-                    }
-                }
+/// Renews the lease of `owner`'s claim every third of a lease, until `stopped`, until the key
+/// is lost, or until `ceiling` has passed since the claim.
+async fn renew<St: Store>(
+    store: St,
+    key: RecordKey,
+    owner: OwnerToken,
+    lease: Lease,
+    route: Arc<str>,
+    ceiling: Duration,
+    mut stopped: oneshot::Receiver<()>,
+) {
+    let hash = key.hash();
+    let period = (lease.duration / 3).max(Duration::from_millis(1));
+    let give_up_at = super::after(ceiling);
+    loop {
+        let next = super::after(period);
+        tokio::select! {
+            biased;
+            // A stop, or the holder dropped unsettled.
+            _ = &mut stopped => return,
+            () = tokio::time::sleep_until(next) => {}
+        }
+        if next >= give_up_at {
+            return tracing::warn!(
+                key_hash = hash,
+                "idempotency: keep-alive ceiling reached; the lease will lapse"
+            );
+        }
+        match store.touch(&key, &owner, lease).await {
+            Ok(Fenced::Applied) => {}
+            Ok(Fenced::Rejected) => {
+                return tracing::warn!(
+                    key_hash = hash,
+                    "idempotency: lease lost to another request"
+                );
+            }
+            // The next period tries again; the lease has two more periods to run.
+            Err(error) => {
+                observe::store_error(&route, "touch");
+                tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed");
             }
         }
     }

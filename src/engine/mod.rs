@@ -2,10 +2,11 @@
 //!
 //! 1. claim: one store call decides: run, replay, in progress, or mismatch. A claim whose
 //!    answer never reached its caller (the caller was dropped, or the store timed out) is
-//!    released by a guard, fenced by its owner token.
+//!    abandoned by a guard ([`Store::abandon`]), fenced by its owner token: its lease ends,
+//!    what it may have taken over is kept, and a claim still on the wire cannot land.
 //! 2. run: the front door runs its operation through the [`Holder`] of the claim, in a task
-//!    of its own ([`Engine::spawn`]), with the lease renewed while it runs; a panic releases
-//!    the key.
+//!    of its own ([`Engine::spawn`]); the holder renews the lease from the claim to the
+//!    settle (recovery hook, operation, response body); a panic releases the key.
 //! 3. settle: complete (store the outcome) or release (let a retry run), both fenced by the
 //!    owner token, and retried in the background when the store fails.
 //!
@@ -23,7 +24,7 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub(crate) use self::holder::{Holder, Panic, Recovery};
-use self::settle::release;
+use self::settle::abandon;
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
@@ -232,7 +233,7 @@ impl<St: Store> Engine<St> {
         fingerprint: &Fingerprint,
         wait: Duration,
     ) -> Result<(Claim, OwnerToken), StoreError> {
-        let deadline = tokio::time::Instant::now() + wait;
+        let deadline = after(wait);
         let mut subscription = self.store.subscribe(key).await;
         loop {
             let (claim, owner) = self.claim_once(key, fingerprint, true).await?;
@@ -250,8 +251,8 @@ impl<St: Store> Engine<St> {
     }
 
     /// One claim, under a fresh owner token. A caller dropped while the claim is on the wire,
-    /// or whose claim timed out, may own the key without knowing it: a guard releases
-    /// whatever its token may hold.
+    /// or whose claim timed out, may own the key without knowing it, or may come to own it
+    /// when the claim lands late: a guard abandons whatever its token may hold.
     async fn claim_once(
         &self,
         key: &RecordKey,
@@ -259,8 +260,9 @@ impl<St: Store> Engine<St> {
         waiting: bool,
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let owner = OwnerToken::random();
-        let mut guard = UnsettledClaim { armed: Some((&self.store, key, &owner)) };
         let lease = self.settings.lease();
+        let mut guard =
+            UnsettledClaim { armed: Some((&self.store, key, &owner, fingerprint, lease)) };
         let claim = if waiting {
             self.store.claim_waiting(key, fingerprint, &owner, lease).await
         } else {
@@ -286,9 +288,9 @@ impl<St: Store> Engine<St> {
     }
 }
 
-/// Releases, on drop, a claim whose outcome its caller never saw.
+/// Abandons, on drop, a claim whose outcome its caller never saw.
 struct UnsettledClaim<'a, St: Store> {
-    armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken)>,
+    armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken, &'a Fingerprint, Lease)>,
 }
 
 impl<St: Store> UnsettledClaim<'_, St> {
@@ -299,12 +301,23 @@ impl<St: Store> UnsettledClaim<'_, St> {
 
 impl<St: Store> Drop for UnsettledClaim<'_, St> {
     fn drop(&mut self) {
-        if let Some((store, key, owner)) = self.armed.take() {
-            let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
-            // Fenced by the token: deletes the record only if this claim landed.
-            drop(tokio::spawn(async move {
-                release(&store, &key, &owner, None, "the claim's outcome is unknown").await;
-            }));
+        if let Some((store, key, owner, fingerprint, lease)) = self.armed.take() {
+            let (store, key, owner, fingerprint) =
+                (store.clone(), key.clone(), owner.clone(), fingerprint.clone());
+            // Fenced by the token: ends the claim only if it landed, and refuses it if it
+            // lands later.
+            drop(tokio::spawn(
+                async move { abandon(&store, &key, &owner, &fingerprint, lease).await },
+            ));
         }
     }
+}
+
+/// The instant `duration` from now, saturating about 30 years on: a configured duration as long
+/// as `Duration::MAX` means "no bound", never a panic.
+pub(crate) fn after(duration: Duration) -> tokio::time::Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    let now = tokio::time::Instant::now();
+    // 30 years past any instant of a running process fits every platform's `Instant`.
+    now.checked_add(duration.min(FAR)).unwrap_or(now)
 }

@@ -9,7 +9,7 @@ use super::observe;
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Fenced, OwnerToken, Store, StoreError},
+    store::{Fenced, Lease, OwnerToken, Store, StoreError},
 };
 
 /// How often, and how far apart, a failed `complete` or `release` is tried again.
@@ -122,6 +122,55 @@ pub(super) async fn release<St: Store>(
         );
     }));
 }
+
+/// Abandons a claim whose answer its caller never saw ([`Store::abandon`]), trying until the
+/// store answers, for as long as the claim's lease: a claim delayed on the wire (a paused
+/// server) lands when the server resumes, and one answered abandon, landing before or after
+/// it, is enough. Past a lease of tries, a claim that lands holds its key for one lease.
+pub(super) async fn abandon<St: Store>(
+    store: &St,
+    key: &RecordKey,
+    owner: &OwnerToken,
+    fingerprint: &Fingerprint,
+    lease: Lease,
+) {
+    let hash = key.hash();
+    let give_up_at = super::after(lease.duration);
+    let mut delay = ABANDON_FIRST_DELAY;
+    let mut failures = 0_u32;
+    loop {
+        match store.abandon(key, owner, fingerprint, lease).await {
+            Ok(outcome) => {
+                return tracing::debug!(
+                    key_hash = hash,
+                    ?outcome,
+                    failures,
+                    "idempotency: abandoned a claim whose outcome was unknown"
+                );
+            }
+            Err(error) if tokio::time::Instant::now() + delay >= give_up_at => {
+                return tracing::error!(
+                    key_hash = hash,
+                    %error,
+                    failures,
+                    "idempotency: could not abandon a claim whose outcome is unknown; if it landed, the key stays claimed until its lease ends"
+                );
+            }
+            Err(error) => {
+                if failures == 0 {
+                    tracing::warn!(key_hash = hash, %error, "idempotency: abandoning a claim whose outcome is unknown failed; retrying");
+                }
+                failures += 1;
+            }
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(ABANDON_LONGEST_DELAY);
+    }
+}
+
+/// The first and the longest pause between tries of [`abandon`].
+const ABANDON_FIRST_DELAY: Duration = Duration::from_millis(50);
+const ABANDON_LONGEST_DELAY: Duration = Duration::from_secs(1);
 
 /// Tries a fenced write again after each of [`SETTLE_RETRIES`], until the store answers.
 /// `None` when it never did.

@@ -258,6 +258,16 @@ impl<St: Store> Store for CachingStore<St> {
         self.inner.release(key, owner).await
     }
 
+    async fn abandon(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        self.inner.abandon(key, owner, fingerprint, lease).await
+    }
+
     async fn touch(
         &self,
         key: &RecordKey,

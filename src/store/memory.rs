@@ -140,6 +140,14 @@ impl MemoryStore {
     }
 }
 
+/// `at + by`, saturating about 30 years on: a configured duration as long as `Duration::MAX`
+/// means "keep it", never a panic.
+fn later(at: Instant, by: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    // 30 years past any instant of a running process fits every platform's `Instant`.
+    at.checked_add(by.min(FAR)).unwrap_or(at)
+}
+
 impl Records {
     fn live(&self, key: &str, now: Instant) -> Option<&Record> {
         self.map.get(key).filter(|record| record.expires_at > now)
@@ -192,20 +200,20 @@ impl Store for MemoryStore {
                 // and the lapsed holder is fenced out by its token.
                 State::InProgress { owner: holder, deadline } => {
                     *holder = owner.clone();
-                    *deadline = now + lease.duration;
-                    record.expires_at = *deadline + lease.recovery_window;
+                    *deadline = later(now, lease.duration);
+                    record.expires_at = later(*deadline, lease.recovery_window);
                     Claim::TakenOver
                 }
             });
         }
         records.make_room(key.as_str(), now)?;
-        let deadline = now + lease.duration;
+        let deadline = later(now, lease.duration);
         records.map.insert(
             key.as_str().to_owned(),
             Record {
                 fingerprint: fingerprint.clone(),
                 state: State::InProgress { owner: owner.clone(), deadline },
-                expires_at: deadline + lease.recovery_window,
+                expires_at: later(deadline, lease.recovery_window),
             },
         );
         Ok(Claim::Claimed)
@@ -224,6 +232,12 @@ impl Store for MemoryStore {
         match records.live(key.as_str(), now) {
             Some(Record { state: State::InProgress { owner: holder, .. }, .. })
                 if holder == owner => {}
+            // An earlier attempt of this very complete landed.
+            Some(Record { state: State::Completed(stored), fingerprint: held, .. })
+                if *stored == response && held == fingerprint =>
+            {
+                return Ok(Fenced::Applied);
+            }
             Some(_) => return Ok(Fenced::Rejected),
             // The lease lapsed and nobody took over: the response is still the one answer.
             None => records.make_room(key.as_str(), now)?,
@@ -233,7 +247,7 @@ impl Store for MemoryStore {
             Record {
                 fingerprint: fingerprint.clone(),
                 state: State::Completed(response),
-                expires_at: now + retention,
+                expires_at: later(now, retention),
             },
         );
         drop(records);
@@ -265,8 +279,8 @@ impl Store for MemoryStore {
             if let Some(record) = records.map.get_mut(key)
                 && let State::InProgress { deadline, .. } = &mut record.state
             {
-                *deadline = Instant::now() + lease.duration;
-                record.expires_at = *deadline + lease.recovery_window;
+                *deadline = later(Instant::now(), lease.duration);
+                record.expires_at = later(*deadline, lease.recovery_window);
             }
         }))
     }

@@ -62,7 +62,9 @@ pub trait Store: Clone + Send + Sync + 'static {
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Stores `response` under `key` for `retention`, if `owner` still holds the key or the key
-    /// is absent. Returns [`Fenced::Rejected`] when another owner or a stored response holds it.
+    /// is absent. Returns [`Fenced::Rejected`] when another owner or another stored response
+    /// holds it; [`Fenced::Applied`] also when the key already holds this very response for
+    /// `fingerprint` (an earlier attempt of this complete landed, though its answer was lost).
     fn complete(
         &self,
         key: &RecordKey,
@@ -100,6 +102,43 @@ pub trait Store: Clone + Send + Sync + 'static {
     fn subscribe(&self, key: &RecordKey) -> impl Future<Output = Subscription> + Send {
         let _ = key;
         std::future::ready(Subscription::unsupported())
+    }
+
+    /// Settles a claim whose answer its caller never saw (the call timed out, or the caller
+    /// went away while it was on the wire): the claim may have landed, may still land, or
+    /// never will. Whatever the caller's claim was, a plain claim or a takeover, nothing
+    /// known about the key may be lost: an operation taken over may have happened.
+    ///
+    /// - If `owner` holds the key, its lease ends now: with a `lease.recovery_window` the
+    ///   record is kept for that window, so that the next claim takes it over and asks the
+    ///   system of record; without one, the record is deleted.
+    /// - If the key is absent, a store whose claims can land late (a command in a socket
+    ///   buffer of a paused server) leaves a marker, for `lease.duration`, under which that
+    ///   claim of `owner` is refused ([`StoreError::ClaimAbandoned`]); every other claim
+    ///   sees the key as absent.
+    ///
+    /// [`Fenced::Applied`] when the key was the caller's or was marked; [`Fenced::Rejected`]
+    /// when another owner or a stored response holds it.
+    ///
+    /// The default, for a store whose claims cannot land late, ends the lease with
+    /// [`touch`](Self::touch) (a zero `lease.duration`), or [`release`](Self::release)s
+    /// without a window.
+    fn abandon(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        lease: Lease,
+    ) -> impl Future<Output = Result<Fenced, StoreError>> + Send {
+        let _ = fingerprint;
+        async move {
+            if lease.recovery_window.is_zero() {
+                self.release(key, owner).await
+            } else {
+                let ended = Lease::new(Duration::ZERO).recovery_window(lease.recovery_window);
+                self.touch(key, owner, ended).await
+            }
+        }
     }
 
     /// Renews the lease of the record under `key` to `lease` if `owner` still holds it. A
@@ -181,7 +220,8 @@ pub enum Claim {
     Mismatch,
 }
 
-/// The answer of a fenced write: [`Store::complete`], [`Store::release`], [`Store::touch`].
+/// The answer of a fenced write: [`Store::complete`], [`Store::release`], [`Store::touch`],
+/// [`Store::abandon`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fenced {
     /// The caller held the key and the write was applied.
@@ -234,11 +274,18 @@ pub enum StoreError {
     /// A [`MemoryStore`] holds as many live records as its capacity: nothing is evicted to
     /// make room, so the claim is refused.
     CapacityReached(usize),
+    /// The claim's own caller abandoned it ([`Store::abandon`]) before it reached the store:
+    /// it was not applied. Only a claim that lands after its caller gave up on it meets this.
+    ClaimAbandoned,
+    /// The server is older than the crate supports; the message says what was found and
+    /// what is needed. Nothing is written to it; the layer answers 503 (and logs the message),
+    /// as for a server it cannot reach.
+    UnsupportedServer(String),
 }
 
 impl StoreError {
-    /// Whether the store could not be reached or did not answer (as opposed to holding a
-    /// record it cannot read). The layer answers these with 503, or passes the request
+    /// Whether the store could not be reached, did not answer, or cannot serve (as opposed to
+    /// holding a record it cannot read). The layer answers these with 503, or passes the request
     /// through when it fails open.
     #[must_use]
     pub fn is_unavailable(&self) -> bool {
@@ -258,6 +305,8 @@ impl fmt::Display for StoreError {
             Self::CapacityReached(records) => {
                 write!(f, "the memory store is full ({records} live records)")
             }
+            Self::ClaimAbandoned => f.write_str("the claim was abandoned by its caller"),
+            Self::UnsupportedServer(why) => write!(f, "unsupported server: {why}"),
         }
     }
 }
@@ -269,7 +318,11 @@ impl std::error::Error for StoreError {
             Self::Pool(e) => Some(e),
             #[cfg(feature = "cluster")]
             Self::ClusterPool(e) => Some(e),
-            Self::Timeout(_) | Self::CorruptRecord(_) | Self::CapacityReached(_) => None,
+            Self::Timeout(_)
+            | Self::CorruptRecord(_)
+            | Self::CapacityReached(_)
+            | Self::ClaimAbandoned
+            | Self::UnsupportedServer(_) => None,
         }
     }
 }

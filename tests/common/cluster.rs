@@ -13,7 +13,7 @@ use axum_idempotency::{
 };
 
 use super::{
-    Harness, Held, RawHarness, RawValue, RedisServer, describe_with, free_port, plant_with,
+    Harness, Held, RawHarness, RawValue, RedisServer, describe_with, free_port, held_in, plant_with,
 };
 
 /// Masters and replicas made into one cluster by `redis-cli --cluster create`. Stopped by pid
@@ -170,13 +170,7 @@ impl RedisCluster {
     pub async fn held(&self, key: &RecordKey) -> Option<Held> {
         let record: Option<Vec<u8>> =
             self.cluster_connection().await.get(key.as_str()).await.expect("GET");
-        match record?.get(..2) {
-            Some(b"1P") => Some(Held::InProgress),
-            Some(b"1C") => Some(Held::Completed),
-            other => {
-                panic!("record {} is neither in progress nor completed: {other:?}", key.as_str())
-            }
-        }
+        held_in(key, record)
     }
 
     /// Keys per master, by port.

@@ -239,16 +239,10 @@ impl RedisServer {
     }
 
     /// What the record under `key` is, read straight from Redis: `1P…` in progress, `1C…`
-    /// completed (see `src/store/redis.rs`).
+    /// completed, `1X…` an abandoned claim's marker (see `src/store/redis/mod.rs`).
     pub async fn held(&self, key: &RecordKey) -> Option<Held> {
         let record: Option<Vec<u8>> = self.connection().await.get(key.as_str()).await.expect("GET");
-        match record?.get(..2) {
-            Some(b"1P") => Some(Held::InProgress),
-            Some(b"1C") => Some(Held::Completed),
-            other => {
-                panic!("record {} is neither in progress nor completed: {other:?}", key.as_str())
-            }
-        }
+        held_in(key, record)
     }
 
     /// Kills the server (SIGKILL) and starts it again on the same port, empty.
@@ -282,11 +276,24 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
 }
 
+/// What a Redis value under `key` is: `1P…` in progress, `1C…` completed, `1X…` an abandoned
+/// claim's marker (see `src/store/redis/mod.rs`).
+pub fn held_in(key: &RecordKey, record: Option<Vec<u8>>) -> Option<Held> {
+    match record?.get(..2) {
+        Some(b"1P") => Some(Held::InProgress),
+        Some(b"1C") => Some(Held::Completed),
+        Some(b"1X") => Some(Held::Abandoned),
+        other => panic!("record {} is not one the layer writes: {other:?}", key.as_str()),
+    }
+}
+
 /// What a store holds under a key, read from the store itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Held {
     InProgress,
     Completed,
+    /// The marker an abandoned claim leaves on an absent key (Redis stores): no record.
+    Abandoned,
 }
 
 /// One store under test, with a way to look inside it.

@@ -18,7 +18,9 @@ use deadpool_redis::{
 pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use self::{
     connection::{Connections, Source},
-    scripts::{CLAIM, COMPLETE, RELEASE, TOUCH, millis, parse_claim, settle_channel, whole_millis},
+    scripts::{
+        ABANDON, CLAIM, COMPLETE, RELEASE, TOUCH, millis, parse_claim, settle_channel, whole_millis,
+    },
     subscriber::{Listen, Subscriber},
 };
 use super::{Claim, Fenced, Lease, OwnerToken, RECORD_VERSION, Store, StoreError, Subscription};
@@ -34,8 +36,12 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// ```text
 /// version '1' | state 'P' (in progress), 'W' (in progress, waited for) or 'C' (completed)
 ///             | fingerprint (32 bytes)
-///             | owner token (16 bytes)  or  the encoded response
+///             | owner token (16 bytes) and lease deadline  or  the encoded response
 /// ```
+///
+/// A claim whose answer was lost while the key was absent leaves a marker in its place
+/// (state 'X', with the claim's owner token, for one lease): that claim, should it land late,
+/// is refused; every other claim sees the key as absent (see [`Store::abandon`]).
 ///
 /// A string, rather than a hash, because Redis keeps a hash compact only while every value
 /// is at most `hash-max-listpack-value` (64) bytes; a stored response is larger, and a hash
@@ -265,7 +271,8 @@ impl RedisStore {
             .await
     }
 
-    /// Runs a fenced script: 1 when applied, 0 when another owner holds the key.
+    /// Runs a fenced script: 1 (or 2, see `lua/complete.lua` and `lua/abandon.lua`) when
+    /// applied, 0 when another owner holds the key.
     async fn fenced(
         &self,
         script: &'static Script,
@@ -273,7 +280,7 @@ impl RedisStore {
         args: &[&[u8]],
     ) -> Result<Fenced, StoreError> {
         let reply: i64 = self.invoke(script, keys, args).await?;
-        Ok(if reply == 1 { Fenced::Applied } else { Fenced::Rejected })
+        Ok(if reply == 0 { Fenced::Rejected } else { Fenced::Applied })
     }
 
     async fn claim_marking(
@@ -366,6 +373,26 @@ impl Store for RedisStore {
         let args: [&[u8]; 3] =
             [owner.as_bytes(), RECORD_VERSION.as_bytes(), self.publish_command()];
         self.fenced(&RELEASE, &[key.as_str(), &settle_channel(key)], &args).await
+    }
+
+    async fn abandon(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        let window = whole_millis(lease.recovery_window).to_string();
+        let marker = millis(lease.duration).to_string();
+        let args: [&[u8]; 6] = [
+            owner.as_bytes(),
+            fingerprint.as_bytes(),
+            RECORD_VERSION.as_bytes(),
+            window.as_bytes(),
+            marker.as_bytes(),
+            self.publish_command(),
+        ];
+        self.fenced(&ABANDON, &[key.as_str(), &settle_channel(key)], &args).await
     }
 
     async fn touch(

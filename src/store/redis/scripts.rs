@@ -19,6 +19,7 @@ macro_rules! script {
     };
 }
 
+pub(super) static ABANDON: LazyLock<Script> = script!("abandon.lua");
 pub(super) static CLAIM: LazyLock<Script> = script!("claim.lua");
 pub(super) static COMPLETE: LazyLock<Script> = script!("complete.lua");
 pub(super) static RELEASE: LazyLock<Script> = script!("release.lua");
@@ -66,6 +67,7 @@ pub(super) fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
         }
         (2, None) => Ok(Claim::Mismatch),
         (5, None) => Ok(Claim::TakenOver),
+        (6, None) => Err(StoreError::ClaimAbandoned),
         (3, Some(Value::Int(remaining_ms))) => Ok(Claim::InProgress {
             remaining: Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)),
         }),

@@ -1,0 +1,271 @@
+//! The lease is held from the claim to the settle, whatever runs in between (a recovery hook
+//! slower than the lease, a response body of known length slower than the lease), on both
+//! doors and every store; durations as long as `Duration::MAX` never panic a request; the
+//! keep-alive ceiling counts from the claim.
+
+#[macro_use]
+mod common;
+
+use std::{
+    collections::VecDeque,
+    convert::Infallible,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use axum::{Router, body::Body, routing::post};
+use axum_idempotency::{
+    Claim, Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent, OwnerToken, RecordKey,
+    Store,
+    consumer::Outcome,
+    recovery::{Lookup, Recovered},
+    store::Lease,
+};
+use bytes::Bytes;
+use common::*;
+use http::{Request, Response};
+use http_body::{Frame, SizeHint};
+
+every_store!(
+    a_hook_slower_than_the_lease_keeps_the_key_until_it_answers,
+    a_hook_slower_than_the_lease_keeps_the_key_on_the_consumer_door,
+    a_known_length_body_slower_than_the_lease_keeps_the_key_until_it_is_stored,
+    durations_as_long_as_duration_max_never_panic_a_request,
+    durations_as_long_as_duration_max_never_panic_an_operation,
+    the_keep_alive_ceiling_counts_from_the_claim,
+);
+
+const LEASE: Duration = Duration::from_millis(300);
+
+/// A claim on `POST /payments` with body `{}` and `key` whose holder died: nobody settles it,
+/// and its lease has lapsed when this returns.
+async fn dead_holder<S: Store>(store: &S, key: &RecordKey, fingerprint: &Fingerprint) {
+    let lease = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(3600));
+    let claim = store.claim(key, fingerprint, &OwnerToken::random(), lease).await;
+    assert_eq!(claim.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+}
+
+async fn a_hook_slower_than_the_lease_keeps_the_key_until_it_answers<H: Harness>(h: H) {
+    let (calls, asked) = (Calls::default(), Arc::new(AtomicUsize::new(0)));
+    let hook = {
+        let asked = asked.clone();
+        move |_lookup: Lookup<Request<Bytes>>| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(3 * LEASE).await;
+                Ok::<_, std::io::Error>(Recovered::<Response<Bytes>>::Unknown)
+            }
+        }
+    };
+    let layer = IdempotencyLayer::new(h.store()).lease(LEASE).recover(hook);
+    let app = app(&calls).layer(layer);
+    let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
+    dead_holder(&h.store(), &global("k1"), &fingerprint).await;
+    let taking_over = send_in_background(&app, keyed("POST", "/payments", "k1", "{}"));
+    // Past the takeover's own lease, while its hook still looks: the key is still held.
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    let during = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    during.assert_problem(202, "in-progress");
+    assert_eq!(asked.load(Ordering::SeqCst), 1, "a second retry took the key over");
+    let ran = taking_over.await.unwrap();
+    assert_eq!(ran.status, 201);
+    assert!(!ran.replayed());
+    let after = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert!(after.replayed());
+    assert_eq!(after.body, ran.body);
+    assert_eq!((asked.load(Ordering::SeqCst), calls.get()), (1, 1));
+}
+
+async fn a_hook_slower_than_the_lease_keeps_the_key_on_the_consumer_door<H: Harness>(h: H) {
+    let asked = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let asked = asked.clone();
+        move |_lookup: Lookup<Bytes>| {
+            asked.fetch_add(1, Ordering::SeqCst);
+            async {
+                tokio::time::sleep(3 * LEASE).await;
+                Ok::<_, std::io::Error>(Recovered::<u32>::Unknown)
+            }
+        }
+    };
+    let idem = Idempotent::new(h.store()).lease(LEASE).recover(hook);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let operation = || {
+        let ran = ran.clone();
+        move |_context: IdempotencyContext| async move {
+            Ok::<_, std::io::Error>(u32::try_from(ran.fetch_add(1, Ordering::SeqCst)).unwrap() + 1)
+        }
+    };
+    let key = RecordKey::new("idempotency-consumer", b"payments", b"evt_1");
+    dead_holder(&h.store(), &key, &Fingerprint::of_payload(b"amount=100")).await;
+    let taking_over = {
+        let (idem, operation) = (idem.clone(), operation());
+        tokio::spawn(async move { idem.run("payments", "evt_1", b"amount=100", operation).await })
+    };
+    tokio::time::sleep(LEASE + LEASE / 2).await;
+    let during = idem.run("payments", "evt_1", b"amount=100", operation()).await.unwrap();
+    assert!(matches!(during, Outcome::InProgress { .. }), "{during:?}");
+    assert_eq!(asked.load(Ordering::SeqCst), 1, "a second delivery took the key over");
+    assert_eq!(taking_over.await.unwrap().unwrap(), Outcome::Ran(1));
+    let after = idem.run("payments", "evt_1", b"amount=100", operation()).await.unwrap();
+    assert_eq!(after, Outcome::Replayed(1));
+    assert_eq!((asked.load(Ordering::SeqCst), ran.load(Ordering::SeqCst)), (1, 1));
+}
+
+/// A body whose length is known up front, produced one chunk every `every`: a proxied upstream
+/// with `Content-Length`.
+struct Trickle {
+    chunks: VecDeque<Bytes>,
+    every: Duration,
+    next: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl Trickle {
+    fn new(chunks: &[&'static str], every: Duration) -> Self {
+        let chunks = chunks.iter().map(|c| Bytes::from_static(c.as_bytes())).collect();
+        Self { chunks, every, next: Box::pin(tokio::time::sleep(every)) }
+    }
+}
+
+impl http_body::Body for Trickle {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.chunks.is_empty() {
+            return Poll::Ready(None);
+        }
+        if self.next.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        let every = self.every;
+        self.next.as_mut().reset(tokio::time::Instant::now() + every);
+        Poll::Ready(self.chunks.pop_front().map(|chunk| Ok(Frame::data(chunk))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.chunks.iter().map(|c| c.len() as u64).sum())
+    }
+}
+
+async fn a_known_length_body_slower_than_the_lease_keeps_the_key_until_it_is_stored<H: Harness>(
+    h: H,
+) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move || async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            // Four chunks over 4 × 250 ms: past three leases of 300 ms.
+            let body = Trickle::new(&["ch", "_1", "23", "45"], Duration::from_millis(250));
+            Response::builder().status(201).body(Body::new(body)).unwrap()
+        }
+    };
+    let app = Router::new()
+        .route("/proxied", post(handler))
+        .layer(IdempotencyLayer::new(h.store()).lease(LEASE));
+    let first = send_in_background(&app, keyed("POST", "/proxied", "k1", "{}"));
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let during = send(&app, keyed("POST", "/proxied", "k1", "{}")).await;
+    during.assert_problem(202, "in-progress");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "a retry ran the handler while the body was read");
+    let first = first.await.unwrap();
+    assert_eq!((first.status.as_u16(), first.body.as_str()), (201, "ch_12345"));
+    let after = send(&app, keyed("POST", "/proxied", "k1", "{}")).await;
+    assert!(after.replayed());
+    assert_eq!(after.body, "ch_12345");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+async fn durations_as_long_as_duration_max_never_panic_a_request<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store())
+        .lease(Duration::MAX)
+        .retention(Duration::MAX)
+        .keep_alive(Some(Duration::MAX))
+        .wait_for_in_progress(Duration::MAX)
+        .retry_after(Duration::MAX)
+        .recover(|_lookup: Lookup<Request<Bytes>>| async {
+            Ok::<_, std::io::Error>(Recovered::<Response<Bytes>>::Unknown)
+        })
+        .recovery_window(Duration::MAX)
+        .recovery_timeout(Duration::MAX);
+    let app = app(&calls).layer(layer);
+    let first = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Waits (for ever, if need be) for the original, and answers with its replay.
+    let waited = send(&app, delayed("/slow", "k1", 300, "{}")).await;
+    let first = first.await.unwrap();
+    assert_eq!(first.status, 201, "{first:?}");
+    assert!(waited.replayed(), "{waited:?}");
+    assert_eq!(waited.body, first.body);
+    assert_eq!(calls.get(), 1);
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+}
+
+async fn durations_as_long_as_duration_max_never_panic_an_operation<H: Harness>(h: H) {
+    let idem = Idempotent::new(h.store())
+        .lease(Duration::MAX)
+        .retention(Duration::MAX)
+        .keep_alive(Some(Duration::MAX))
+        .wait_for_in_progress(Duration::MAX)
+        .retry_after(Duration::MAX);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let operation = || {
+        let ran = ran.clone();
+        move |_context: IdempotencyContext| async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            Ok::<_, std::io::Error>(ran.fetch_add(1, Ordering::SeqCst) + 1)
+        }
+    };
+    let first = {
+        let (idem, operation) = (idem.clone(), operation());
+        tokio::spawn(async move { idem.run("payments", "evt_1", b"{}", operation).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waited = idem.run("payments", "evt_1", b"{}", operation()).await.unwrap();
+    assert_eq!(first.await.unwrap().unwrap(), Outcome::Ran(1));
+    assert_eq!(waited, Outcome::Replayed(1));
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+}
+
+async fn the_keep_alive_ceiling_counts_from_the_claim<H: Harness>(h: H) {
+    // The handler takes 900 ms, then streams (no length known) for 2 s. With a ceiling of
+    // 900 ms counted from the claim, renewals stop by 900 ms and the lease lapses by 1.2 s;
+    // counted again from the start of the stream, they would run to 1.8 s.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let calls = calls.clone();
+        move || async move {
+            calls.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(900)).await;
+            let chunks = futures_util::stream::unfold(0, |i| async move {
+                (i < 4).then_some(())?;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Some((Ok::<_, Infallible>(Bytes::from_static(b"x")), i + 1))
+            });
+            Body::from_stream(chunks)
+        }
+    };
+    let layer =
+        IdempotencyLayer::new(h.store()).lease(LEASE).keep_alive(Some(Duration::from_millis(900)));
+    let app = Router::new().route("/stream", post(handler)).layer(layer);
+    let first = send_in_background(&app, keyed("POST", "/stream", "k1", "{}"));
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    // The lease lapsed (the handler outlived its ceiling): the retry runs it again, as
+    // documented for a handler that outlives the keep-alive ceiling.
+    let retry = send_in_background(&app, keyed("POST", "/stream", "k1", "{}"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the lease was still renewed at 1.6 s");
+    first.abort();
+    retry.abort();
+}
