@@ -4,8 +4,10 @@ use sha2::{Digest, Sha256};
 
 /// The store key of one record: `{prefix}:{<hash>}`.
 ///
-/// The hash is SHA-256 over the length-prefixed scope and key, in hex, so that one scope can
-/// never reach another's record and the raw key is never written to the store or the logs.
+/// The hash is SHA-256 over the length-prefixed prefix, scope and key, in hex, so that one
+/// scope can never reach another's record, the raw key is never written to the store or the
+/// logs, and two configurations that differ only by prefix never share a key hash (which
+/// names a record in logs, outbox rows and derived keys).
 /// The braces are a Redis Cluster hash tag: every key of one record lands in one slot.
 ///
 /// Redis takes the *first* `{…}` of a key as its hash tag, so a brace in the prefix would
@@ -39,7 +41,7 @@ impl RecordKey {
     #[must_use]
     pub fn new(prefix: &str, scope: &[u8], key: &[u8]) -> Self {
         let mut hasher = Sha256::new();
-        for field in [scope, key] {
+        for field in [prefix.as_bytes(), scope, key] {
             hasher.update((field.len() as u64).to_be_bytes());
             hasher.update(field);
         }
@@ -87,6 +89,12 @@ mod tests {
         assert_ne!(a, RecordKey::new("idem", b"t2", b"secret-key"));
         // Length prefixes keep ("ab", "c") and ("a", "bc") apart.
         assert_ne!(RecordKey::new("p", b"ab", b"c"), RecordKey::new("p", b"a", b"bc"));
+        assert_ne!(
+            RecordKey::new("pa", b"b", b"c").hash(),
+            RecordKey::new("p", b"ab", b"c").hash()
+        );
+        // The prefix is in the hash too: two prefixes never share a key hash.
+        assert_ne!(RecordKey::new("a", b"t", b"k").hash(), RecordKey::new("b", b"t", b"k").hash());
         assert!(!a.as_str().contains("secret"));
         assert_eq!(a.hash().len(), 64);
         assert_eq!(a.as_str(), format!("idem:{{{}}}", a.hash()));

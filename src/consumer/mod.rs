@@ -49,10 +49,11 @@
 //!
 //! [`IdempotencyContext`]: crate::IdempotencyContext
 
+mod finite;
 mod outcome;
 mod stored;
 
-use std::{fmt, future::Future, sync::Arc, time::Duration};
+use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
@@ -60,7 +61,7 @@ use tokio::sync::oneshot;
 use tokio_util::task::TaskTracker;
 
 pub use self::outcome::{Error, Outcome};
-use self::stored::{decode, encode};
+use self::stored::{Unstorable, decode, encode, not_stored};
 use crate::{
     engine::{Claimed, Engine, Panic, Recovery, Settings},
     fingerprint::Fingerprint,
@@ -195,8 +196,9 @@ impl<St: Store, H> Idempotent<St, H> {
         self
     }
 
-    /// Renews the lease of a running operation every third of a lease, for at most `ceiling`
-    /// from the claim; `None` turns renewal off. Defaults to 5 minutes.
+    /// Renews the lease every third of a lease from the claim to the settle (the recovery
+    /// hook and the operation), for at most `ceiling` from the claim; `None` turns renewal
+    /// off. Defaults to 5 minutes.
     pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
         self.settings().keep_alive = ceiling;
         self
@@ -248,11 +250,19 @@ impl<St: Store, H> Idempotent<St, H> {
     /// [`Error::Operation`] when the operation failed (its key is released);
     /// [`Error::Store`] when the store could not be reached or holds a value this crate did not
     /// write (nothing ran); [`Error::Corrupt`] when the stored result does not deserialize into
-    /// `T`.
+    /// `T`; [`Error::ResultNotStored`] when the operation ran before but its result had no
+    /// stored form; [`Error::EmptyKey`] for an empty key.
+    ///
+    /// A result that cannot be stored faithfully (serde fails on it, or it holds NaN or an
+    /// infinity, which JSON would turn into `null`) is returned to this caller as
+    /// [`Outcome::Ran`], and its key is completed with a record of that failure: the operation
+    /// never runs again for the key, and every redelivery gets [`Error::ResultNotStored`]. A
+    /// result over the [`stored_limit`](Self::stored_limit) is returned and its key released.
     ///
     /// # Panics
     ///
-    /// When `operation` panics: its key is released and the panic resumed here.
+    /// When `operation` panics (when called, or in its future), or the result's `Serialize`
+    /// does: the key is released and the panic resumed here.
     pub async fn run<T, E, F, Fut>(
         &self,
         scope: &str,
@@ -267,6 +277,9 @@ impl<St: Store, H> Idempotent<St, H> {
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         H: Recover<Bytes, T>,
     {
+        if key.as_ref().is_empty() {
+            return Err(Error::EmptyKey);
+        }
         let engine = Engine::new(self.store.clone(), self.settings.clone());
         let record_key = RecordKey::new(&self.prefix, scope.as_bytes(), key.as_ref());
         let fingerprint = Fingerprint::of_payload(payload.as_ref());
@@ -302,26 +315,33 @@ impl<St: Store, H> Idempotent<St, H> {
         engine.spawn(async move {
             let holder = match recovery {
                 None => holder,
-                Some((hook, lookup)) => match holder.recover(hook.recover(lookup)).await {
-                    Recovery::Run(holder) => holder,
-                    Recovery::Happened(holder, value) => {
-                        // The system of record's answer is stored whatever its size: the
-                        // operation must not run again.
-                        let stored = encode(&value, usize::MAX);
-                        let answer = move || drop(finished_tx.send(Finished::Recovered(value)));
-                        match stored {
-                            Ok(stored) => holder.complete(stored, answer).await,
-                            Err(why) => {
-                                holder.release(why).await;
-                                answer();
-                            }
+                // Called inside the hook's future, so that a hook that panics when called is
+                // caught like one that panics later.
+                Some((hook, lookup)) => {
+                    match holder.recover(async move { hook.recover(lookup).await }).await {
+                        Recovery::Run(holder) => holder,
+                        Recovery::Happened(holder, value) => {
+                            // The system of record's answer is stored whatever its size, and
+                            // whatever its form: the operation must not run again.
+                            let stored = match store_form(&value, usize::MAX, holder.key().hash()) {
+                                Ok(stored) => stored,
+                                Err(panic) => {
+                                    holder.release("the result's Serialize panicked").await;
+                                    return drop(finished_tx.send(Finished::Panic(panic)));
+                                }
+                            };
+                            let answer = move || drop(finished_tx.send(Finished::Recovered(value)));
+                            // Without a limit nothing is over it.
+                            let stored = stored.unwrap_or_else(|()| not_stored("over the limit"));
+                            return holder.complete(stored, answer).await;
                         }
-                        return;
+                        Recovery::Refused => return drop(finished_tx.send(Finished::Refused)),
                     }
-                    Recovery::Refused => return drop(finished_tx.send(Finished::Refused)),
-                },
+                }
             };
-            let (holder, value) = match holder.run(operation(context)).await {
+            // Called inside the guarded future: a closure that panics before it returns its
+            // future releases the key like any other panic of the operation.
+            let (holder, value) = match holder.run(async move { operation(context).await }).await {
                 Ok((holder, Ok(value))) => (holder, value),
                 Ok((holder, Err(error))) => {
                     holder.release("the operation failed").await;
@@ -333,20 +353,23 @@ impl<St: Store, H> Idempotent<St, H> {
                     return;
                 }
             };
-            match encode(&value, stored_limit) {
-                Ok(stored) => {
-                    holder
-                        .complete(stored, move || drop(finished_tx.send(Finished::Ran(value))))
-                        .await;
+            let stored = match store_form(&value, stored_limit, holder.key().hash()) {
+                Ok(stored) => stored,
+                Err(panic) => {
+                    holder.release("the result's Serialize panicked").await;
+                    return drop(finished_tx.send(Finished::Panic(panic)));
                 }
-                Err(why) => {
+            };
+            let answer = move || drop(finished_tx.send(Finished::Ran(value)));
+            match stored {
+                Ok(stored) => holder.complete(stored, answer).await,
+                Err(()) => {
                     tracing::warn!(
                         key_hash = holder.key().hash(),
-                        why,
-                        "idempotency: result not stored"
+                        "idempotency: the result is over the stored limit; the key is released"
                     );
-                    holder.release(why).await;
-                    let _ = finished_tx.send(Finished::Ran(value));
+                    holder.release("the result is over the stored limit").await;
+                    answer();
                 }
             }
         });
@@ -360,4 +383,27 @@ impl<St: Store, H> Idempotent<St, H> {
             Err(_) => Err(Error::Cancelled),
         }
     }
+}
+
+/// What to store for `value`: its encoding; the record of a result that cannot be encoded
+/// (logged: the operation ran and will not run again); `Ok(Err(()))` when it is over `limit`;
+/// `Err` when its `Serialize` panicked.
+fn store_form<T: Serialize>(
+    value: &T,
+    limit: usize,
+    hash: &str,
+) -> Result<Result<Bytes, ()>, Panic> {
+    let encoded = std::panic::catch_unwind(AssertUnwindSafe(|| encode(value, limit)))?;
+    Ok(match encoded {
+        Ok(stored) => Ok(stored),
+        Err(Unstorable::OverLimit) => Err(()),
+        Err(Unstorable::Unencodable(reason)) => {
+            tracing::error!(
+                key_hash = hash,
+                reason,
+                "idempotency: the result cannot be stored; its key is completed without it, so the operation does not run again"
+            );
+            Ok(not_stored(&reason))
+        }
+    })
 }

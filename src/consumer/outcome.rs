@@ -49,6 +49,19 @@ pub enum Error<E> {
         /// What the decoder said.
         reason: String,
     },
+    /// The operation ran on an earlier delivery, but its result could not be stored: serde
+    /// could not encode it (a map with non-string keys, a `Serialize` that fails), or it held
+    /// a float JSON cannot (NaN, ±inf). It cannot be replayed, and the operation does not run
+    /// again: ack the delivery, and look at the first run's logs.
+    ResultNotStored {
+        /// The record's key hash, as the logs show it.
+        key_hash: String,
+        /// Why the result could not be encoded.
+        reason: String,
+    },
+    /// The event id (the key) is empty: every event without an id would share one record.
+    /// Nothing ran and nothing was written.
+    EmptyKey,
     /// The operation's task ended without an answer: the runtime is shutting down.
     Cancelled,
     /// The delivery took over a lapsed claim and the recovery hook failed (an error, a panic,
@@ -65,6 +78,11 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Self::Corrupt { key_hash, reason } => {
                 write!(f, "the stored result under key hash {key_hash} is unreadable: {reason}")
             }
+            Self::ResultNotStored { key_hash, reason } => write!(
+                f,
+                "the operation under key hash {key_hash} ran before, but its result could not be stored: {reason}"
+            ),
+            Self::EmptyKey => f.write_str("the key (event id) is empty"),
             Self::Cancelled => f.write_str("the operation's task was cancelled"),
             Self::Recovery => f.write_str("the recovery hook failed; the operation did not run"),
         }
@@ -76,7 +94,11 @@ impl<E: std::error::Error + 'static> std::error::Error for Error<E> {
         match self {
             Self::Operation(error) => Some(error),
             Self::Store(error) => Some(error),
-            Self::Corrupt { .. } | Self::Cancelled | Self::Recovery => None,
+            Self::Corrupt { .. }
+            | Self::ResultNotStored { .. }
+            | Self::EmptyKey
+            | Self::Cancelled
+            | Self::Recovery => None,
         }
     }
 }

@@ -259,8 +259,10 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Renews the lease of a running handler every third of a lease, for at most `ceiling`
-    /// from the claim; `None` turns renewal off. Past the ceiling, or without renewal, a
+    /// Renews the lease every third of a lease from the claim to the settle (the recovery
+    /// hook, the handler, the response body), for at most `ceiling` from the claim; `None`
+    /// turns renewal off. A duration too long for the clock saturates. Past the ceiling, or
+    /// without renewal, a
     /// handler that outlives its lease can be taken over by a retry, which then runs the
     /// handler again (the first holder's response is not stored). Defaults to 5 minutes.
     pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
