@@ -10,7 +10,9 @@
 //! (the same event twice). Worker A processes messages but "crashes" after the side effect of
 //! every third one, before its XACK; worker B takes those over with XAUTOCLAIM. Every
 //! delivery goes through `Idempotent::run`, keyed by the event id: the side effect happens
-//! once per event.
+//! once per event. One event id is published again with another payload (a producer bug): that
+//! delivery is a mismatch, moved to a dead-letter stream and acknowledged, never processed. A
+//! store error leaves the message pending, for XAUTOCLAIM to deliver again.
 
 use std::{
     collections::BTreeMap,
@@ -20,7 +22,7 @@ use std::{
 
 use axum_idempotency::{
     Idempotent, MemoryStore, RedisStore, Store,
-    consumer::Outcome,
+    consumer::{Error, Outcome},
     deadpool_redis::redis::{
         self, AsyncCommands,
         aio::MultiplexedConnection,
@@ -35,6 +37,18 @@ const GROUP: &str = "payments";
 const EVENTS: usize = 12;
 /// Events the producer publishes twice, as a producer that retried after a lost answer does.
 const RETRIED: [usize; 3] = [3, 7, 10];
+/// An event id the producer publishes again with another payload.
+const REUSED: usize = 5;
+
+/// What a worker does with a message once `Idempotent::run` answered.
+enum Disposition {
+    /// Done (ran now, or before): acknowledge it.
+    Ack,
+    /// Not done here (another worker holds it, or the store failed): leave it pending.
+    Retry,
+    /// Never to be processed (a reused id, a record that cannot be read): dead-letter it.
+    DeadLetter,
+}
 
 /// What happened to one event.
 #[derive(Default)]
@@ -52,10 +66,13 @@ struct Worker<St: Store> {
 }
 
 impl<St: Store> Worker<St> {
-    /// Charges the payment once per event id; true when the message may be acknowledged.
-    async fn process(&self, message: &StreamId) -> bool {
-        let number: usize = message.get("event").expect("event");
-        let payload: String = message.get("payload").expect("payload");
+    /// Charges the payment once per event id; says what to do with the message.
+    async fn process(&self, message: &StreamId) -> Disposition {
+        let (Some(number), Some(payload)) =
+            (message.get::<usize>("event"), message.get::<String>("payload"))
+        else {
+            return Disposition::DeadLetter;
+        };
         let rows = self.rows.clone();
         let outcome = self
             .idem
@@ -69,22 +86,59 @@ impl<St: Store> Worker<St> {
                     Ok::<_, std::io::Error>(format!("ch_{number}"))
                 },
             )
-            .await
-            .expect("the idempotency store answers");
-        let (label, ackable) = match outcome {
-            Outcome::Ran(_) => ("ran", true),
-            Outcome::Replayed(_) => ("replayed", true),
-            Outcome::InProgress { .. } => ("in progress", false),
-            Outcome::Mismatch => ("mismatch", true),
+            .await;
+        let (label, disposition) = match outcome {
+            Ok(Outcome::Ran(_)) => ("ran", Disposition::Ack),
+            Ok(Outcome::Replayed(_)) => ("replayed", Disposition::Ack),
+            Ok(Outcome::InProgress { .. }) => ("in progress", Disposition::Retry),
+            // The same id with another payload: not this event; never process it.
+            Ok(Outcome::Mismatch) => ("mismatch", Disposition::DeadLetter),
+            // Nothing ran: the message stays pending and is delivered again.
+            Err(Error::Store(_) | Error::Operation(_) | Error::Recovery | Error::Cancelled) => {
+                ("error", Disposition::Retry)
+            }
+            // It ran before; its result cannot be replayed, and it never runs again.
+            Err(Error::ResultNotStored { .. }) => ("ran before", Disposition::Ack),
+            Err(error) => {
+                eprintln!("evt_{number}: {error}");
+                ("unreadable", Disposition::DeadLetter)
+            }
         };
         let delivery = if self.name == "A" { label } else { b_label(label) };
         self.rows.lock().unwrap().entry(number).or_default().deliveries.push(delivery);
-        ackable
+        disposition
     }
 
-    async fn ack(&self, broker: &mut MultiplexedConnection, message: &StreamId) {
-        let _: usize = broker.xack(&self.stream, GROUP, &[&message.id]).await.expect("XACK");
+    /// Acknowledges the message, after copying it to the dead-letter stream when so decided.
+    /// A broker error leaves it pending, for XAUTOCLAIM to deliver again.
+    async fn settle(
+        &self,
+        broker: &mut MultiplexedConnection,
+        message: &StreamId,
+        disposition: Disposition,
+    ) {
+        if let Disposition::DeadLetter = disposition {
+            let field = |name: &str| message.get::<String>(name).unwrap_or_default();
+            let fields = [("event", field("event")), ("payload", field("payload"))];
+            let copied: Result<String, _> =
+                broker.xadd(dead_letters(&self.stream), "*", &fields).await;
+            if let Err(error) = copied {
+                return eprintln!("dead-letter of {} failed: {error}", message.id);
+            }
+        }
+        if let Disposition::Retry = disposition {
+            return;
+        }
+        let acked: Result<usize, _> = broker.xack(&self.stream, GROUP, &[&message.id]).await;
+        if let Err(error) = acked {
+            eprintln!("XACK of {} failed: {error}", message.id);
+        }
     }
+}
+
+/// The dead-letter stream of `stream`.
+fn dead_letters(stream: &str) -> String {
+    format!("{stream}:dead-letters")
 }
 
 fn b_label(label: &'static str) -> &'static str {
@@ -92,7 +146,8 @@ fn b_label(label: &'static str) -> &'static str {
         "ran" => "ran (B)",
         "replayed" => "replayed (B)",
         "in progress" => "in progress (B)",
-        _ => "mismatch (B)",
+        "mismatch" => "mismatch (B)",
+        _ => "error (B)",
     }
 }
 
@@ -111,10 +166,10 @@ async fn worker_a<St: Store>(worker: Worker<St>, mut broker: MultiplexedConnecti
             return;
         }
         for message in messages {
-            let ackable = worker.process(&message).await;
+            let disposition = worker.process(&message).await;
             handled += 1;
-            if ackable && !handled.is_multiple_of(3) {
-                worker.ack(&mut broker, &message).await;
+            if !handled.is_multiple_of(3) {
+                worker.settle(&mut broker, &message, disposition).await;
             }
         }
     }
@@ -143,9 +198,8 @@ async fn worker_b<St: Store>(worker: Worker<St>, mut broker: MultiplexedConnecti
         let pending: usize = pending(&mut broker, &worker.stream).await;
         idle_rounds = if messages.is_empty() && pending == 0 { idle_rounds + 1 } else { 0 };
         for message in messages {
-            if worker.process(&message).await {
-                worker.ack(&mut broker, &message).await;
-            }
+            let disposition = worker.process(&message).await;
+            worker.settle(&mut broker, &message, disposition).await;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -176,6 +230,9 @@ async fn run<St: Store>(
                 .await?;
         }
     }
+    let reused = format!(r#"{{"amount":{}}}"#, REUSED * 100 + 1);
+    let _: String =
+        broker.xadd(&stream, "*", &[("event", REUSED.to_string()), ("payload", reused)]).await?;
 
     let rows = Arc::new(Mutex::new(BTreeMap::new()));
     let idem = Idempotent::new(store).lease(Duration::from_secs(5));
@@ -185,7 +242,8 @@ async fn run<St: Store>(
     let b = tokio::spawn(worker_b(worker("B"), client.get_multiplexed_async_connection().await?));
     a.await.expect("worker A");
     b.await.expect("worker B");
-    let _: usize = broker.del(&stream).await?;
+    let dead_lettered: usize = broker.xlen(dead_letters(&stream)).await?;
+    let _: usize = broker.del(&[stream.clone(), dead_letters(&stream)]).await?;
 
     println!("records: {records}; broker: Redis Streams at {broker_url}");
     println!();
@@ -193,7 +251,7 @@ async fn run<St: Store>(
     println!("|--------|-----------|-----------------------------------------|--------------|");
     let rows = rows.lock().unwrap();
     for (number, row) in rows.iter() {
-        let published = if RETRIED.contains(number) { 2 } else { 1 };
+        let published = if RETRIED.contains(number) || *number == REUSED { 2 } else { 1 };
         println!(
             "| evt_{number:<2} | {published:>9} | {:<39} | {:>12} |",
             row.deliveries.join(", "),
@@ -203,7 +261,10 @@ async fn run<St: Store>(
     let deliveries: usize = rows.values().map(|row| row.deliveries.len()).sum();
     let side_effects: usize = rows.values().map(|row| row.side_effects).sum();
     println!();
-    println!("events: {}, deliveries: {deliveries}, side effects: {side_effects}", rows.len());
+    println!(
+        "events: {}, deliveries: {deliveries}, side effects: {side_effects}, dead-lettered: {dead_lettered}",
+        rows.len()
+    );
     Ok(())
 }
 

@@ -313,8 +313,20 @@ async fn consume(records: Records, event: String, amount: i64) -> Result<(), Box
             })
         }
     };
-    let operation =
-        move |context: IdempotencyContext| async move { pay(&app, &context, amount).await };
+    let operation = move |context: IdempotencyContext| async move {
+        match pay(&app, &context, amount).await {
+            // Another run committed this event first (a worker that was slow, not dead): its
+            // outcome is this delivery's too, so the event is stored as done. An `Err` here
+            // would release the key, and every later delivery would fail the same way.
+            Err(error) if is_unique_violation(&error) => {
+                match outbox(&app.db, context.key_hash()).await? {
+                    Some((_, body)) => Ok(serde_json::from_slice::<Receipt>(&body)?),
+                    None => Err(error),
+                }
+            }
+            paid => paid,
+        }
+    };
     macro_rules! delivered {
         ($store:expr) => {
             Idempotent::new($store)

@@ -1,37 +1,42 @@
-//! A webhook receiver: each provider event is processed once, however often it is delivered.
+//! A webhook receiver: each provider event is processed once, however often it is delivered,
+//! and a delivery nobody signed, or signed too long ago, is processed never.
 //!
 //! ```sh
 //! cargo run --example webhook                                   # in-memory records, port 3001
 //! REDIS_URL=redis://127.0.0.1:6379 cargo run --example webhook  # records in Redis
 //! ```
 //!
-//! The signature is checked first, over the raw body, before the event id is trusted: a
-//! forged delivery must not be able to use up (or replay) a real event's record. Then the
-//! event is processed through [`Idempotent`], keyed by the provider's event id and scoped by
-//! provider and consumer, so that a second consumer of the same events keeps records of its
-//! own. Then, in another terminal (the secret is `whsec_demo` unless `WEBHOOK_SECRET` is set):
+//! What it checks, in order, before an event is processed:
 //!
-//! ```sh
-//! body='{"id":"evt_1","type":"charge.succeeded","amount":100}'
-//! sig=$(printf '%s' "$body" | openssl dgst -sha256 -hmac whsec_demo | sed 's/^.* //')
-//! # Processed: 200 {"event":"evt_1","status":"processed"}.
-//! curl -i localhost:3001/webhooks/acme-pay -H "x-signature: sha256=$sig" -d "$body"
-//! # The provider delivers it again: 200 {"status":"duplicate"}, not processed again.
-//! curl -i localhost:3001/webhooks/acme-pay -H "x-signature: sha256=$sig" -d "$body"
-//! # A bad signature: 400 problem+json, and no record is touched.
-//! curl -i localhost:3001/webhooks/acme-pay -H 'x-signature: sha256=00' -d "$body"
-//! # The same event id with another payload (correctly signed): 422 problem+json.
-//! body2='{"id":"evt_1","type":"charge.succeeded","amount":999}'
-//! sig2=$(printf '%s' "$body2" | openssl dgst -sha256 -hmac whsec_demo | sed 's/^.* //')
-//! curl -i localhost:3001/webhooks/acme-pay -H "x-signature: sha256=$sig2" -d "$body2"
-//! ```
+//! 1. **the provider** is one it knows (`/webhooks/{provider}`): each has a secret of its own,
+//!    and an unknown name is 404 before anything else, so no path can mint a new record (or a
+//!    new metrics label).
+//! 2. **the signature**, HMAC-SHA256 with that provider's secret over `"{t}.{body}"`, where `t`
+//!    is the signing time (the `webhook-signature: t=…,v1=…` header, as Stripe and Standard
+//!    Webhooks do). The scope of the record is the provider whose secret verified it, never the
+//!    path as sent: a body signed by one provider cannot be processed again under another name.
+//! 3. **the signing time**, within [`TOLERANCE`] (5 minutes) of now: a captured delivery
+//!    replayed later is refused. The records are kept for [`RETENTION`] (7 days), longer than
+//!    any provider retries (Stripe: 3 days); each retry is signed anew, so it passes the
+//!    timestamp check and is then a duplicate. Both are needed: the records alone forget an
+//!    event after their retention, and a replay after that would run again; the timestamp
+//!    alone does not stop a second delivery within the tolerance.
+//! 4. **the fingerprint** is the event without the members a provider changes between retries
+//!    of the same event ([`VOLATILE`]: its delivery attempt): a genuine retry is a duplicate,
+//!    the same event id with another payload is 422.
 //!
-//! At start it prints these lines with the signatures already computed. Set `PORT` to listen
-//! elsewhere.
+//! Then, in another terminal, the lines it prints at start (with the signatures computed, the
+//! secret is `whsec_demo` unless `WEBHOOK_SECRET` is set): the first delivery is processed,
+//! the second is a duplicate, a bad signature is 400, another payload under the same id is 422.
+//! Set `PORT` to listen elsewhere.
 
-use std::sync::{
-    Arc,
-    atomic::{AtomicUsize, Ordering},
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
 use axum::{
@@ -50,6 +55,14 @@ use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
+/// How far a signing time may be from now.
+pub const TOLERANCE: Duration = Duration::from_secs(5 * 60);
+/// How long an event's record is kept: longer than any provider's retries.
+pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+/// The members a provider changes between deliveries of one event: left out of the
+/// fingerprint.
+pub const VOLATILE: [&str; 1] = ["delivery_attempt"];
+
 /// The part of a provider's event this receiver reads.
 #[derive(Deserialize)]
 struct Event {
@@ -65,10 +78,28 @@ struct Processed {
     ledger_entry: usize,
 }
 
-struct App<St> {
-    secret: Vec<u8>,
+/// The providers this receiver knows, each with its own secret.
+pub type Providers = HashMap<&'static str, Vec<u8>>;
+
+/// The receiver's state.
+#[derive(Debug)]
+pub struct App<St> {
+    providers: Providers,
     idem: Idempotent<St>,
-    ledger: AtomicUsize,
+    /// The side effects so far: one ledger entry per event processed.
+    pub ledger: AtomicUsize,
+}
+
+/// The receiver over `store`, for `providers`.
+pub fn router<St: Store>(store: St, providers: Providers) -> (Router, Arc<App<St>>) {
+    let app = Arc::new(App {
+        providers,
+        idem: Idempotent::new(store).retention(RETENTION),
+        ledger: AtomicUsize::new(0),
+    });
+    let router =
+        Router::new().route("/webhooks/{provider}", post(receive::<St>)).with_state(app.clone());
+    (router, app)
 }
 
 async fn receive<St: Store>(
@@ -77,28 +108,45 @@ async fn receive<St: Store>(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
-    // 1. The signature, over the raw body, before anything in it is trusted.
-    let signature = headers.get("x-signature").and_then(|v| v.to_str().ok());
-    if !signed(&app.secret, &body, signature) {
+    // 1. A provider we know; its name from our table, not from the path.
+    let Some((&provider, secret)) = app.providers.get_key_value(provider.as_str()) else {
+        return problem(StatusCode::NOT_FOUND, "unknown-provider", "No such webhook");
+    };
+    // 2 and 3. The signature over the signing time and the raw body, before anything in it
+    // is trusted; then the signing time.
+    let signature = headers.get("webhook-signature").and_then(|v| v.to_str().ok());
+    let Some(signed_at) = verify(secret, &body, signature) else {
         return problem(
             StatusCode::BAD_REQUEST,
             "bad-signature",
             "The signature does not match the body",
         );
+    };
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+    if now.abs_diff(signed_at) > TOLERANCE.as_secs() {
+        return problem(StatusCode::BAD_REQUEST, "stale-signature", "The delivery is too old");
     }
-    let Ok(event) = serde_json::from_slice::<Event>(&body) else {
+    let (Ok(event), Ok(mut fingerprinted)) = (
+        serde_json::from_slice::<Event>(&body),
+        serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&body),
+    ) else {
         return problem(StatusCode::BAD_REQUEST, "bad-event", "The body is not an event");
     };
-    // 2. Once per event id, for this provider and this consumer.
+    // 4. The fingerprint: the event without what changes between its deliveries.
+    for member in VOLATILE {
+        fingerprinted.remove(member);
+    }
+    let payload = serde_json::to_vec(&fingerprinted).unwrap_or_default();
+    // Once per event id, for this provider and this consumer.
     let scope = format!("{provider}:ledger");
     let ledger_app = app.clone();
     let (event_id, kind) = (event.id.clone(), event.kind);
     let outcome = app
         .idem
-        .run(&scope, &event.id, &body, move |_context| async move {
+        .run(&scope, &event.id, &payload, move |_context| async move {
             // The side effect: here, a ledger entry for the event.
             let entry = ledger_app.ledger.fetch_add(1, Ordering::SeqCst) + 1;
-            println!("processing {event_id} ({kind}): ledger entry {entry}");
+            println!("processing {event_id} ({kind}) from {provider}: ledger entry {entry}");
             Ok::<_, std::convert::Infallible>(Processed { event: event_id, ledger_entry: entry })
         })
         .await;
@@ -109,9 +157,9 @@ async fn receive<St: Store>(
             let mut response =
                 problem(StatusCode::CONFLICT, "in-progress", "This event is being processed");
             let seconds = retry_after.as_secs().max(1).to_string();
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_str(&seconds).unwrap());
+            if let Ok(seconds) = HeaderValue::from_str(&seconds) {
+                response.headers_mut().insert(header::RETRY_AFTER, seconds);
+            }
             response
         }
         Ok(Outcome::Mismatch) => problem(
@@ -119,9 +167,17 @@ async fn receive<St: Store>(
             "event-reused",
             "This event id was delivered before with another payload",
         ),
+        Err(Error::EmptyKey) => {
+            problem(StatusCode::BAD_REQUEST, "bad-event", "The event has no id")
+        }
         // The provider retries a 5xx: nothing was processed.
-        Err(Error::Store(_) | Error::Cancelled) => {
+        Err(Error::Store(_) | Error::Cancelled | Error::Recovery) => {
             problem(StatusCode::SERVICE_UNAVAILABLE, "unavailable", "Try again later")
+        }
+        // Processed before, but its answer is not replayable: acknowledge, never run again.
+        Err(error @ Error::ResultNotStored { .. }) => {
+            eprintln!("webhook: {error}");
+            (StatusCode::OK, Json(serde_json::json!({ "status": "duplicate" }))).into_response()
         }
         Err(error) => {
             eprintln!("webhook: {error}");
@@ -130,19 +186,35 @@ async fn receive<St: Store>(
     }
 }
 
-fn signed(secret: &[u8], body: &[u8], signature: Option<&str>) -> bool {
-    let Some(hex) = signature.and_then(|s| s.strip_prefix("sha256=")) else { return false };
-    let Some(expected) = decode_hex(hex) else { return false };
-    let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+/// The signing time of a `t=…,v1=…` signature over `"{t}.{body}"` with `secret`, if it
+/// verifies.
+fn verify(secret: &[u8], body: &[u8], signature: Option<&str>) -> Option<u64> {
+    let (mut at, mut expected) = (None, None);
+    for part in signature?.split(',') {
+        match part.split_once('=')? {
+            ("t", t) => at = Some(t),
+            ("v1", hex) => expected = decode_hex(hex),
+            _ => {}
+        }
+    }
+    let (at, expected) = (at?, expected?);
+    let mut mac = Hmac::<Sha256>::new_from_slice(secret).ok()?;
+    mac.update(at.as_bytes());
+    mac.update(b".");
     mac.update(body);
     // Constant time: the comparison must not tell an attacker how much of a guess was right.
-    mac.verify_slice(&expected).is_ok()
+    mac.verify_slice(&expected).ok()?;
+    at.parse().ok()
 }
 
-fn sign(secret: &[u8], body: &[u8]) -> String {
+/// The `webhook-signature` header a provider sends for `body`, signed at `at` (Unix seconds).
+pub fn sign(secret: &[u8], at: u64, body: &[u8]) -> String {
     let mut mac = Hmac::<Sha256>::new_from_slice(secret).expect("HMAC takes any key length");
+    mac.update(at.to_string().as_bytes());
+    mac.update(b".");
     mac.update(body);
-    mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
+    let hex: String = mac.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    format!("t={at},v1={hex}")
 }
 
 fn decode_hex(hex: &str) -> Option<Vec<u8>> {
@@ -173,19 +245,28 @@ fn problem(status: StatusCode, kind: &str, title: &str) -> Response {
 async fn serve<St: Store>(store: St, records: &str) {
     let secret = std::env::var("WEBHOOK_SECRET").unwrap_or_else(|_| "whsec_demo".to_owned());
     let port = std::env::var("PORT").unwrap_or_else(|_| "3001".to_owned());
-    let app = Arc::new(App {
-        secret: secret.clone().into_bytes(),
-        idem: Idempotent::new(store),
-        ledger: AtomicUsize::new(0),
-    });
-    let router = Router::new().route("/webhooks/{provider}", post(receive::<St>)).with_state(app);
+    let providers = Providers::from([("acme-pay", secret.clone().into_bytes())]);
+    let (router, _app) = router(store, providers);
     let listener = tokio::net::TcpListener::bind(format!("127.0.0.1:{port}")).await.expect("bind");
-    let body = r#"{"id":"evt_1","type":"charge.succeeded","amount":100}"#;
-    println!("webhook receiver on http://127.0.0.1:{port}, records in {records}. Try:");
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
+    let url = format!("localhost:{port}/webhooks/acme-pay");
+    let body = r#"{"id":"evt_1","type":"charge.succeeded","amount":100,"delivery_attempt":1}"#;
+    let retry = r#"{"id":"evt_1","type":"charge.succeeded","amount":100,"delivery_attempt":2}"#;
+    let reused = r#"{"id":"evt_1","type":"charge.succeeded","amount":999,"delivery_attempt":3}"#;
+    let signed = |body: &str| sign(secret.as_bytes(), now, body.as_bytes());
     println!(
-        "curl -i localhost:{port}/webhooks/acme-pay -H 'x-signature: sha256={}' -d '{body}'",
-        sign(secret.as_bytes(), body.as_bytes())
+        "webhook receiver on http://127.0.0.1:{port}, records in {records}. Try (within 5 minutes):"
     );
+    println!("# processed:");
+    println!("curl -i {url} -H 'webhook-signature: {}' -d '{body}'", signed(body));
+    println!(
+        "# the provider's retry (another delivery attempt): a duplicate, not processed again:"
+    );
+    println!("curl -i {url} -H 'webhook-signature: {}' -d '{retry}'", signed(retry));
+    println!("# a bad signature: 400 problem+json, no record touched:");
+    println!("curl -i {url} -H 'webhook-signature: t={now},v1=00' -d '{body}'");
+    println!("# the same event id with another payload: 422 problem+json:");
+    println!("curl -i {url} -H 'webhook-signature: {}' -d '{reused}'", signed(reused));
     axum::serve(listener, router).await.expect("serve");
 }
 

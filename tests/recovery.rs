@@ -434,6 +434,40 @@ async fn a_killed_worker_on_the_consumer_door_is_recovered_without_running_again
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_worker_taken_over_on_the_consumer_door_leaves_the_event_done() {
+    // The slow worker holds its transaction open before its commit, frozen past its lease; the
+    // redelivery takes over, the outbox knows nothing yet, and its insert waits on the slow
+    // worker's row. The slow worker commits (its complete is fenced out: the key is the
+    // redelivery's now), and the redelivery's insert meets the unique key hash.
+    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let consume = ["consume", "--event", "evt_1", "--amount", "100"];
+    let pause = [("OUTBOX_PAUSE", "before-commit"), ("OUTBOX_PAUSE_MS", "1500")];
+    let mut slow = Process::spawn(&consume, &db, &redis, &pause);
+    slow.line_starting("paused before-commit").await;
+    slow.signal("-STOP");
+    tokio::time::sleep(PAST_LEASE).await;
+    let mut redelivery = Process::spawn(&consume, &db, &redis, &[]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    slow.signal("-CONT");
+    let key_hash =
+        RecordKey::new("idempotency-consumer", b"payments-consumer", b"evt_1").hash().to_owned();
+    let slow_line: Value = serde_json::from_str(&slow.line_starting("{").await).unwrap();
+    assert_eq!(slow_line["outcome"], "ran", "{slow_line}");
+    // The redelivery answers with the payment that was made, and the event is done: stored,
+    // so every later delivery is a replay, never a failure on the unique key.
+    let line: Value = serde_json::from_str(&redelivery.line_starting("{").await).unwrap();
+    let original = db.outbox(&key_hash).await.unwrap();
+    assert_eq!((&line["outcome"], &line["receipt"]), (&Value::from("ran"), &original), "{line}");
+    assert_eq!(db.payments(&key_hash).await, 1);
+    for _ in 0..2 {
+        let mut again = Process::spawn(&consume, &db, &redis, &[]);
+        let line: Value = serde_json::from_str(&again.line_starting("{").await).unwrap();
+        assert_eq!((&line["outcome"], &line["receipt"]), (&Value::from("replayed"), &original));
+    }
+    assert_eq!(db.payments(&key_hash).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovery_hook_that_fails_or_times_out_answers_503_and_runs_nothing() {
     let (redis, db) = (RedisServer::start(), Database::create().await);
     let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "before-commit")]).await;
