@@ -110,6 +110,22 @@ async fn abandon_never_touches_another_owners_claim_or_a_stored_response<H: Harn
         Claim::Replay { response: replayed, .. } => assert_eq!(replayed, response),
         other => panic!("the stored response was disturbed: {other:?}"),
     }
+    // A response whose first bytes are the owner's token: in Redis the completed record has
+    // the owner's bytes where an in-progress claim keeps them. Only its state tells.
+    let k = key("lookalike");
+    let owner = OwnerToken::random();
+    assert_eq!(store.claim(&k, &fp("1"), &owner, windowed(LONG)).await.unwrap(), Claim::Claimed);
+    let lookalike = Bytes::copy_from_slice(&[owner.as_bytes(), b"and more"].concat());
+    let completed = store.complete(&k, &owner, &fp("1"), lookalike.clone(), LONG).await;
+    assert_eq!(completed.unwrap(), Fenced::Applied);
+    assert_eq!(
+        store.abandon(&k, &owner, &fp("1"), windowed(LONG)).await.unwrap(),
+        Fenced::Rejected
+    );
+    match store.claim(&k, &fp("1"), &OwnerToken::random(), LONG.into()).await.unwrap() {
+        Claim::Replay { response: replayed, .. } => assert_eq!(replayed, lookalike),
+        other => panic!("the stored response was disturbed: {other:?}"),
+    }
 }
 
 async fn a_complete_repeated_after_it_landed_is_applied_and_rewrites_nothing<H: Harness>(h: H) {
