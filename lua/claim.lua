@@ -7,6 +7,8 @@
 -- ARGV[5]  '1' when the caller waits for an in-progress record to settle: the record is
 --          marked 'W', and its settle publishes (see complete.lua, release.lua); '0' otherwise
 -- ARGV[6]  recovery window in milliseconds: how long an in-progress record outlives its lease
+-- ARGV[7]  the latest server time (ms since the Unix epoch) at which the claim may be applied;
+--          '0' for none. A claim held up on the wire past it (its caller gave up) writes nothing
 -- A record is one string (see src/store/redis/mod.rs):
 --   version (1) | state (1) | fingerprint (32) | owner token (16) | lease deadline, or
 --   version (1) | state (1) | fingerprint (32) | response
@@ -24,10 +26,12 @@
 --   {4, reason}         the value was not written by this layer (or by another version)
 --   {5}                 taken over: the same fingerprint's lease lapsed within its recovery
 --                       window; the caller owns the key for the lease
---   {6}                 refused: the caller's own token abandoned this claim before it landed
+--   {6}                 refused, nothing written: the claim arrived after its deadline, or
+--                       the caller's own token abandoned it before it arrived
 local key = KEYS[1]
 local lease = tonumber(ARGV[3])
 local window = tonumber(ARGV[6])
+local not_after = tonumber(ARGV[7]) or 0
 local function now_ms()
   local time = redis.call('TIME')
   return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
@@ -36,9 +40,16 @@ local function hold(state, now)
   redis.call('SET', key, ARGV[4] .. state .. ARGV[1] .. ARGV[2] .. string.format('%.0f', now + lease),
     'PX', lease + window)
 end
+local function late(now)
+  return not_after > 0 and now > not_after
+end
 local record = redis.pcall('GET', key)
 if not record then
-  hold('P', now_ms())
+  local now = now_ms()
+  if late(now) then
+    return {6}
+  end
+  hold('P', now)
   return {0}
 end
 if type(record) == 'table' then
@@ -51,10 +62,11 @@ local state = string.sub(record, 2, 2)
 if state == 'X' and #record == 50 then
   -- An abandoned claim's marker: it refuses that claim, landing late; for any other claim
   -- the key is absent.
-  if string.sub(record, 35, 50) == ARGV[2] then
+  local now = now_ms()
+  if string.sub(record, 35, 50) == ARGV[2] or late(now) then
     return {6}
   end
-  hold('P', now_ms())
+  hold('P', now)
   return {0}
 end
 local deadline = nil
@@ -77,6 +89,9 @@ end
 if deadline ~= nil then
   local now = now_ms()
   if now >= deadline then
+    if late(now) then
+      return {6}
+    end
     -- The lease lapsed: the caller takes over. A 'W' mark stays, so the settle still
     -- publishes to whoever waits.
     hold(state, now)

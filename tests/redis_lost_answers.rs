@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use axum_idempotency::{
-    Claim, Fingerprint, IdempotencyLayer, OwnerToken, RedisStore, Store,
+    Claim, Fingerprint, IdempotencyLayer, OwnerToken, RecordKey, RedisStore, Store,
     recovery::{Lookup, Recovered},
     store::Lease,
 };
@@ -100,4 +100,90 @@ async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_re
     assert_eq!(calls.get(), 2);
     assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_pause_longer_than_the_lease_leaves_the_key_free_once_redis_resumes() {
+    // Past the guard's whole budget (a lease of tries): the claim that lands on the resume
+    // carries its deadline in the server's time, long gone, and writes nothing.
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(store(&server, 300)).lease(Duration::from_secs(2));
+    let app = app(&calls).layer(layer);
+    assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
+
+    server.signal("-STOP");
+    let lost = tokio::time::timeout(
+        Duration::from_secs(3),
+        send(&app, keyed("POST", "/payments", "k1", "{}")),
+    )
+    .await
+    .expect("a request against a paused Redis must not hang");
+    lost.assert_problem(503, "store-unavailable");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    server.signal("-CONT");
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held = server.held(&global("k1")).await;
+    assert!(matches!(held, None | Some(Held::Abandoned)), "the late claim holds the key: {held:?}");
+    let retry = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!(retry.status, 201, "{retry:?}");
+    assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_arriving_after_its_deadline_writes_nothing() {
+    // `lua/claim.lua` run by hand, as a claim held up on the wire arrives: its deadline (in
+    // the server's time) has passed. On an absent key, a marker, and a lapsed claim alike, it
+    // is refused ({6}) and the key is left as it was.
+    use axum_idempotency::deadpool_redis::redis::{self, AsyncCommands, Script, Value};
+    let server = RedisServer::start();
+    let mut redis = server.connection().await;
+    let script = Script::new(include_str!("../lua/claim.lua"));
+    let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut redis).await.unwrap();
+    let now_ms = secs * 1000 + micros / 1000;
+    let claim = |key: &RecordKey, deadline: u64| {
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(key.as_str())
+            .arg(fingerprint.as_bytes())
+            .arg(OwnerToken::random().as_bytes())
+            .arg("30000")
+            .arg("1")
+            .arg("0")
+            .arg("60000")
+            .arg(deadline.to_string());
+        invocation
+    };
+    let refused = Value::Array(vec![Value::Int(6)]);
+    // Absent.
+    let absent = global("absent");
+    let reply: Value = claim(&absent, now_ms - 1000).invoke_async(&mut redis).await.unwrap();
+    assert_eq!(reply, refused);
+    assert_eq!(server.held(&absent).await, None);
+    // An abandoned claim's marker, another token's.
+    let marked = global("marked");
+    let store = server.store();
+    let (token, lease) = (OwnerToken::random(), Lease::new(Duration::from_secs(30)));
+    store.abandon(&marked, &token, &fingerprint, lease).await.unwrap();
+    let reply: Value = claim(&marked, now_ms - 1000).invoke_async(&mut redis).await.unwrap();
+    assert_eq!(reply, refused);
+    assert_eq!(server.held(&marked).await, Some(Held::Abandoned));
+    // A lapsed claim within its recovery window: not taken over.
+    let lapsed = global("lapsed");
+    let lease = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(60));
+    let first = store.claim(&lapsed, &fingerprint, &OwnerToken::random(), lease).await;
+    assert_eq!(first.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let before: Vec<u8> = redis.get(lapsed.as_str()).await.unwrap();
+    let reply: Value = claim(&lapsed, now_ms - 1000).invoke_async(&mut redis).await.unwrap();
+    assert_eq!(reply, refused);
+    let after: Vec<u8> = redis.get(lapsed.as_str()).await.unwrap();
+    assert_eq!(before, after, "a late takeover rewrote the record");
+    // In time, the same claims land.
+    let reply: Value = claim(&absent, now_ms + 60_000).invoke_async(&mut redis).await.unwrap();
+    assert_eq!(reply, Value::Array(vec![Value::Int(0)]));
+    let reply: Value = claim(&lapsed, now_ms + 60_000).invoke_async(&mut redis).await.unwrap();
+    assert_eq!(reply, Value::Array(vec![Value::Int(5)]));
 }

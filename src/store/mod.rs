@@ -274,8 +274,8 @@ pub enum StoreError {
     /// A [`MemoryStore`] holds as many live records as its capacity: nothing is evicted to
     /// make room, so the claim is refused.
     CapacityReached(usize),
-    /// The claim's own caller abandoned it ([`Store::abandon`]) before it reached the store:
-    /// it was not applied. Only a claim that lands after its caller gave up on it meets this.
+    /// The claim reached the store after its caller gave up on it (after the deadline it
+    /// carried, or after its caller abandoned it with [`Store::abandon`]): it was not applied.
     ClaimAbandoned,
     /// The server is older than the crate supports; the message says what was found and
     /// what is needed. Nothing is written to it; the layer answers 503 (and logs the message),

@@ -18,6 +18,7 @@ use deadpool_redis::{
     },
 };
 
+use super::clock::ServerClock;
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
 use crate::store::StoreError;
@@ -76,11 +77,18 @@ pub(super) struct Connections {
     pub(super) source: Source,
     shared: Mutex<Option<SharedConnection>>,
     eviction_checked: AtomicBool,
+    /// The server's clock, sampled on each new connection.
+    pub(super) clock: ServerClock,
 }
 
 impl Connections {
     pub(super) fn new(source: Source) -> Self {
-        Self { source, shared: Mutex::new(None), eviction_checked: AtomicBool::new(false) }
+        Self {
+            source,
+            shared: Mutex::new(None),
+            eviction_checked: AtomicBool::new(false),
+            clock: ServerClock::default(),
+        }
     }
 
     /// The shared connection, or a new one from the pool.
@@ -106,6 +114,10 @@ impl Connections {
         // A new connection may reach another server (a failover, a restart into another
         // version): each is checked once, before any script runs on it.
         check_version(&mut connection, self.minimum_version()).await?;
+        // Without a sample, claims carry no deadline (the guard alone cleans up after them).
+        if let Err(error) = self.clock.sample(&mut connection).await {
+            tracing::debug!(%error, "idempotency: could not read the Redis server's clock");
+        }
         if !self.eviction_checked.swap(true, Ordering::Relaxed) {
             warn_unless_noeviction(&mut connection).await;
         }

@@ -1,5 +1,6 @@
 //! [`RedisStore`]: records in Redis, shared by every instance of the service.
 
+mod clock;
 #[cfg(feature = "cluster")]
 mod cluster;
 mod connection;
@@ -11,7 +12,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use bytes::Bytes;
 use deadpool_redis::{
     Config, CreatePoolError, Pool, PoolConfig, Runtime, Timeouts,
-    redis::{FromRedisValue, Script},
+    redis::{FromRedisValue, Script, Value},
 };
 
 #[cfg(feature = "cluster")]
@@ -291,18 +292,61 @@ impl RedisStore {
         lease: Lease,
         waiting: bool,
     ) -> Result<Claim, StoreError> {
+        let claim = parse_claim(self.claim_once(key, fingerprint, owner, lease, waiting).await?);
+        if let Err(StoreError::ClaimAbandoned) = claim {
+            // Refused although its answer came in time: the clock sample is off (the server's
+            // clock stepped). Sample it again, and claim again with the new deadline.
+            tracing::warn!(
+                "idempotency: a claim landed after its deadline while answered in time; sampling the server's clock again"
+            );
+            let timeout = self.command_timeout;
+            let clock = &self.connections.clock;
+            self.connections
+                .run(timeout, |mut connection| async move { clock.sample(&mut connection).await })
+                .await?;
+            return parse_claim(self.claim_once(key, fingerprint, owner, lease, waiting).await?);
+        }
+        claim
+    }
+
+    /// One run of the claim script. The claim names the latest server time at which it may
+    /// be applied (see [`clock`]): a claim held up on the wire past it writes nothing.
+    async fn claim_once(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+        waiting: bool,
+    ) -> Result<Value, StoreError> {
         let window = whole_millis(lease.recovery_window).to_string();
+        // Half a lease of slack: a claim applied within it is still met by its guard, which
+        // tries to abandon it for a whole lease after the claim's timeout.
+        let slack = lease.duration / 2;
+        let timeout = self.command_timeout;
         let lease = millis(lease.duration).to_string();
         let waiting: &[u8] = if waiting { b"1" } else { b"0" };
-        let args: [&[u8]; 6] = [
-            fingerprint.as_bytes(),
-            owner.as_bytes(),
-            lease.as_bytes(),
-            RECORD_VERSION.as_bytes(),
-            waiting,
-            window.as_bytes(),
-        ];
-        parse_claim(self.invoke(&CLAIM, &[key.as_str()], &args).await?)
+        let clock = &self.connections.clock;
+        self.connections
+            .run(timeout, |mut connection| async move {
+                // After the connection is had: a new one has just sampled the clock.
+                let deadline = clock.claim_deadline(timeout, slack).to_string();
+                let mut invocation = CLAIM.prepare_invoke();
+                invocation.key(key.as_str());
+                for arg in [
+                    fingerprint.as_bytes(),
+                    owner.as_bytes(),
+                    lease.as_bytes(),
+                    RECORD_VERSION.as_bytes(),
+                    waiting,
+                    window.as_bytes(),
+                    deadline.as_bytes(),
+                ] {
+                    invocation.arg(arg);
+                }
+                invocation.invoke_async(&mut connection).await
+            })
+            .await
     }
 
     /// The command that tells waiters of a settle: sharded pub/sub on a Cluster, where a plain
