@@ -70,12 +70,17 @@ async fn a_takeover_whose_answer_was_lost_is_taken_over_again_never_claimed_blin
     assert_eq!(calls.get(), 1, "the handler ran for k1 (only `warm` may have run)");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_resumes() {
+/// Sends a keyed request for `k1` while Redis is paused (SIGSTOP) for `pause`: its claim sits
+/// in the server's socket buffer, the client gets 503, and Redis resumes. Then, within
+/// `settle`, the key must be free: the retry runs the handler, once.
+async fn a_claim_lost_in_a_pause_leaves_the_key_free(
+    lease: Duration,
+    pause: Duration,
+    settle: Duration,
+) {
     let server = RedisServer::start();
     let calls = Calls::default();
-    // The default 30 s lease: a claim that lands late and stays would lock the key for it.
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 300)));
+    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 300)).lease(lease));
     assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
 
     server.signal("-STOP");
@@ -86,12 +91,10 @@ async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_re
     .await
     .expect("a request against a paused Redis must not hang");
     lost.assert_problem(503, "store-unavailable");
-    // Longer than the guard once kept trying (three tries 50, 200 and 800 ms apart).
-    tokio::time::sleep(Duration::from_secs(6)).await;
+    tokio::time::sleep(pause).await;
     server.signal("-CONT");
 
-    // Within the guard's longest pause between tries (1 s) and a round trip, the key is free.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    tokio::time::sleep(settle).await;
     let held = server.held(&global("k1")).await;
     assert!(matches!(held, None | Some(Held::Abandoned)), "the late claim holds the key: {held:?}");
     let retry = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
@@ -103,32 +106,20 @@ async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_re
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_resumes() {
+    // The default 30 s lease, a pause longer than the guard once kept trying (three tries 50,
+    // 200 and 800 ms apart); within the guard's longest pause between tries (1 s) and a round
+    // trip of the resume, the key is free.
+    let (lease, pause) = (Duration::from_secs(30), Duration::from_secs(6));
+    a_claim_lost_in_a_pause_leaves_the_key_free(lease, pause, Duration::from_millis(1500)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_pause_longer_than_the_lease_leaves_the_key_free_once_redis_resumes() {
     // Past the guard's whole budget (a lease of tries): the claim that lands on the resume
     // carries its deadline in the server's time, long gone, and writes nothing.
-    let server = RedisServer::start();
-    let calls = Calls::default();
-    let layer = IdempotencyLayer::new(store(&server, 300)).lease(Duration::from_secs(2));
-    let app = app(&calls).layer(layer);
-    assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
-
-    server.signal("-STOP");
-    let lost = tokio::time::timeout(
-        Duration::from_secs(3),
-        send(&app, keyed("POST", "/payments", "k1", "{}")),
-    )
-    .await
-    .expect("a request against a paused Redis must not hang");
-    lost.assert_problem(503, "store-unavailable");
-    tokio::time::sleep(Duration::from_secs(5)).await;
-    server.signal("-CONT");
-
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let held = server.held(&global("k1")).await;
-    assert!(matches!(held, None | Some(Held::Abandoned)), "the late claim holds the key: {held:?}");
-    let retry = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
-    assert_eq!(retry.status, 201, "{retry:?}");
-    assert_eq!(calls.get(), 2);
+    let (lease, pause) = (Duration::from_secs(2), Duration::from_secs(5));
+    a_claim_lost_in_a_pause_leaves_the_key_free(lease, pause, Duration::from_millis(300)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
