@@ -53,17 +53,16 @@ mod finite;
 mod outcome;
 mod stored;
 
-use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
+use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc};
 
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 use tokio::sync::oneshot;
-use tokio_util::task::TaskTracker;
 
 pub use self::outcome::{Error, Outcome};
 use self::stored::{Unstorable, decode, encode, not_stored};
 use crate::{
-    engine::{Claimed, Engine, Panic, Recovery, Settings},
+    engine::{Claimed, Engine, Panic, Recovery, Settings, engine_setters},
     fingerprint::Fingerprint,
     key::RecordKey,
     recovery::{IdempotencyContext, Lookup, NoRecovery, Recover},
@@ -146,90 +145,15 @@ impl<St: Store, H> Idempotent<St, H> {
         Idempotent { store, settings, prefix, stored_limit, hook: Some(Arc::new(hook)) }
     }
 
-    /// Sets how long after its lease a lapsed claim is remembered as a takeover. Defaults to
-    /// the retention. Only used with a [`recover`](Self::recover) hook.
-    pub fn recovery_window(mut self, window: Duration) -> Self {
-        self.settings().recovery.window = Some(window);
-        self
-    }
-
-    /// Asks the [`recover`](Self::recover) hook on every claim, not only on a takeover, for a
-    /// store that may lose records. Costs one lookup per new delivery. Off by default.
-    pub fn recover_every_claim(mut self, every: bool) -> Self {
-        self.settings().recovery.every_claim = every;
-        self
-    }
-
-    /// Sets the longest the [`recover`](Self::recover) hook may take. Defaults to 5 seconds.
-    pub fn recovery_timeout(mut self, timeout: Duration) -> Self {
-        self.settings().recovery.timeout = timeout;
-        self
-    }
-
-    /// When the [`recover`](Self::recover) hook fails, runs the operation anyway (logged and
-    /// counted) instead of returning [`Error::Recovery`]. Defaults to `false`.
-    pub fn run_when_recovery_fails(mut self, run: bool) -> Self {
-        self.settings().recovery.run_on_failure = run;
-        self
-    }
-
     fn settings(&mut self) -> &mut Settings {
         Arc::make_mut(&mut self.settings)
     }
 
+    engine_setters!();
+
     /// Sets the prefix of every record key in the store. Defaults to `idempotency-consumer`.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
-        self
-    }
-
-    /// Sets how long a claim holds its key without renewal. Defaults to 30 seconds.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings().lease = lease;
-        self
-    }
-
-    /// Sets how long a result is kept for replay. Defaults to 24 hours; set it to at least
-    /// how long your broker may redeliver.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.settings().retention = retention;
-        self
-    }
-
-    /// Renews the lease every third of a lease from the claim to the settle (the recovery
-    /// hook and the operation), for at most `ceiling` from the claim; `None` turns renewal
-    /// off. Defaults to 5 minutes.
-    pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
-        self.settings().keep_alive = ceiling;
-        self
-    }
-
-    /// Spawns every claimed operation on `tracker`, so that a worker shutting down can wait
-    /// for them. Defaults to plain `tokio::spawn`.
-    pub fn task_tracker(mut self, tracker: TaskTracker) -> Self {
-        self.settings().tasks = Some(tracker);
-        self
-    }
-
-    /// Lets a delivery whose key is in progress wait up to `wait` for it to settle, and
-    /// answer with its stored result (or run, when the first released the key). Past the
-    /// wait, the answer is [`Outcome::InProgress`]. Off by default.
-    pub fn wait_for_in_progress(mut self, wait: Duration) -> Self {
-        self.settings().wait = Some(wait);
-        self
-    }
-
-    /// Sets how many deliveries may wait at once; past it one is answered at once. Defaults
-    /// to 1024.
-    pub fn max_waiters(mut self, waiters: usize) -> Self {
-        self.settings().waiters = Arc::new(tokio::sync::Semaphore::new(waiters));
-        self
-    }
-
-    /// Sets the longest `retry_after` of [`Outcome::InProgress`]; never more than the running
-    /// delivery's remaining lease. Defaults to 1 second.
-    pub fn retry_after(mut self, hint: Duration) -> Self {
-        self.settings().retry_after = hint;
         self
     }
 

@@ -15,6 +15,7 @@
 
 mod holder;
 pub(crate) mod observe;
+mod setters;
 mod settle;
 
 use std::{future::Future, sync::Arc, time::Duration};
@@ -24,6 +25,7 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub(crate) use self::holder::{Holder, Panic, Recovery};
+pub(crate) use self::setters::engine_setters;
 use self::settle::abandon;
 use crate::{
     fingerprint::Fingerprint,

@@ -1,9 +1,8 @@
 //! [`IdempotencyLayer`]: the builder.
 
-use std::{sync::Arc, time::Duration};
+use std::sync::Arc;
 
 use http::{HeaderName, Method, StatusCode};
-use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
 use super::{
@@ -13,7 +12,7 @@ use super::{
     service::Idempotency,
 };
 use crate::{
-    engine::{Engine, Settings},
+    engine::{Engine, Settings, engine_setters},
     store::Store,
 };
 
@@ -73,6 +72,8 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     fn settings(&mut self) -> &mut Settings {
         Arc::make_mut(&mut self.settings)
     }
+
+    engine_setters!();
 
     /// Sets how a request's scope is found (see [`ScopeExtractor`]). Defaults to
     /// [`GlobalScope`].
@@ -167,55 +168,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Sets how long a claim holds its key without renewal. While the handler runs, keep-alive
-    /// renews the lease (see [`keep_alive`](Self::keep_alive)); a holder that stops renewing,
-    /// because its process died, frees the key within one lease. Defaults to 30 seconds.
-    pub fn lease(mut self, lease: Duration) -> Self {
-        self.settings().lease = lease;
-        self
-    }
-
-    /// Sets how long a completed response is kept for replay. Defaults to 24 hours.
-    pub fn retention(mut self, retention: Duration) -> Self {
-        self.settings().retention = retention;
-        self
-    }
-
-    /// Lets a retry whose original is still running wait up to `wait` for it to settle, and
-    /// answer with its stored response (or run, when the original released the key: a 5xx, a
-    /// panic). Past the wait, the answer is the in-progress one. Off by default.
-    ///
-    /// Recommended behind clients that take any 2xx as the final answer (Stripe's SDKs, most
-    /// HTTP clients' retry middleware): they would take the 202 as the created resource. Waiting
-    /// never polls: the settle wakes the waiters (in process for `MemoryStore`; Redis pub/sub on
-    /// one connection per store for `RedisStore`, sharded on a Cluster).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use axum_idempotency::{IdempotencyLayer, MemoryStore};
-    ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new())
-    ///     .wait_for_in_progress(Duration::from_secs(10));
-    /// ```
-    pub fn wait_for_in_progress(mut self, wait: Duration) -> Self {
-        self.settings().wait = Some(wait);
-        self
-    }
-
-    /// Sets how many requests may wait at once ([`wait_for_in_progress`](Self::wait_for_in_progress));
-    /// past it a retry is answered at once. Defaults to 1024.
-    pub fn max_waiters(mut self, waiters: usize) -> Self {
-        self.settings().waiters = Arc::new(tokio::sync::Semaphore::new(waiters));
-        self
-    }
-
-    /// Sets the longest `Retry-After` sent with an in-progress answer; it is never more than
-    /// the original's remaining lease, and at least one second. Defaults to 1 second.
-    pub fn retry_after(mut self, hint: Duration) -> Self {
-        self.settings().retry_after = hint;
-        self
-    }
-
     /// Sets the status of the answer to a retry whose original is still running. Defaults to
     /// 202 Accepted.
     pub fn in_progress_status(mut self, status: StatusCode) -> Self {
@@ -259,40 +211,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Renews the lease every third of a lease from the claim to the settle (the recovery
-    /// hook, the handler, the response body), for at most `ceiling` from the claim; `None`
-    /// turns renewal off. A duration too long for the clock saturates. Past the ceiling, or
-    /// without renewal, a
-    /// handler that outlives its lease can be taken over by a retry, which then runs the
-    /// handler again (the first holder's response is not stored). Defaults to 5 minutes.
-    pub fn keep_alive(mut self, ceiling: Option<Duration>) -> Self {
-        self.settings().keep_alive = ceiling;
-        self
-    }
-
-    /// Spawns every claimed request's task on `tracker`, so that a server shutting down can
-    /// wait for the handlers still running and the responses they store:
-    ///
-    /// ```
-    /// use axum_idempotency::{IdempotencyLayer, MemoryStore};
-    /// use tokio_util::task::TaskTracker;
-    ///
-    /// # async fn shutdown() {
-    /// let tasks = TaskTracker::new();
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).task_tracker(tasks.clone());
-    /// // ... serve with graceful shutdown, then:
-    /// tasks.close();
-    /// tasks.wait().await;
-    /// # }
-    /// ```
-    ///
-    /// Without it the tasks are plain `tokio::spawn` tasks. A claimed request runs in a task of
-    /// its own either way, so that a client that goes away does not cancel its handler.
-    pub fn task_tracker(mut self, tracker: TaskTracker) -> Self {
-        self.settings().tasks = Some(tracker);
-        self
-    }
-
     /// Asks `hook` before a request runs again after a takeover: when a claim finds the same
     /// request's lease lapsed (its holder died, perhaps after its side effect committed), the
     /// hook looks the request up in the system of record. [`Recovered::Happened`] is stored and
@@ -329,39 +247,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     {
         self.config().recover = Some(Hook::new(hook));
         self.settings().recovering = true;
-        self
-    }
-
-    /// Sets how long after its lease a lapsed claim is remembered, so that a retry in that
-    /// window is a takeover and asks the [`recover`](Self::recover) hook. After it the record
-    /// is gone and a retry runs as a new request. Defaults to the
-    /// [`retention`](Self::retention). Only used with a hook.
-    pub fn recovery_window(mut self, window: Duration) -> Self {
-        self.settings().recovery.window = Some(window);
-        self
-    }
-
-    /// Asks the [`recover`](Self::recover) hook on every claim, not only on a takeover: for a
-    /// store that may lose records (Redis restarted without persistence, a failover that lost
-    /// writes, a `MemoryStore` across a restart). Costs one hook lookup per new request.
-    /// Off by default.
-    pub fn recover_every_claim(mut self, every: bool) -> Self {
-        self.settings().recovery.every_claim = every;
-        self
-    }
-
-    /// Sets the longest the [`recover`](Self::recover) hook may take; past it, recovery has
-    /// failed. Defaults to 5 seconds.
-    pub fn recovery_timeout(mut self, timeout: Duration) -> Self {
-        self.settings().recovery.timeout = timeout;
-        self
-    }
-
-    /// When the [`recover`](Self::recover) hook fails, runs the handler anyway (logged at
-    /// error level and counted) instead of answering 503. Defaults to `false`: a payment is
-    /// better refused than run twice.
-    pub fn run_when_recovery_fails(mut self, run: bool) -> Self {
-        self.settings().recovery.run_on_failure = run;
         self
     }
 

@@ -1,0 +1,113 @@
+//! The setters of the engine's [`Settings`](super::Settings), written once for every front
+//! door's builder (as tower-http's `macros.rs` writes shared accessors once). A builder that
+//! invokes [`engine_setters!`] has a `fn settings(&mut self) -> &mut Settings`.
+
+/// The setters both doors share: the lease and its keep-alive, the retention, waiting for an
+/// in-progress original, the task tracker, and the recovery hook's policy. "An operation" is
+/// the HTTP door's handler or the consumer door's operation; "a duplicate" is a retried
+/// request or a redelivered event.
+macro_rules! engine_setters {
+    () => {
+        /// Sets how long a claim holds its key without renewal. Keep-alive renews it from the
+        /// claim to the settle (see [`keep_alive`](Self::keep_alive)); a holder that stops
+        /// renewing, because its process died, frees the key within one lease. Defaults to 30
+        /// seconds. A duration too long for the clock saturates.
+        pub fn lease(mut self, lease: std::time::Duration) -> Self {
+            self.settings().lease = lease;
+            self
+        }
+
+        /// Sets how long a completed outcome is kept for replay. Defaults to 24 hours; set it
+        /// to at least how long your clients retry, or your broker redelivers.
+        pub fn retention(mut self, retention: std::time::Duration) -> Self {
+            self.settings().retention = retention;
+            self
+        }
+
+        /// Renews the lease every third of a lease from the claim to the settle (the recovery
+        /// hook, the operation, an HTTP response body), for at most `ceiling` from the claim;
+        /// `None` turns renewal off. Past the ceiling, or without renewal, an operation that
+        /// outlives its lease can be taken over by a duplicate, which then runs it again (the
+        /// first holder's outcome is fenced out). Defaults to 5 minutes.
+        pub fn keep_alive(mut self, ceiling: Option<std::time::Duration>) -> Self {
+            self.settings().keep_alive = ceiling;
+            self
+        }
+
+        /// Spawns every claimed operation's task on `tracker`, so that a service shutting
+        /// down can wait for the operations still running and the outcomes they store
+        /// (`tracker.close(); tracker.wait().await`). Without it the tasks are plain
+        /// `tokio::spawn` tasks. A claimed operation runs in a task of its own either way, so
+        /// that a caller that goes away does not cancel it.
+        pub fn task_tracker(mut self, tracker: tokio_util::task::TaskTracker) -> Self {
+            self.settings().tasks = Some(tracker);
+            self
+        }
+
+        /// Lets a duplicate whose original is still running wait up to `wait` for it to
+        /// settle, and answer with its stored outcome (or run, when the original released the
+        /// key: a failure, a panic). Past the wait, the answer is the in-progress one. Off by
+        /// default.
+        ///
+        /// Recommended behind HTTP clients that take any 2xx as the final answer (Stripe's
+        /// SDKs, most HTTP clients' retry middleware): they would take the 202 as the created
+        /// resource. Waiting never polls: the settle wakes the waiters (in process for
+        /// `MemoryStore`; Redis pub/sub on one connection per store for `RedisStore`, sharded
+        /// on a Cluster).
+        pub fn wait_for_in_progress(mut self, wait: std::time::Duration) -> Self {
+            self.settings().wait = Some(wait);
+            self
+        }
+
+        /// Sets how many duplicates may wait at once
+        /// ([`wait_for_in_progress`](Self::wait_for_in_progress)); past it one is answered at
+        /// once. Defaults to 1024.
+        pub fn max_waiters(mut self, waiters: usize) -> Self {
+            self.settings().waiters = std::sync::Arc::new(tokio::sync::Semaphore::new(waiters));
+            self
+        }
+
+        /// Sets the longest retry hint of an in-progress answer (`Retry-After`, or
+        /// `Outcome::InProgress { retry_after }`); it is never past the original's remaining
+        /// lease (and, over HTTP, at least one second). Defaults to 1 second.
+        pub fn retry_after(mut self, hint: std::time::Duration) -> Self {
+            self.settings().retry_after = hint;
+            self
+        }
+
+        /// Sets how long after its lease a lapsed claim is remembered, so that a duplicate in
+        /// that window is a takeover and asks the recovery hook. After it the record is gone
+        /// and a duplicate runs as new. Defaults to the [`retention`](Self::retention). Only
+        /// used with a hook.
+        pub fn recovery_window(mut self, window: std::time::Duration) -> Self {
+            self.settings().recovery.window = Some(window);
+            self
+        }
+
+        /// Asks the recovery hook on every claim, not only on a takeover: for a store that may
+        /// lose records (Redis restarted without persistence, a failover that lost writes, a
+        /// `MemoryStore` across a restart). Costs one hook lookup per new operation. Off by
+        /// default.
+        pub fn recover_every_claim(mut self, every: bool) -> Self {
+            self.settings().recovery.every_claim = every;
+            self
+        }
+
+        /// Sets the longest the recovery hook may take; past it, recovery has failed.
+        /// Defaults to 5 seconds.
+        pub fn recovery_timeout(mut self, timeout: std::time::Duration) -> Self {
+            self.settings().recovery.timeout = timeout;
+            self
+        }
+
+        /// When the recovery hook fails, runs the operation anyway (logged at error level and
+        /// counted) instead of refusing it (HTTP: 503; consumer: `Error::Recovery`). Defaults
+        /// to `false`: a payment is better refused than run twice.
+        pub fn run_when_recovery_fails(mut self, run: bool) -> Self {
+            self.settings().recovery.run_on_failure = run;
+            self
+        }
+    };
+}
+
+pub(crate) use engine_setters;
