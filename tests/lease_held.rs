@@ -269,3 +269,82 @@ async fn the_keep_alive_ceiling_counts_from_the_claim<H: Harness>(h: H) {
     first.abort();
     retry.abort();
 }
+
+/// A `MemoryStore` whose lease renewals take `delay` on the wire (a slow network): a renewal
+/// may still be on its way when the holder settles.
+#[derive(Clone)]
+struct SlowRenewals {
+    inner: axum_idempotency::MemoryStore,
+    delay: Duration,
+}
+
+impl Store for SlowRenewals {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, axum_idempotency::StoreError> {
+        self.inner.claim(key, fingerprint, owner, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> Result<axum_idempotency::Fenced, axum_idempotency::StoreError> {
+        self.inner.complete(key, owner, fingerprint, response, retention).await
+    }
+
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+    ) -> Result<axum_idempotency::Fenced, axum_idempotency::StoreError> {
+        self.inner.release(key, owner).await
+    }
+
+    async fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<axum_idempotency::Fenced, axum_idempotency::StoreError> {
+        // A renewal is slow; the hand-back (a zero lease) is not.
+        if !lease.duration.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.inner.touch(key, owner, lease).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_on_the_wire_never_lands_after_the_settle() {
+    // Lease 300 ms: a renewal leaves at 100 ms and lands at 300 ms. The recovery hook fails at
+    // 150 ms, and the key is handed back (its lease ended, for the next claim to take over).
+    // The hand-back waits for the renewal on the wire; were it sent at once, the renewal would
+    // land after it and hold the key for another lease.
+    let store = SlowRenewals { inner: axum_idempotency::MemoryStore::new(), delay: LEASE * 2 / 3 };
+    let hook = |_lookup: Lookup<Request<Bytes>>| async {
+        tokio::time::sleep(LEASE / 2).await;
+        Err::<Recovered<Response<Bytes>>, _>(std::io::Error::other("database unreachable"))
+    };
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(store.clone()).lease(LEASE).recover(hook);
+    let app = app(&calls).layer(layer);
+    let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
+    dead_holder(&store.inner, &global("k1"), &fingerprint).await;
+    let refused = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    refused.assert_problem(503, "recovery-failed");
+    // After the renewal on the wire would have landed: the key is the next claim's to take.
+    tokio::time::sleep(LEASE).await;
+    let lease = Lease::new(LEASE).recovery_window(Duration::from_secs(60));
+    let (key, owner) = (global("k1"), OwnerToken::random());
+    let next = store.inner.claim(&key, &fingerprint, &owner, lease).await.unwrap();
+    assert_eq!(next, Claim::TakenOver, "a renewal landed after the hand-back");
+    assert_eq!(calls.get(), 0);
+}
