@@ -174,9 +174,12 @@ async fn run_claimed<S, St, ResBody>(
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let holder = match lookup {
-        None => holder,
-        Some(lookup) => match resolve(&config, holder, lookup).await {
+    // A lookup is made only when a hook is configured.
+    let holder = match (lookup, &config.recover) {
+        (None, _) | (_, None) => holder,
+        (Some(lookup), Some(hook)) => match resolve(hook, &config.header_filter, holder, lookup)
+            .await
+        {
             Resolved::Run(holder) => holder,
             Resolved::Replay(holder, blob) => {
                 let route = request

@@ -163,7 +163,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// the other fingerprint options no longer apply.
     ///
     /// [`MakeFingerprint`]: crate::MakeFingerprint
-    pub fn fingerprint_with(mut self, make: impl crate::MakeFingerprint) -> Self {
+    pub fn fingerprint_with(mut self, make: impl super::intent::MakeFingerprint) -> Self {
         self.config().intent.custom = Some(Arc::new(make));
         self
     }
@@ -243,7 +243,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// [`IdempotencyContext`]: crate::IdempotencyContext
     pub fn recover<H>(mut self, hook: H) -> Self
     where
-        H: crate::Recover<http::Request<bytes::Bytes>, http::Response<bytes::Bytes>>,
+        H: crate::recovery::Recover<http::Request<bytes::Bytes>, http::Response<bytes::Bytes>>,
     {
         self.config().recover = Some(Hook::new(hook));
         self.settings().recovering = true;

@@ -12,9 +12,8 @@ use bytes::Bytes;
 use http::{Request, StatusCode, request::Parts};
 
 use super::{
-    config::Config,
     problem::{ProblemType, problem, problem_retry_after},
-    record,
+    record::{self, HeaderFilter},
 };
 use crate::{
     engine::{Holder, Recovery},
@@ -67,18 +66,19 @@ pub(super) enum Resolved<St> {
     Refuse(Response),
 }
 
-/// Asks the hook about the claimed request, within the recovery timeout.
+/// Asks `hook` about the claimed request, within the recovery timeout; a recovered response
+/// is stored through `filter`, as the handler's would be.
 pub(super) async fn resolve<St: Store>(
-    config: &Config,
+    hook: &Hook,
+    filter: &HeaderFilter,
     holder: Holder<St>,
     lookup: Lookup<Request<Bytes>>,
 ) -> Resolved<St> {
-    let Some(hook) = &config.recover else { return Resolved::Run(holder) };
     match holder.recover((hook.0)(lookup)).await {
         Recovery::Run(holder) => Resolved::Run(holder),
         Recovery::Happened(holder, response) => {
             let (head, body) = response.into_parts();
-            let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
+            let blob = record::encode(head.status, &head.headers, filter, &body);
             Resolved::Replay(holder, blob)
         }
         Recovery::Refused => Resolved::Refuse(problem_retry_after(

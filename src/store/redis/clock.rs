@@ -13,9 +13,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use deadpool_redis::redis::{self, RedisError};
-
-use super::connection::SharedConnection;
+use deadpool_redis::redis::{self, RedisError, aio::ConnectionLike};
 
 /// The latest sample: the server's time in milliseconds since the Unix epoch, and when it was
 /// read by the local monotonic clock (the middle of the round trip).
@@ -33,7 +31,10 @@ impl ServerClock {
     }
 
     /// Reads the server's `TIME` on `connection`.
-    pub(super) async fn sample(&self, connection: &mut SharedConnection) -> Result<(), RedisError> {
+    pub(super) async fn sample<C: ConnectionLike + Send>(
+        &self,
+        connection: &mut C,
+    ) -> Result<(), RedisError> {
         let sent = Instant::now();
         let (seconds, micros): (u64, u64) = redis::cmd("TIME").query_async(connection).await?;
         let at = sent + sent.elapsed() / 2;
