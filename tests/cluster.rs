@@ -126,7 +126,27 @@ async fn one_master_down(fault: &str, fail: impl FnOnce(&mut RedisCluster, u16))
     // Every live-shard key ran exactly once; no dead-shard key ran.
     assert_eq!(calls.get(), 1 + answers.len() - on_down);
     if fault == "paused" {
+        // Longer than the guard of an unanswered claim once kept trying (about 5 s).
+        tokio::time::sleep(Duration::from_secs(6)).await;
         cluster.node(down).signal("-CONT");
+        // The paused master's claims sat in its socket buffers and land on the resume: each
+        // writes nothing (past its deadline) or is abandoned by its guard. Every key on that
+        // shard runs on its retry, none is locked for a lease (202).
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        for (key, _, _, _) in answers.iter().filter(|a| a.1) {
+            let resumed = Instant::now();
+            loop {
+                let retry = send(&app, keyed("POST", "/payments", key, "{}")).await;
+                if retry.status == StatusCode::CREATED {
+                    break;
+                }
+                // The cluster client may still be refreshing its view of the node: 503.
+                retry.assert_problem(503, "store-unavailable");
+                assert!(resumed.elapsed() < Duration::from_secs(8), "{key} still fails");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+        assert_eq!(calls.get(), 1 + answers.len(), "a key on the paused shard ran twice or never");
     }
 }
 
