@@ -20,7 +20,7 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyLayer, RedisStore,
+    IdempotencyLayer, RecordKey, RedisStore,
     deadpool_redis::redis::{self, AsyncCommands},
 };
 use common::*;
@@ -330,4 +330,28 @@ async fn a_request_dropped_while_claiming_releases_what_it_claimed() {
     assert_eq!(retry.status, 201, "{retry:?}");
     assert!(!retry.replayed());
     assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so() {
+    // Redis stays paused: the guard of the unanswered claim tries to abandon it for one lease
+    // (1 s here), then stops and logs an error naming the key hash; it does not try forever.
+    observe();
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(store(&server, 200)).lease(Duration::from_secs(1));
+    let app = app(&calls).layer(layer);
+    assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
+    server.signal("-STOP");
+    let key = RecordKey::new("idempotency", b"", b"guarded");
+    send(&app, keyed("POST", "/payments", "guarded", "{}"))
+        .await
+        .assert_problem(503, "store-unavailable");
+    let gave_up = "could not abandon a claim whose outcome is unknown";
+    eventually_within(Duration::from_secs(4), "the guard gives up and says so", async || {
+        logs_mentioning(key.hash()).iter().any(|line| line.contains(gave_up))
+    })
+    .await;
+    server.signal("-CONT");
+    assert_eq!(calls.get(), 1);
 }
