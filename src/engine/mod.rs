@@ -30,7 +30,7 @@ use self::settle::abandon;
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Claim, Lease, OwnerToken, Store, StoreError},
+    store::{Claim, Lease, OwnerToken, Store, StoreError, later},
 };
 
 /// What the engine needs to know of a front door's configuration.
@@ -315,11 +315,8 @@ impl<St: Store> Drop for UnsettledClaim<'_, St> {
     }
 }
 
-/// The instant `duration` from now, saturating about 30 years on: a configured duration as long
-/// as `Duration::MAX` means "no bound", never a panic.
+/// The instant `duration` from now on tokio's clock, saturating as [`later`] does.
 pub(crate) fn after(duration: Duration) -> tokio::time::Instant {
-    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
-    let now = tokio::time::Instant::now();
-    // 30 years past any instant of a running process fits every platform's `Instant`.
-    now.checked_add(duration.min(FAR)).unwrap_or(now)
+    let now = tokio::time::Instant::now().into_std();
+    tokio::time::Instant::from_std(later(now, duration))
 }

@@ -8,7 +8,7 @@ use std::{
 
 use bytes::Bytes;
 
-use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, Waiters};
+use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, Waiters, later};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// The smallest map that is swept for expired records.
@@ -138,14 +138,6 @@ impl MemoryStore {
         write(&mut records, key.as_str());
         Fenced::Applied
     }
-}
-
-/// `at + by`, saturating about 30 years on: a configured duration as long as `Duration::MAX`
-/// means "keep it", never a panic.
-fn later(at: Instant, by: Duration) -> Instant {
-    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
-    // 30 years past any instant of a running process fits every platform's `Instant`.
-    at.checked_add(by.min(FAR)).unwrap_or(at)
 }
 
 impl Records {

@@ -193,6 +193,14 @@ impl From<Duration> for Lease {
     }
 }
 
+/// `at + by`, saturating about 30 years on: a configured duration as long as `Duration::MAX`
+/// means "keep it" (or "no bound"), never a panic.
+pub(crate) fn later(at: std::time::Instant, by: Duration) -> std::time::Instant {
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    // 30 years past any instant of a running process fits every platform's `Instant`.
+    at.checked_add(by.min(FAR)).unwrap_or(at)
+}
+
 /// What [`Store::claim`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
