@@ -10,8 +10,11 @@ mod key;
 pub mod recovery;
 pub mod store;
 
+#[cfg(feature = "redis")]
 pub use deadpool_redis;
 
+#[cfg(feature = "redis")]
+pub use crate::store::RedisStore;
 pub use crate::{
     consumer::Idempotent,
     fingerprint::Fingerprint,
@@ -22,5 +25,5 @@ pub use crate::{
     },
     key::RecordKey,
     recovery::{IdempotencyContext, Recover, Recovered},
-    store::{Claim, Fenced, Lease, MemoryStore, OwnerToken, RedisStore, Store, StoreError},
+    store::{Claim, Fenced, Lease, MemoryStore, OwnerToken, Store, StoreError},
 };

@@ -13,7 +13,7 @@ use std::{
 };
 
 use axum_idempotency::{
-    Fingerprint, IdempotencyContext, Idempotent, OwnerToken, RecordKey, RedisStore, Store,
+    Fingerprint, IdempotencyContext, Idempotent, OwnerToken, RecordKey, Store,
     consumer::{Error, Outcome},
 };
 use common::*;
@@ -303,11 +303,13 @@ async fn a_result_over_the_stored_limit_is_returned_and_released<H: Harness>(h: 
     assert_eq!(charges.count(), 2);
 }
 
+#[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_store_is_an_error_and_nothing_runs() {
-    let store = RedisStore::from_url(&format!("redis://127.0.0.1:{}", free_port()))
-        .unwrap()
-        .command_timeout(Duration::from_millis(300));
+    let store =
+        axum_idempotency::RedisStore::from_url(&format!("redis://127.0.0.1:{}", free_port()))
+            .unwrap()
+            .command_timeout(Duration::from_millis(300));
     let idem = Idempotent::new(store);
     let charges = Charges::default();
     let result = idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await;

@@ -5,6 +5,8 @@
 //!
 //! Each test names the promise it pins; `TESTING.md` lists the mutants of `lua/*.lua` and
 //! `src/store/memory.rs` that these tests kill.
+// The Redis-only tests are compiled, unused, without the `redis` feature.
+#![cfg_attr(not(feature = "redis"), allow(dead_code))]
 
 #[macro_use]
 mod common;

@@ -2,6 +2,8 @@
 //! its answer ([`Store::abandon`]), a complete repeated after it landed, and durations as
 //! long as `Duration::MAX`. One suite, run against every store (see `tests/store_contract.rs`
 //! for the other transitions).
+// The Redis-only tests are compiled, unused, without the `redis` feature.
+#![cfg_attr(not(feature = "redis"), allow(dead_code))]
 
 #[macro_use]
 mod common;

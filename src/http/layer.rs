@@ -38,10 +38,12 @@ use crate::{
 /// With Redis, every instance of the service shares the records:
 ///
 /// ```no_run
+/// # #[cfg(feature = "redis")] {
 /// use axum_idempotency::{IdempotencyLayer, RedisStore};
 ///
 /// let store = RedisStore::from_url("redis://127.0.0.1:6379").expect("a valid Redis URL");
 /// let layer = IdempotencyLayer::new(store);
+/// # }
 /// ```
 #[derive(Debug, Clone)]
 #[must_use]

@@ -38,6 +38,7 @@ pub const DEFAULT_CACHE_AGE: Duration = Duration::from_secs(60);
 ///   that hold a copy, for up to `max_age`. The same holds for a record the inner store lost.
 ///
 /// ```
+/// # #[cfg(feature = "redis")] {
 /// use std::time::Duration;
 /// use axum_idempotency::{IdempotencyLayer, RedisStore, store::CachingStore};
 ///
@@ -47,6 +48,7 @@ pub const DEFAULT_CACHE_AGE: Duration = Duration::from_secs(60);
 ///     .max_age(Duration::from_secs(30));
 /// let layer = IdempotencyLayer::new(store);
 /// # Ok(()) }
+/// # }
 /// ```
 #[derive(Debug, Clone)]
 pub struct CachingStore<St> {

@@ -18,6 +18,7 @@
 
 mod caching;
 mod memory;
+#[cfg(feature = "redis")]
 mod redis;
 mod subscription;
 
@@ -28,17 +29,14 @@ use bytes::Bytes;
 pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
+#[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
 pub use self::subscription::Subscription;
-pub(crate) use self::subscription::{OnLastLeave, Waiters};
+pub use self::subscription::{OnLastLeave, Waiters};
 use crate::fingerprint::Fingerprint;
 use crate::key::RecordKey;
-
-/// Format version written with every record. A record of another version is reported as
-/// [`StoreError::CorruptRecord`], never replayed or overwritten.
-pub(crate) const RECORD_VERSION: &str = "1";
 
 /// Storage for idempotency records.
 ///
@@ -263,17 +261,17 @@ impl fmt::Debug for OwnerToken {
     }
 }
 
-/// An error from a [`Store`].
+/// An error from a [`Store`], whatever the backend.
+///
+/// Whether the layer answers 503 (or fails open) is decided by the variant
+/// ([`is_unavailable`](Self::is_unavailable)), never by which backend raised it: a store of
+/// another crate reports its connection and pool errors as [`Unavailable`](Self::Unavailable).
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum StoreError {
-    /// Redis answered with an error, or the connection failed.
-    Redis(deadpool_redis::redis::RedisError),
-    /// No pooled connection could be had.
-    Pool(deadpool_redis::PoolError),
-    /// No pooled Redis Cluster connection could be had.
-    #[cfg(feature = "cluster")]
-    ClusterPool(deadpool::managed::PoolError<deadpool_redis::redis::RedisError>),
+    /// The store could not be reached or answered with an error: a connection refused or
+    /// lost, no pooled connection, an error reply. The source is the backend's own error.
+    Unavailable(Box<dyn std::error::Error + Send + Sync>),
     /// The operation did not finish within the store's command timeout. Whether it was
     /// applied is unknown.
     Timeout(Duration),
@@ -292,6 +290,12 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// An [`Unavailable`](Self::Unavailable) error with `source`: for a store's connection,
+    /// pool and server errors.
+    pub fn unavailable(source: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Unavailable(source.into())
+    }
+
     /// Whether the store could not be reached, did not answer, or cannot serve (as opposed to
     /// holding a record it cannot read). The layer answers these with 503, or passes the request
     /// through when it fails open.
@@ -304,10 +308,7 @@ impl StoreError {
 impl fmt::Display for StoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::Redis(e) => write!(f, "redis error: {e}"),
-            Self::Pool(e) => write!(f, "redis pool error: {e}"),
-            #[cfg(feature = "cluster")]
-            Self::ClusterPool(e) => write!(f, "redis cluster pool error: {e}"),
+            Self::Unavailable(e) => write!(f, "store unavailable: {e}"),
             Self::Timeout(after) => write!(f, "store did not answer within {after:?}"),
             Self::CorruptRecord(why) => write!(f, "record not written by this layer: {why}"),
             Self::CapacityReached(records) => {
@@ -322,28 +323,13 @@ impl fmt::Display for StoreError {
 impl std::error::Error for StoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Redis(e) => Some(e),
-            Self::Pool(e) => Some(e),
-            #[cfg(feature = "cluster")]
-            Self::ClusterPool(e) => Some(e),
+            Self::Unavailable(e) => Some(&**e),
             Self::Timeout(_)
             | Self::CorruptRecord(_)
             | Self::CapacityReached(_)
             | Self::ClaimAbandoned
             | Self::UnsupportedServer(_) => None,
         }
-    }
-}
-
-impl From<deadpool_redis::redis::RedisError> for StoreError {
-    fn from(e: deadpool_redis::redis::RedisError) -> Self {
-        Self::Redis(e)
-    }
-}
-
-impl From<deadpool_redis::PoolError> for StoreError {
-    fn from(e: deadpool_redis::PoolError) -> Self {
-        Self::Pool(e)
     }
 }
 
@@ -367,14 +353,13 @@ mod tests {
         assert!(timeout.source().is_none());
         let corrupt = StoreError::CorruptRecord("unknown state".to_owned());
         assert_eq!(corrupt.to_string(), "record not written by this layer: unknown state");
-        let redis: StoreError = deadpool_redis::redis::RedisError::from(std::io::Error::new(
+        let refused = StoreError::unavailable(std::io::Error::new(
             std::io::ErrorKind::ConnectionRefused,
             "refused",
-        ))
-        .into();
-        assert!(redis.to_string().starts_with("redis error: "), "{redis}");
-        assert!(redis.source().is_some());
-        assert!(redis.is_unavailable());
+        ));
+        assert_eq!(refused.to_string(), "store unavailable: refused");
+        assert!(refused.source().is_some());
+        assert!(refused.is_unavailable());
     }
 
     #[test]

@@ -45,9 +45,28 @@ impl Subscription {
     }
 }
 
-/// The keys with waiters in this process, each with a counter bumped on every settle.
+/// The keys with waiters in this process, each with a counter bumped on every settle: what a
+/// [`Store`](super::Store) needs to implement [`subscribe`](super::Store::subscribe).
+///
+/// A store keeps one, shared by its clones. `subscribe` [`register`](Self::register)s the
+/// waiter under a channel named after the key; whatever learns of a settle (the store's own
+/// `complete` and `release`, or a message from its backend) [`notify`](Self::notify)s that
+/// channel.
+///
+/// ```
+/// use axum_idempotency::{RecordKey, store::Waiters};
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let waiters = Waiters::default();
+/// let key = RecordKey::new("idempotency", b"tenant", b"k1");
+/// let (mut subscription, first) = waiters.register(key.as_str(), None);
+/// assert!(first); // the first waiter of the key: start listening to the backend here
+/// waiters.notify(key.as_str()); // in `complete` or `release` of the key
+/// subscription.settled().await;
+/// # }
+/// ```
 #[derive(Clone, Default)]
-pub(crate) struct Waiters {
+pub struct Waiters {
     keys: Arc<Mutex<HashMap<String, Waited>>>,
 }
 
@@ -63,7 +82,7 @@ impl fmt::Debug for Waiters {
 }
 
 /// Called with a channel when its last waiter left, so that a store can stop listening.
-pub(crate) type OnLastLeave = Arc<dyn Fn(&str) + Send + Sync>;
+pub type OnLastLeave = Arc<dyn Fn(&str) + Send + Sync>;
 
 struct Registration {
     waiters: Waiters,
@@ -100,8 +119,10 @@ impl Waiters {
     }
 
     /// Registers a waiter for `channel`. The boolean is true for the first waiter of the
-    /// channel: the store starts listening for it then.
-    pub(crate) fn register(
+    /// channel: the store starts listening for it then. `on_last_leave` is called with the
+    /// channel when its last waiter drops its [`Subscription`], so that the store can stop.
+    #[must_use]
+    pub fn register(
         &self,
         channel: &str,
         on_last_leave: Option<OnLastLeave>,
@@ -126,7 +147,7 @@ impl Waiters {
     }
 
     /// Wakes every waiter of `channel`.
-    pub(crate) fn notify(&self, channel: &str) {
+    pub fn notify(&self, channel: &str) {
         if let Some(waited) = self.lock().get(channel) {
             waited.settles.send_modify(|settles| *settles += 1);
         }
@@ -134,19 +155,21 @@ impl Waiters {
 
     /// Wakes every waiter of every channel: after a lost connection, a settle may have been
     /// missed, and a woken waiter claims once more to find out.
-    pub(crate) fn notify_all(&self) {
+    pub fn notify_all(&self) {
         for waited in self.lock().values() {
             waited.settles.send_modify(|settles| *settles += 1);
         }
     }
 
     /// The channels with waiters now.
-    pub(crate) fn channels(&self) -> Vec<String> {
+    #[must_use]
+    pub fn channels(&self) -> Vec<String> {
         self.lock().keys().cloned().collect()
     }
 
     /// Whether `channel` has a waiter now.
-    pub(crate) fn is_waited(&self, channel: &str) -> bool {
+    #[must_use]
+    pub fn is_waited(&self, channel: &str) -> bool {
         self.lock().contains_key(channel)
     }
 }

@@ -95,7 +95,7 @@ impl std::error::Error for ClusterConfigError {
 }
 
 pub(super) fn pool_error(error: managed::PoolError<RedisError>) -> StoreError {
-    StoreError::ClusterPool(error)
+    StoreError::unavailable(error)
 }
 
 /// How long one attempt at a node, and one whole command with its retries, may take.

@@ -23,6 +23,18 @@ use super::clock::ServerClock;
 use super::cluster::{ClusterPool, pool_error};
 use crate::store::StoreError;
 
+impl From<RedisError> for StoreError {
+    fn from(e: RedisError) -> Self {
+        Self::unavailable(e)
+    }
+}
+
+impl From<deadpool_redis::PoolError> for StoreError {
+    fn from(e: deadpool_redis::PoolError) -> Self {
+        Self::unavailable(e)
+    }
+}
+
 /// Where the store's connection comes from.
 #[derive(Clone)]
 pub(super) enum Source {
@@ -157,10 +169,9 @@ impl Connections {
             // A server's error reply leaves the connection sound; anything else may not. READONLY
             // is the exception: the server was a master and is a replica now (a failover).
             let server_replied = match error {
-                StoreError::Redis(e) => matches!(
-                    e.kind(),
-                    ErrorKind::Server(kind) if kind != ServerErrorKind::ReadOnly
-                ),
+                StoreError::Unavailable(e) => e.downcast_ref::<RedisError>().is_some_and(|e| {
+                    matches!(e.kind(), ErrorKind::Server(kind) if kind != ServerErrorKind::ReadOnly)
+                }),
                 StoreError::CorruptRecord(_) => true,
                 _ => false,
             };

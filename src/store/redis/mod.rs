@@ -25,8 +25,12 @@ use self::{
     },
     subscriber::{Listen, Subscriber},
 };
-use super::{Claim, Fenced, Lease, OwnerToken, RECORD_VERSION, Store, StoreError, Subscription};
+use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
+
+/// Format version written with every record. A record of another version is reported as
+/// [`StoreError::CorruptRecord`], never replayed or overwritten.
+const RECORD_VERSION: &str = "1";
 
 /// The default for [`RedisStore::command_timeout`].
 const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
