@@ -22,7 +22,8 @@
 //!      -H 'X-Tenant-Id: globex' -H 'content-type: application/json' -d '{"amount":100}'
 //! # Payments require a key: 400 problem+json without one.
 //! curl -i -X POST localhost:3000/payments -H 'X-Tenant-Id: acme' -d '{"amount":100}'
-//! # A slow payment (2 s): send it twice at once, and the second gets 202 + Retry-After.
+//! # A slow payment (2 s): send it twice at once, and the second waits for the first and gets
+//! # its response, with Idempotency-Replayed: true (past the 10 s wait: 202 + Retry-After).
 //! curl -i -X POST 'localhost:3000/payments?delay_ms=2000' -H 'Idempotency-Key: order-2' \
 //!      -H 'X-Tenant-Id: acme' -H 'content-type: application/json' -d '{"amount":7}' &
 //! sleep 0.2; curl -i -X POST 'localhost:3000/payments?delay_ms=2000' -H 'Idempotency-Key: order-2' \

@@ -2,6 +2,8 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 // Front doors → engine → store; `key` and `fingerprint` are the vocabulary all three share.
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod consumer;
 mod engine;
 mod fingerprint;

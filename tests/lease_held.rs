@@ -63,8 +63,9 @@ async fn a_hook_slower_than_the_lease_keeps_the_key_until_it_answers<H: Harness>
             }
         }
     };
-    let layer = IdempotencyLayer::new(h.store()).lease(LEASE).recover(hook);
-    let app = app(&calls).layer(layer);
+    // Waiting off: a probe's 202 says the key is held.
+    let layer = IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::ZERO);
+    let app = app(&calls).layer(layer.lease(LEASE).recover(hook));
     let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
     dead_holder(&h.store(), &global("k1"), &fingerprint).await;
     let taking_over = send_in_background(&app, keyed("POST", "/payments", "k1", "{}"));
@@ -172,7 +173,8 @@ async fn a_known_length_body_slower_than_the_lease_keeps_the_key_until_it_is_sto
     };
     let app = Router::new()
         .route("/proxied", post(handler))
-        .layer(IdempotencyLayer::new(h.store()).lease(LEASE));
+        // Waiting off: a probe's 202 says the key is held.
+        .layer(IdempotencyLayer::new(h.store()).lease(LEASE).wait_for_in_progress(Duration::ZERO));
     let first = send_in_background(&app, keyed("POST", "/proxied", "k1", "{}"));
     tokio::time::sleep(Duration::from_millis(700)).await;
     let during = send(&app, keyed("POST", "/proxied", "k1", "{}")).await;

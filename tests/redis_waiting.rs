@@ -98,19 +98,25 @@ async fn a_killed_subscriber_connection_strands_no_waiter_and_waiting_works_agai
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_store_without_a_subscriber_answers_waiters_by_their_deadline() {
+async fn a_store_without_a_subscriber_answers_waiters_by_polling_with_backoff() {
     let server = RedisServer::start();
     let calls = Calls::default();
-    let app = waiting(RedisStore::new(server.pool()), &calls, Duration::from_millis(800));
-    let original = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));
+    let app = waiting(RedisStore::new(server.pool()), &calls, Duration::from_secs(8));
+    let original = send_in_background(&app, delayed("/slow", "k1", 500, "{}"));
     tokio::time::sleep(Duration::from_millis(100)).await;
+    reset_command_stats(&server).await;
     let started = Instant::now();
-    let waiter = send(&app, delayed("/slow", "k1", 300, "{}")).await;
-    // Nobody could tell it of the settle: its last claim, at the deadline, finds the replay.
+    let waiter = send(&app, delayed("/slow", "k1", 500, "{}")).await;
+    // Nobody could tell it of the settle: a claim of its polling, not its deadline, finds the
+    // replay (polls at 50, 150, 350, 750 ms: the settle comes at about 400 ms).
+    let took = started.elapsed();
     assert!(waiter.replayed(), "{waiter:?}");
-    assert!(started.elapsed() >= Duration::from_millis(800), "{:?}", started.elapsed());
+    assert!(took >= Duration::from_millis(300) && took < Duration::from_millis(1500), "{took:?}");
     assert_eq!(original.await.unwrap().status, 201);
     assert_eq!(calls.get(), 1);
+    // Backing off: the waiter's claims and the original's complete, a handful of scripts.
+    let scripts = command_calls(&server).await.get("evalsha").copied().unwrap_or(0);
+    assert!((3..=8).contains(&scripts), "{scripts} scripts");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,6 +94,16 @@ impl Settings {
     }
 }
 
+/// How often a waiter polls a store that cannot notify: at first, and at most.
+const FIRST_POLL: Duration = Duration::from_millis(50);
+const LAST_POLL: Duration = Duration::from_secs(1);
+
+/// The HTTP door's default for how long a duplicate waits for its in-progress original: long
+/// enough for the handlers of a payment or an order to finish, short of the 60 s that proxies
+/// (nginx's `proxy_read_timeout`, AWS ALB's idle timeout) and clients (stripe-python's 80 s)
+/// give a request.
+pub(crate) const DEFAULT_HTTP_WAIT: Duration = Duration::from_secs(10);
+
 /// The default for the number of waiters at once.
 pub(crate) const DEFAULT_MAX_WAITERS: usize = 1024;
 
@@ -225,10 +235,11 @@ impl<St: Store> Engine<St> {
         Ok((claim, owner))
     }
 
-    /// Waits up to `wait` for an in-progress record to settle, without polling: subscribe,
-    /// claim again (marking the record as waited for, so its settle publishes), then sleep
-    /// until the settle or the deadline. A lost notification cannot strand the waiter: at the
-    /// deadline a last claim decides.
+    /// Waits up to `wait` for an in-progress record to settle: subscribe, claim again
+    /// (marking the record as waited for, so its settle publishes), then sleep until the
+    /// settle or the deadline. A lost notification cannot strand the waiter: at the deadline
+    /// a last claim decides. A store that cannot notify ([`Subscription::is_live`] false) is
+    /// polled instead, every 50 ms at first and backing off to every second.
     async fn wait(
         &self,
         key: &RecordKey,
@@ -237,16 +248,19 @@ impl<St: Store> Engine<St> {
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let deadline = after(wait);
         let mut subscription = self.store.subscribe(key).await;
+        let mut poll = (!subscription.is_live()).then_some(FIRST_POLL);
         loop {
             let (claim, owner) = self.claim_once(key, fingerprint, true).await?;
             if !matches!(claim, Claim::InProgress { .. }) {
                 tracing::debug!(key_hash = key.hash(), "idempotency: waited for the original");
                 return Ok((claim, owner));
             }
+            let wake = poll.map_or(deadline, |every| after(every).min(deadline));
             tokio::select! {
                 () = subscription.settled() => {}
-                () = tokio::time::sleep_until(deadline) => break,
+                () = tokio::time::sleep_until(wake) => if wake >= deadline { break },
             }
+            poll = poll.map(|every| (every * 2).min(LAST_POLL));
         }
         drop(subscription);
         self.claim_once(key, fingerprint, false).await

@@ -46,16 +46,19 @@ macro_rules! engine_setters {
 
         /// Lets a duplicate whose original is still running wait up to `wait` for it to
         /// settle, and answer with its stored outcome (or run, when the original released the
-        /// key: a failure, a panic). Past the wait, the answer is the in-progress one. Off by
-        /// default.
+        /// key: a failure, a panic). Past the wait, the answer is the in-progress one.
+        /// `Duration::ZERO` turns waiting off: a duplicate is answered at once. The HTTP layer
+        /// waits 10 seconds by default; the consumer door does not wait by default (a worker
+        /// is better given the next message, and the broker redelivers).
         ///
-        /// Recommended behind HTTP clients that take any 2xx as the final answer (Stripe's
-        /// SDKs, most HTTP clients' retry middleware): they would take the 202 as the created
-        /// resource. Waiting never polls: the settle wakes the waiters (in process for
-        /// `MemoryStore`; Redis pub/sub on one connection per store for `RedisStore`, sharded
-        /// on a Cluster).
+        /// HTTP clients that take any 2xx as the final answer (Stripe's SDKs, most HTTP
+        /// clients' retry middleware) would take a 202 as the created resource: behind them,
+        /// keep waiting on. The settle wakes the waiters (in process for `MemoryStore`; Redis
+        /// pub/sub on one connection per store for a `RedisStore` with a subscriber, sharded
+        /// on a Cluster); a store that cannot notify is polled, every 50 ms at first and at
+        /// most every second, one claim each.
         pub fn wait_for_in_progress(mut self, wait: std::time::Duration) -> Self {
-            self.settings().wait = Some(wait);
+            self.settings().wait = (!wait.is_zero()).then_some(wait);
             self
         }
 

@@ -12,7 +12,7 @@ use super::{
     service::Idempotency,
 };
 use crate::{
-    engine::{Engine, Settings, engine_setters},
+    engine::{DEFAULT_HTTP_WAIT, Engine, Settings, engine_setters},
     store::Store,
 };
 
@@ -61,7 +61,7 @@ impl<St: Store> IdempotencyLayer<St> {
             store,
             scope: GlobalScope,
             config: Arc::new(Config::default()),
-            settings: Arc::new(Settings::default()),
+            settings: Arc::new(Settings { wait: Some(DEFAULT_HTTP_WAIT), ..Settings::default() }),
         }
     }
 }

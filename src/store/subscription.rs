@@ -33,6 +33,13 @@ impl Subscription {
         Self { settles: None, _registration: None }
     }
 
+    /// Whether a settle can wake it: false for [`unsupported`](Self::unsupported), whose
+    /// waiters the engine polls instead.
+    #[must_use]
+    pub fn is_live(&self) -> bool {
+        self.settles.is_some()
+    }
+
     /// Resolves when the key settles. Never resolves when the store lost its way to tell
     /// (the deadline of the waiter decides then).
     pub async fn settled(&mut self) {
