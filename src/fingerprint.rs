@@ -27,7 +27,8 @@ impl Fingerprint {
         Self::of_fields(&[method.as_bytes(), path.as_bytes(), query.as_bytes(), body])
     }
 
-    /// SHA-256 over each field, length-prefixed.
+    /// SHA-256 over each field, length-prefixed: the one digest of the crate (request
+    /// fingerprints, record keys, derived keys), so that no two field lists collide.
     pub(crate) fn of_fields(fields: &[&[u8]]) -> Self {
         let mut hasher = Sha256::new();
         for field in fields {

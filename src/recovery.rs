@@ -12,8 +12,6 @@
 
 use std::{fmt, future::Future, sync::Arc};
 
-use sha2::{Digest, Sha256};
-
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// An error a [`Recover`] hook returns.
@@ -101,12 +99,8 @@ impl IdempotencyContext {
     /// ```
     #[must_use]
     pub fn derived_key(&self, purpose: &str) -> String {
-        let mut hasher = Sha256::new();
-        for field in [self.inner.key_hash.as_bytes(), purpose.as_bytes()] {
-            hasher.update((field.len() as u64).to_be_bytes());
-            hasher.update(field);
-        }
-        hasher.finalize().iter().map(|byte| format!("{byte:02x}")).collect()
+        let digest = Fingerprint::of_fields(&[self.inner.key_hash.as_bytes(), purpose.as_bytes()]);
+        digest.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect()
     }
 }
 

@@ -3,7 +3,7 @@
 
 use http::{HeaderName, Method, StatusCode};
 
-use super::{intent::Intent, record::HeaderFilter, recover::Hook};
+use super::{fingerprinting::Intent, record::HeaderFilter, recover::Hook};
 
 /// Decides from the status whether a response is stored for replay (`true`) or the key is
 /// released so that a retry runs the handler again (`false`).

@@ -165,7 +165,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// the other fingerprint options no longer apply.
     ///
     /// [`MakeFingerprint`]: crate::MakeFingerprint
-    pub fn fingerprint_with(mut self, make: impl super::intent::MakeFingerprint) -> Self {
+    pub fn fingerprint_with(mut self, make: impl super::fingerprinting::MakeFingerprint) -> Self {
         self.config().intent.custom = Some(Arc::new(make));
         self
     }

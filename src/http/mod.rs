@@ -13,10 +13,10 @@
 
 mod body;
 mod config;
+mod fingerprinting;
 mod future;
 mod handle;
-mod intent;
-mod key;
+mod key_header;
 mod layer;
 mod problem;
 mod record;
@@ -26,14 +26,14 @@ mod service;
 
 pub use self::{
     config::{StorePolicy, default_store_policy},
+    fingerprinting::MakeFingerprint,
     future::ResponseFuture,
-    intent::MakeFingerprint,
-    key::{KeyError, MAX_KEY_LEN, parse_key},
+    key_header::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
     service::Idempotency,
 };
 
-type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::recovery::BoxError;
 
 /// The header that marks a replayed response.
 pub const REPLAYED_HEADER: &str = "idempotency-replayed";

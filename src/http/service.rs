@@ -36,7 +36,7 @@ use super::{
     config::Config,
     future::ResponseFuture,
     handle::KeyedRequest,
-    key::parse_key,
+    key_header::parse_key,
     problem::{ProblemType, problem},
     scope::ScopeExtractor,
 };
