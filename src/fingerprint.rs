@@ -1,6 +1,7 @@
-//! The request fingerprint: what makes a retry "the same request".
+//! The request fingerprint: what makes a retry "the same request", and the payload rules
+//! both front doors apply before hashing (canonical JSON, members left out).
 
-use std::fmt;
+use std::{borrow::Cow, fmt};
 
 use sha2::{Digest, Sha256};
 
@@ -59,6 +60,86 @@ impl Fingerprint {
         &self.0
     }
 }
+
+/// What a payload's fingerprint covers: its bytes as sent, or its JSON in RFC 8785 canonical
+/// form without some members. The HTTP door applies it to a request body, the consumer door to
+/// an event's payload.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PayloadRules {
+    /// Canonicalize a JSON payload (RFC 8785) before hashing it.
+    pub(crate) canonical_json: bool,
+    /// JSON Pointers (RFC 6901) of members left out of a canonical JSON payload.
+    pub(crate) ignored_members: Vec<String>,
+}
+
+impl PayloadRules {
+    /// The bytes to hash: the payload in RFC 8785 form, without the ignored members, when
+    /// canonical JSON is on and it is JSON; the bytes as they are otherwise.
+    pub(crate) fn apply<'a>(&self, payload: &'a [u8]) -> Cow<'a, [u8]> {
+        if !self.canonical_json {
+            return Cow::Borrowed(payload);
+        }
+        let Ok(mut json) = serde_json::from_slice::<serde_json::Value>(payload) else {
+            return Cow::Borrowed(payload);
+        };
+        for pointer in &self.ignored_members {
+            remove(&mut json, pointer);
+        }
+        match serde_json_canonicalizer::to_vec(&json) {
+            Ok(canonical) => Cow::Owned(canonical),
+            Err(_) => Cow::Borrowed(payload),
+        }
+    }
+}
+
+/// Removes the member or element that the JSON Pointer `pointer` names, if there is one.
+fn remove(json: &mut serde_json::Value, pointer: &str) {
+    let Some((parent, last)) = pointer.rsplit_once('/') else { return };
+    let last = last.replace("~1", "/").replace("~0", "~");
+    match json.pointer_mut(parent) {
+        Some(serde_json::Value::Object(members)) => {
+            members.remove(&last);
+        }
+        Some(serde_json::Value::Array(elements)) => {
+            if let Ok(index) = last.parse::<usize>()
+                && index < elements.len()
+            {
+                elements.remove(index);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// The payload-rule setters both doors' builders share, written once. A builder that invokes
+/// it has a `fn payload_rules(&mut self) -> &mut PayloadRules`.
+macro_rules! payload_rule_setters {
+    () => {
+        /// Fingerprints a JSON payload (the HTTP door's request body, the consumer door's
+        /// payload) in its RFC 8785 canonical form (JCS, by `serde_json_canonicalizer`): member
+        /// order, whitespace and number form do not make a retry another request. A payload
+        /// that is not JSON is fingerprinted as its bytes. Numbers are IEEE 754 doubles, as RFC
+        /// 8785 says: integers beyond 2^53 that differ only past a double's precision
+        /// fingerprint alike; send such values as strings. Defaults to `false` (the bytes as
+        /// sent).
+        pub fn canonical_json(mut self, canonical: bool) -> Self {
+            self.payload_rules().canonical_json = canonical;
+            self
+        }
+
+        /// Leaves the JSON member that `pointer` (RFC 6901, such as `/client_sent_at`) names out
+        /// of the fingerprint, so that a volatile field (a send time, a delivery attempt) does
+        /// not make every retry a mismatch. Turns [`canonical_json`](Self::canonical_json) on.
+        pub fn ignore_json_member(mut self, pointer: impl Into<String>) -> Self {
+            let rules = self.payload_rules();
+            rules.canonical_json = true;
+            rules.ignored_members.push(pointer.into());
+            self
+        }
+    };
+}
+
+pub(crate) use payload_rule_setters;
 
 impl fmt::Debug for Fingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -22,6 +22,8 @@ use serde::{Deserialize, Serialize};
 every_store!(
     runs_once_and_replays_an_equal_result,
     same_id_with_another_payload_is_a_mismatch,
+    canonical_json_makes_a_reordered_redelivery_the_same_event_and_ignores_named_members,
+    fingerprint_with_decides_what_makes_a_redelivery_the_same_event,
     a_delivery_while_the_first_runs_is_in_progress,
     a_retryable_failure_releases_the_key,
     a_final_failure_is_stored_and_replayed,
@@ -103,6 +105,52 @@ async fn same_id_with_another_payload_is_a_mismatch<H: Harness>(h: H) {
     idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await.unwrap();
     let other =
         idem.run(SCOPE, "evt_1", br#"{"amount":999}"#, charges.charge(Duration::ZERO)).await;
+    assert_eq!(other.unwrap(), Outcome::Mismatch);
+    assert_eq!(charges.count(), 1);
+}
+
+async fn canonical_json_makes_a_reordered_redelivery_the_same_event_and_ignores_named_members<
+    H: Harness,
+>(
+    h: H,
+) {
+    let first = br#"{"amount":100,"currency":"eur","delivery_attempt":1}"#;
+    let redelivered = br#"{ "delivery_attempt": 2, "currency": "eur", "amount": 1e2 }"#;
+    let charges = Charges::default();
+    // The bytes as sent, by default: the redelivery is another payload.
+    let bytes = Idempotent::new(h.store()).key_prefix("bytes");
+    bytes.run(SCOPE, "evt_1", first, charges.charge(Duration::ZERO)).await.unwrap();
+    let other = bytes.run(SCOPE, "evt_1", redelivered, charges.charge(Duration::ZERO)).await;
+    assert_eq!(other.unwrap(), Outcome::Mismatch);
+    // Canonical, without the attempt counter: the same event, replayed.
+    let json = Idempotent::new(h.store()).ignore_json_member("/delivery_attempt");
+    let ran = json.run(SCOPE, "evt_1", first, charges.charge(Duration::ZERO)).await.unwrap();
+    let again = json.run(SCOPE, "evt_1", redelivered, charges.charge(Duration::ZERO)).await;
+    assert_eq!(again.unwrap(), Outcome::Replayed(ran.into_result().unwrap()));
+    // A member that matters still does.
+    let changed = br#"{"amount":101,"currency":"eur","delivery_attempt":3}"#;
+    let other = json.run(SCOPE, "evt_1", changed, charges.charge(Duration::ZERO)).await;
+    assert_eq!(other.unwrap(), Outcome::Mismatch);
+    assert_eq!(charges.count(), 2);
+}
+
+async fn fingerprint_with_decides_what_makes_a_redelivery_the_same_event<H: Harness>(h: H) {
+    // Only the `amount` member counts.
+    let idem =
+        Idempotent::new(h.store()).canonical_json(true).fingerprint_with(|payload: &[u8]| {
+            let json: serde_json::Value = serde_json::from_slice(payload).unwrap_or_default();
+            Fingerprint::of_payload(json["amount"].to_string().as_bytes())
+        });
+    let charges = Charges::default();
+    let ran = idem
+        .run(SCOPE, "evt_1", br#"{"amount":100,"note":"a"}"#, charges.charge(Duration::ZERO))
+        .await
+        .unwrap();
+    let same = idem
+        .run(SCOPE, "evt_1", br#"{"note":"b","amount":100}"#, charges.charge(Duration::ZERO))
+        .await;
+    assert_eq!(same.unwrap(), Outcome::Replayed(ran.into_result().unwrap()));
+    let other = idem.run(SCOPE, "evt_1", br#"{"amount":7}"#, charges.charge(Duration::ZERO)).await;
     assert_eq!(other.unwrap(), Outcome::Mismatch);
     assert_eq!(charges.count(), 1);
 }

@@ -34,8 +34,11 @@
 //!
 //! - **key and scope** are the caller's: the event id, and the consumer's name, so that two
 //!   consumers of one topic each process an event once.
-//! - **the fingerprint** is SHA-256 of the payload bytes the caller passes (an event's
-//!   canonical payload): the same id with another payload is [`Outcome::Mismatch`].
+//! - **the fingerprint** is SHA-256 of the payload bytes the caller passes, or of its RFC 8785
+//!   canonical JSON ([`canonical_json`](Idempotent::canonical_json), with members left out by
+//!   [`ignore_json_member`](Idempotent::ignore_json_member)), or the app's own
+//!   ([`fingerprint_with`](Idempotent::fingerprint_with)): the same id with another payload is
+//!   [`Outcome::Mismatch`].
 //! - **the operation** runs in a task of its own, with its lease renewed while it runs. `Ok`
 //!   is stored (as JSON) and replayed. `Err` releases the key, so a redelivery runs it again,
 //!   and comes back as [`Error::Operation`]. A failure that must not be retried (a declined
@@ -63,7 +66,7 @@ pub use self::outcome::{Error, Outcome};
 use self::stored::{Unstorable, decode, encode, not_stored};
 use crate::{
     engine::{Claimed, Engine, Panic, Recovery, Settings, engine_setters},
-    fingerprint::Fingerprint,
+    fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     key::RecordKey,
     recovery::{IdempotencyContext, Lookup, NoRecovery, Recover},
     store::Store,
@@ -76,6 +79,7 @@ use crate::{
 pub struct Idempotent<St, H = NoRecovery> {
     store: St,
     settings: Arc<Settings>,
+    fingerprint: PayloadFingerprint,
     prefix: String,
     stored_limit: usize,
     hook: Option<Arc<H>>,
@@ -86,6 +90,7 @@ impl<St: Clone, H> Clone for Idempotent<St, H> {
         Self {
             store: self.store.clone(),
             settings: self.settings.clone(),
+            fingerprint: self.fingerprint.clone(),
             prefix: self.prefix.clone(),
             stored_limit: self.stored_limit,
             hook: self.hook.clone(),
@@ -98,10 +103,32 @@ impl<St: fmt::Debug, H> fmt::Debug for Idempotent<St, H> {
         f.debug_struct("Idempotent")
             .field("store", &self.store)
             .field("settings", &self.settings)
+            .field("payload_rules", &self.fingerprint.rules)
+            .field("fingerprint_with", &self.fingerprint.custom.is_some())
             .field("prefix", &self.prefix)
             .field("stored_limit", &self.stored_limit)
             .field("recovers", &self.hook.is_some())
             .finish()
+    }
+}
+
+/// How the consumer door fingerprints a payload: through the payload rules, or with the app's
+/// own function.
+#[derive(Clone, Default)]
+struct PayloadFingerprint {
+    rules: PayloadRules,
+    custom: Option<Arc<MakePayloadFingerprint>>,
+}
+
+/// The app's own fingerprint function ([`Idempotent::fingerprint_with`]).
+type MakePayloadFingerprint = dyn Fn(&[u8]) -> Fingerprint + Send + Sync;
+
+impl PayloadFingerprint {
+    fn of(&self, payload: &[u8]) -> Fingerprint {
+        match &self.custom {
+            Some(custom) => custom(payload),
+            None => Fingerprint::of_payload(&self.rules.apply(payload)),
+        }
     }
 }
 
@@ -120,6 +147,7 @@ impl<St: Store> Idempotent<St> {
         Self {
             store,
             settings: Arc::new(Settings::default()),
+            fingerprint: PayloadFingerprint::default(),
             prefix: "idempotency-consumer".to_owned(),
             stored_limit: 1024 * 1024,
             hook: None,
@@ -140,16 +168,45 @@ impl<St: Store, H> Idempotent<St, H> {
     /// [`Recovered::Happened`]: crate::Recovered::Happened
     /// [`Recovered::Unknown`]: crate::Recovered::Unknown
     pub fn recover<H2>(self, hook: H2) -> Idempotent<St, H2> {
-        let Self { store, mut settings, prefix, stored_limit, hook: _ } = self;
+        let Self { store, mut settings, fingerprint, prefix, stored_limit, hook: _ } = self;
         Arc::make_mut(&mut settings).recovering = true;
-        Idempotent { store, settings, prefix, stored_limit, hook: Some(Arc::new(hook)) }
+        let hook = Some(Arc::new(hook));
+        Idempotent { store, settings, fingerprint, prefix, stored_limit, hook }
     }
 
     fn settings(&mut self) -> &mut Settings {
         Arc::make_mut(&mut self.settings)
     }
 
+    fn payload_rules(&mut self) -> &mut PayloadRules {
+        &mut self.fingerprint.rules
+    }
+
     engine_setters!();
+
+    payload_rule_setters!();
+
+    /// Fingerprints payloads with the app's own function instead: a redelivery whose
+    /// fingerprint differs is [`Outcome::Mismatch`]. The payload rules
+    /// ([`canonical_json`](Self::canonical_json),
+    /// [`ignore_json_member`](Self::ignore_json_member)) no longer apply.
+    ///
+    /// ```
+    /// use axum_idempotency::{Fingerprint, Idempotent, MemoryStore};
+    ///
+    /// // Only the event's `amount`: a broker's envelope may change between deliveries.
+    /// let idem = Idempotent::new(MemoryStore::new()).fingerprint_with(|payload: &[u8]| {
+    ///     let json: serde_json::Value = serde_json::from_slice(payload).unwrap_or_default();
+    ///     Fingerprint::of_payload(json["amount"].to_string().as_bytes())
+    /// });
+    /// ```
+    pub fn fingerprint_with(
+        mut self,
+        make: impl Fn(&[u8]) -> Fingerprint + Send + Sync + 'static,
+    ) -> Self {
+        self.fingerprint.custom = Some(Arc::new(make));
+        self
+    }
 
     /// Sets the prefix of every record key in the store. Defaults to `idempotency-consumer`.
     pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
@@ -206,7 +263,7 @@ impl<St: Store, H> Idempotent<St, H> {
         }
         let engine = Engine::new(self.store.clone(), self.settings.clone());
         let record_key = RecordKey::new(&self.prefix, scope.as_bytes(), key.as_ref());
-        let fingerprint = Fingerprint::of_payload(payload.as_ref());
+        let fingerprint = self.fingerprint.of(payload.as_ref());
         let hash = record_key.hash().to_owned();
         let holder = match engine
             .claim(record_key, fingerprint, scope.into())

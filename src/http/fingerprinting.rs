@@ -1,11 +1,11 @@
 //! What a request's fingerprint covers, so that a retry that means the same thing is the same
 //! request: canonical JSON, JSON members left out, selected headers, or the app's own function.
 
-use std::{borrow::Cow, fmt, sync::Arc};
+use std::{fmt, sync::Arc};
 
 use http::{HeaderName, request::Parts};
 
-use crate::fingerprint::Fingerprint;
+use crate::fingerprint::{Fingerprint, PayloadRules};
 
 /// A fingerprint function of the app's own: given the request parts and body, the fingerprint
 /// that decides whether a retry is the same request.
@@ -40,10 +40,8 @@ where
 /// The fingerprint options of a layer.
 #[derive(Clone, Default)]
 pub(super) struct Intent {
-    /// Canonicalize a JSON body (RFC 8785) before hashing it.
-    pub(super) canonical_json: bool,
-    /// JSON Pointers (RFC 6901) of members left out of a canonical JSON body.
-    pub(super) ignored_members: Vec<String>,
+    /// Canonical JSON and the members left out of it.
+    pub(super) payload: PayloadRules,
     /// Request headers whose values are part of the fingerprint.
     pub(super) headers: Vec<HeaderName>,
     pub(super) custom: Option<Arc<dyn MakeFingerprint>>,
@@ -52,8 +50,7 @@ pub(super) struct Intent {
 impl fmt::Debug for Intent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Intent")
-            .field("canonical_json", &self.canonical_json)
-            .field("ignored_members", &self.ignored_members)
+            .field("payload", &self.payload)
             .field("headers", &self.headers)
             .field("custom", &self.custom.is_some())
             .finish()
@@ -72,7 +69,7 @@ impl Intent {
         if let Some(custom) = &self.custom {
             return custom.fingerprint(parts, body);
         }
-        let body = if self.canonical_json { self.canonical(body) } else { Cow::Borrowed(body) };
+        let body = self.payload.apply(body);
         let mut fields: Vec<&[u8]> =
             vec![parts.method.as_str().as_bytes(), path.as_bytes(), query.as_bytes(), &body];
         // Each selected header: its name, then whether it is there, then its values.
@@ -94,40 +91,6 @@ impl Intent {
         }
         Fingerprint::of_fields(&fields)
     }
-
-    /// The body in RFC 8785 form, without the ignored members; the bytes as they are when the
-    /// body is not JSON.
-    fn canonical<'a>(&self, body: &'a [u8]) -> Cow<'a, [u8]> {
-        let Ok(mut json) = serde_json::from_slice::<serde_json::Value>(body) else {
-            return Cow::Borrowed(body);
-        };
-        for pointer in &self.ignored_members {
-            remove(&mut json, pointer);
-        }
-        match serde_json_canonicalizer::to_vec(&json) {
-            Ok(canonical) => Cow::Owned(canonical),
-            Err(_) => Cow::Borrowed(body),
-        }
-    }
-}
-
-/// Removes the member or element that the JSON Pointer `pointer` names, if there is one.
-fn remove(json: &mut serde_json::Value, pointer: &str) {
-    let Some((parent, last)) = pointer.rsplit_once('/') else { return };
-    let last = last.replace("~1", "/").replace("~0", "~");
-    match json.pointer_mut(parent) {
-        Some(serde_json::Value::Object(members)) => {
-            members.remove(&last);
-        }
-        Some(serde_json::Value::Array(elements)) => {
-            if let Ok(index) = last.parse::<usize>()
-                && index < elements.len()
-            {
-                elements.remove(index);
-            }
-        }
-        _ => {}
-    }
 }
 
 #[cfg(test)]
@@ -143,11 +106,11 @@ mod tests {
     }
 
     fn json_intent(ignored: &[&str]) -> Intent {
-        Intent {
+        let payload = PayloadRules {
             canonical_json: true,
             ignored_members: ignored.iter().map(|p| (*p).to_owned()).collect(),
-            ..Intent::default()
-        }
+        };
+        Intent { payload, ..Intent::default() }
     }
 
     #[test]

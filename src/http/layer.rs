@@ -13,6 +13,7 @@ use super::{
 };
 use crate::{
     engine::{DEFAULT_HTTP_WAIT, Engine, Settings, engine_setters},
+    fingerprint::{PayloadRules, payload_rule_setters},
     store::Store,
 };
 
@@ -69,6 +70,10 @@ impl<St: Store> IdempotencyLayer<St> {
 impl<St, Sc> IdempotencyLayer<St, Sc> {
     fn config(&mut self) -> &mut Config {
         Arc::make_mut(&mut self.config)
+    }
+
+    fn payload_rules(&mut self) -> &mut PayloadRules {
+        &mut self.config().intent.payload
     }
 
     fn settings(&mut self) -> &mut Settings {
@@ -133,26 +138,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Fingerprints a JSON body in its RFC 8785 canonical form (JCS, by
-    /// `serde_json_canonicalizer`): member order, whitespace and number form do not make a
-    /// retry another request. A body that is not JSON is fingerprinted as its bytes. Numbers
-    /// are IEEE 754 doubles, as RFC 8785 says: integers beyond 2^53 that differ only past a
-    /// double's precision fingerprint alike; send such values as strings. Defaults to `false`
-    /// (the bytes as sent).
-    pub fn canonical_json(mut self, canonical: bool) -> Self {
-        self.config().intent.canonical_json = canonical;
-        self
-    }
-
-    /// Leaves the JSON member that `pointer` (RFC 6901, such as `/client_sent_at`) names out
-    /// of the fingerprint, so that a volatile field does not make every retry a mismatch.
-    /// Turns [`canonical_json`](Self::canonical_json) on.
-    pub fn ignore_json_member(mut self, pointer: impl Into<String>) -> Self {
-        let intent = &mut self.config().intent;
-        intent.canonical_json = true;
-        intent.ignored_members.push(pointer.into());
-        self
-    }
+    payload_rule_setters!();
 
     /// Makes a request header part of the fingerprint (an API version, `Content-Type`): a
     /// retry with another value, or without the header, is another request.
