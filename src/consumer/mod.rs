@@ -60,12 +60,11 @@ use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc};
 
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
-use tokio::sync::oneshot;
 
 pub use self::outcome::{Error, Outcome};
 use self::stored::{Unstorable, decode, encode, not_stored};
 use crate::{
-    engine::{Claimed, Engine, Panic, Recovery, Settings, engine_setters},
+    engine::{Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, Settings, engine_setters},
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     key::RecordKey,
     recovery::{IdempotencyContext, Lookup, NoRecovery, Recover},
@@ -130,15 +129,6 @@ impl PayloadFingerprint {
             None => Fingerprint::of_payload(&self.rules.apply(payload)),
         }
     }
-}
-
-/// How a claimed operation ended, as sent from its task to the caller.
-enum Finished<T, E> {
-    Ran(T),
-    Recovered(T),
-    Failed(E),
-    Panic(Panic),
-    Refused,
 }
 
 impl<St: Store> Idempotent<St> {
@@ -272,7 +262,7 @@ impl<St: Store, H> Idempotent<St, H> {
         {
             Claimed::Run(holder) => holder,
             Claimed::Replay(stored) => {
-                return decode(&stored, &hash, scope).map(Outcome::Replayed);
+                return decode(stored, &hash, scope).map(Outcome::Replayed);
             }
             Claimed::InProgress { retry_after } => return Ok(Outcome::InProgress { retry_after }),
             Claimed::Mismatch => return Ok(Outcome::Mismatch),
@@ -286,82 +276,73 @@ impl<St: Store, H> Idempotent<St, H> {
         );
         let recovery = match &self.hook {
             Some(hook) if holder.needs_recovery() => {
-                let lookup = Lookup::new(context.clone(), Bytes::copy_from_slice(payload.as_ref()));
-                Some((hook.clone(), lookup))
+                let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));
+                let lookup = Lookup::new(context.clone(), payload);
+                Some(Recovering {
+                    // Called inside the hook's future, so that a hook that panics when called
+                    // is caught like one that panics later.
+                    lookup: async move { hook.recover(lookup).await },
+                    happened: settle_recovered,
+                })
             }
             _ => None,
         };
-        let (finished_tx, finished_rx) = oneshot::channel();
         let stored_limit = self.stored_limit;
-        engine.spawn(async move {
-            let holder = match recovery {
-                None => holder,
-                // Called inside the hook's future, so that a hook that panics when called is
-                // caught like one that panics later.
-                Some((hook, lookup)) => {
-                    match holder.recover(async move { hook.recover(lookup).await }).await {
-                        Recovery::Run(holder) => holder,
-                        Recovery::Happened(holder, value) => {
-                            // The system of record's answer is stored whatever its size, and
-                            // whatever its form: the operation must not run again.
-                            let stored = match store_form(&value, usize::MAX, holder.key().hash()) {
-                                Ok(stored) => stored,
-                                Err(panic) => {
-                                    holder.release("the result's Serialize panicked").await;
-                                    return drop(finished_tx.send(Finished::Panic(panic)));
-                                }
-                            };
-                            let answer = move || drop(finished_tx.send(Finished::Recovered(value)));
-                            // Without a limit nothing is over it.
-                            let stored = stored.unwrap_or_else(|()| not_stored("over the limit"));
-                            return holder.complete(stored, answer).await;
-                        }
-                        Recovery::Refused => return drop(finished_tx.send(Finished::Refused)),
-                    }
-                }
-            };
-            // Called inside the guarded future: a closure that panics before it returns its
-            // future releases the key like any other panic of the operation.
-            let (holder, value) = match holder.run(async move { operation(context).await }).await {
-                Ok((holder, Ok(value))) => (holder, value),
-                Ok((holder, Err(error))) => {
-                    holder.release("the operation failed").await;
-                    let _ = finished_tx.send(Finished::Failed(error));
-                    return;
-                }
-                Err(panic) => {
-                    let _ = finished_tx.send(Finished::Panic(panic));
-                    return;
-                }
-            };
-            let stored = match store_form(&value, stored_limit, holder.key().hash()) {
-                Ok(stored) => stored,
-                Err(panic) => {
-                    holder.release("the result's Serialize panicked").await;
-                    return drop(finished_tx.send(Finished::Panic(panic)));
-                }
-            };
-            let answer = move || drop(finished_tx.send(Finished::Ran(value)));
-            match stored {
-                Ok(stored) => holder.complete(stored, answer).await,
-                Err(()) => {
-                    tracing::warn!(
-                        key_hash = holder.key().hash(),
-                        "idempotency: the result is over the stored limit; the key is released"
-                    );
-                    holder.release("the result is over the stored limit").await;
-                    answer();
-                }
-            }
-        });
-        match finished_rx.await {
-            Ok(Finished::Ran(value)) => Ok(Outcome::Ran(value)),
-            Ok(Finished::Recovered(value)) => Ok(Outcome::Replayed(value)),
-            Ok(Finished::Failed(error)) => Err(Error::Operation(error)),
-            Ok(Finished::Refused) => Err(Error::Recovery),
-            Ok(Finished::Panic(panic)) => std::panic::resume_unwind(panic),
-            // The task was dropped unfinished: the runtime is shutting down.
-            Err(_) => Err(Error::Cancelled),
+        // Called inside the guarded future: a closure that panics before it returns its
+        // future releases the key like any other panic of the operation.
+        let operation = async move { operation(context).await };
+        let settle = move |holder, value, answer| settle_ran(holder, value, stored_limit, answer);
+        match engine.run_claimed(holder, recovery, operation, settle).await {
+            Ended::Answered(outcome) => Ok(outcome),
+            Ended::Failed(error) => Err(Error::Operation(error)),
+            Ended::Refused => Err(Error::Recovery),
+            Ended::Cancelled => Err(Error::Cancelled),
+        }
+    }
+}
+
+/// Stores what the system of record says happened, whatever its size and whatever its form
+/// (the operation must not run again), and answers it as a replay.
+async fn settle_recovered<St: Store, T: Serialize, E>(
+    holder: Holder<St>,
+    value: T,
+    answer: Answer<Outcome<T>, E>,
+) {
+    let stored = match store_form(&value, usize::MAX, holder.key().hash()) {
+        Ok(stored) => stored,
+        Err(panic) => {
+            holder.release("the result's Serialize panicked").await;
+            return answer.resume(panic);
+        }
+    };
+    // Without a limit nothing is over it.
+    let stored = stored.unwrap_or_else(|()| not_stored("over the limit"));
+    holder.complete(stored, move || answer.send(Outcome::Replayed(value))).await;
+}
+
+/// Stores the operation's result, or releases its key when it is over `limit`, and answers it.
+async fn settle_ran<St: Store, T: Serialize, E>(
+    holder: Holder<St>,
+    value: T,
+    limit: usize,
+    answer: Answer<Outcome<T>, E>,
+) {
+    let stored = match store_form(&value, limit, holder.key().hash()) {
+        Ok(stored) => stored,
+        Err(panic) => {
+            holder.release("the result's Serialize panicked").await;
+            return answer.resume(panic);
+        }
+    };
+    match stored {
+        Ok(stored) => holder.complete(stored, move || answer.send(Outcome::Ran(value))).await,
+        Err(()) => {
+            tracing::warn!(
+                key_hash = holder.key().hash(),
+                "idempotency: the result is over the stored limit; the key is released"
+            );
+            holder.release("the result is over the stored limit").await;
+            answer.send(Outcome::Ran(value));
         }
     }
 }

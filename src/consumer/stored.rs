@@ -1,20 +1,13 @@
-//! How the consumer door stores a result: a format byte, the completion time, then JSON.
+//! How the consumer door stores a result: the engine's envelope (format `J` and the completion
+//! time; see `crate::engine::envelope`), then JSON. `j`, written before, is JSON alone and is
+//! still read. `U`, then the time, then a reason: a result that ran but has no faithful stored
+//! form.
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, Bytes};
 use serde::{Serialize, de::DeserializeOwned};
 
 use super::{Error, finite};
-use crate::engine::observe;
-
-/// The first byte of a stored result: `J`, then when it was stored (u64 ms since the Unix
-/// epoch), then JSON. `j`, written before, is JSON alone and is still read. `U`, then the
-/// time, then a reason: a result that ran but has no faithful stored form. An HTTP record
-/// starts with 1 or 2, so neither door can mistake the other's record for its own.
-const RESULT_FORMAT: u8 = b'J';
-const RESULT_FORMAT_UNTIMED: u8 = b'j';
-const RESULT_NOT_STORED: u8 = b'U';
+use crate::engine::envelope::{self, Format};
 
 /// Why a result has no stored form.
 pub(super) enum Unstorable {
@@ -25,16 +18,18 @@ pub(super) enum Unstorable {
     Unencodable(String),
 }
 
-/// The stored form of a result: [`RESULT_FORMAT`], then JSON. JSON rather than a denser binary
+/// The stored form of a result: the envelope of [`Format::Json`], then JSON. JSON rather than a denser binary
 /// form because it describes itself: a result type that changed between deploys is an
 /// [`Error::Corrupt`], never another value read from the same bytes.
 pub(super) fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, Unstorable> {
     finite::check(value).map_err(|error| Unstorable::Unencodable(error.to_string()))?;
-    let mut out = timed(RESULT_FORMAT).writer();
+    let sealed = envelope::seal(Format::Json, 64);
+    let header = sealed.len();
+    let mut out = sealed.writer();
     serde_json::to_writer(&mut out, value)
         .map_err(|error| Unstorable::Unencodable(error.to_string()))?;
     let out = out.into_inner();
-    if out.len() - 9 > limit {
+    if out.len() - header > limit {
         return Err(Unstorable::OverLimit);
     }
     Ok(out.freeze())
@@ -43,22 +38,14 @@ pub(super) fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, Uns
 /// The record of a result that ran but could not be encoded: every redelivery is answered
 /// [`Error::ResultNotStored`] with `reason`, and the operation does not run again.
 pub(super) fn not_stored(reason: &str) -> Bytes {
-    let mut out = timed(RESULT_NOT_STORED);
+    let mut out = envelope::seal(Format::NotStored, reason.len());
     out.put_slice(reason.as_bytes());
     out.freeze()
 }
 
-/// A format byte and the time now (u64 ms since the Unix epoch).
-fn timed(format: u8) -> BytesMut {
-    let mut out = BytesMut::with_capacity(64);
-    out.put_u8(format);
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    out.put_u64(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
-    out
-}
-
+/// The result stored in `stored`, observing its age for `scope`.
 pub(super) fn decode<T: DeserializeOwned, E>(
-    stored: &[u8],
+    stored: Bytes,
     hash: &str,
     scope: &str,
 ) -> Result<T, Error<E>> {
@@ -66,17 +53,13 @@ pub(super) fn decode<T: DeserializeOwned, E>(
         tracing::error!(key_hash = hash, reason, "idempotency: stored result is unreadable");
         Error::Corrupt { key_hash: hash.to_owned(), reason }
     };
-    let json = match stored.split_first() {
-        Some((&RESULT_FORMAT, timed)) if timed.len() >= 8 => {
-            let (at, json) = timed.split_at(8);
-            let at = UNIX_EPOCH
-                + Duration::from_millis(u64::from_be_bytes(at.try_into().unwrap_or_default()));
-            observe::replayed_age(scope, SystemTime::now().duration_since(at).unwrap_or_default());
-            json
+    let opened = envelope::open(stored, scope);
+    let json = match opened {
+        Some(opened) if matches!(opened.format, Format::Json | Format::JsonUntimed) => {
+            opened.payload
         }
-        Some((&RESULT_FORMAT_UNTIMED, json)) => json,
-        Some((&RESULT_NOT_STORED, timed)) if timed.len() >= 8 => {
-            let reason = String::from_utf8_lossy(&timed[8..]).into_owned();
+        Some(opened) if opened.format == Format::NotStored => {
+            let reason = String::from_utf8_lossy(&opened.payload).into_owned();
             tracing::warn!(
                 key_hash = hash,
                 reason,
@@ -86,5 +69,5 @@ pub(super) fn decode<T: DeserializeOwned, E>(
         }
         _ => return Err(corrupt("not a result stored by the consumer door".to_owned())),
     };
-    serde_json::from_slice(json).map_err(|error| corrupt(error.to_string()))
+    serde_json::from_slice(&json).map_err(|error| corrupt(error.to_string()))
 }

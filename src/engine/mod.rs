@@ -4,27 +4,34 @@
 //!    answer never reached its caller (the caller was dropped, or the store timed out) is
 //!    abandoned by a guard ([`Store::abandon`]), fenced by its owner token: its lease ends,
 //!    what it may have taken over is kept, and a claim still on the wire cannot land.
-//! 2. run: the front door runs its operation through the [`Holder`] of the claim, in a task
-//!    of its own ([`Engine::spawn`]); the holder renews the lease from the claim to the
-//!    settle (recovery hook, operation, response body); a panic releases the key.
-//! 3. settle: complete (store the outcome) or release (let a retry run), both fenced by the
-//!    owner token, and retried in the background when the store fails.
+//! 2. run: the engine runs the claimed operation from claim to settle
+//!    ([`Engine::run_claimed`]), in a task of its own: the recovery hook when one is due, the
+//!    operation, a failure or a panic that releases the key (the panic resumed in the
+//!    caller); the [`Holder`] renews the lease from the claim to the settle (recovery hook,
+//!    operation, response body).
+//! 3. settle: the front door's, given the holder: complete (store the outcome) or release
+//!    (let a retry run), both fenced by the owner token, and retried in the background when
+//!    the store fails; it answers the caller through [`Answer`].
 //!
 //! The front doors (`crate::http`, `crate::consumer`) turn their world into a record key, a
-//! fingerprint and bytes to store, and the engine's answers back into theirs.
+//! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
+//! [`Ended`]) back into theirs.
 
+pub(crate) mod envelope;
 mod holder;
 pub(crate) mod observe;
+mod run;
 mod setters;
 mod settle;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub(crate) use self::holder::{Holder, Panic, Recovery};
+pub(crate) use self::run::{Answer, Ended, Recovering};
 pub(crate) use self::setters::engine_setters;
 use self::settle::abandon;
 use crate::{
@@ -289,18 +296,6 @@ impl<St: Store> Engine<St> {
         }
         drop(guard);
         Ok((claim?, owner))
-    }
-
-    /// Spawns a claimed operation's task: on the configured `TaskTracker`, or with
-    /// `tokio::spawn`. The task is detached: a caller that goes away does not cancel it.
-    pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
-        // Boxed here, so that the caller's future does not carry the task's state inline; in
-        // the caller's span, so that its events nest where the request's do.
-        let task = Box::pin(tracing::Instrument::in_current_span(task));
-        match &self.settings.tasks {
-            Some(tracker) => drop(tracker.spawn(task)),
-            None => drop(tokio::spawn(task)),
-        }
     }
 }
 

@@ -11,7 +11,6 @@ use axum::{
 use bytes::Bytes;
 use http::{HeaderValue, Request, StatusCode};
 use http_body::Body as HttpBody;
-use tokio::sync::oneshot;
 use tower::ServiceExt as _;
 use tower_service::Service;
 
@@ -21,11 +20,11 @@ use super::{
     config::Config,
     problem::{ProblemType, problem, problem_retry_after},
     record,
-    recover::{Resolved, lookup_request, resolve},
+    recover::lookup_request,
     scope::ScopeExtractor,
 };
 use crate::{
-    engine::{Claimed, Engine, Holder, Panic, observe},
+    engine::{Answer, Claimed, Ended, Engine, Holder, Recovering},
     key::RecordKey,
     recovery::{IdempotencyContext, Lookup},
     store::{Store, StoreError},
@@ -40,13 +39,6 @@ pub(super) struct KeyedRequest<S, St, Sc> {
     pub(super) engine: Engine<St>,
     pub(super) scope: Sc,
     pub(super) config: Arc<Config>,
-}
-
-/// How a claimed request ended, as sent from its task to the response future.
-enum Finished<E> {
-    Response(Response),
-    Error(E),
-    Panic(Panic),
 }
 
 impl<S, St, Sc, ResBody> KeyedRequest<S, St, Sc>
@@ -133,79 +125,70 @@ where
             holder.fingerprint().clone(),
             holder.taken_over(),
         );
-        let lookup = (config.recover.is_some() && holder.needs_recovery())
-            .then(|| Lookup::new(context.clone(), lookup_request(&parts, &body)));
+        let recovery = match &config.recover {
+            Some(hook) if holder.needs_recovery() => {
+                let lookup = Lookup::new(context.clone(), lookup_request(&parts, &body));
+                let (config, headers) = (config.clone(), parts.headers.clone());
+                Some(Recovering {
+                    lookup: hook.ask(lookup),
+                    happened: move |holder, response, answer| {
+                        settle_recovered(config, holder, response, route, headers, answer)
+                    },
+                })
+            }
+            _ => None,
+        };
         parts.extensions.insert(context);
 
         // 6 and 7 in a task of their own, so that a client that goes away neither cancels
         // its handler (nor its recovery) nor leaves its key claimed until the lease ends.
-        let (finished_tx, finished_rx) = oneshot::channel();
-        let request = Request::from_parts(parts, Body::from(body));
-        let engine = self.engine.clone();
-        let task = run_claimed(self.inner, self.config, holder, lookup, request, finished_tx);
-        engine.spawn(task);
-        match finished_rx.await {
-            Ok(Finished::Response(response)) => Ok(response),
-            Ok(Finished::Error(error)) => Err(error),
-            Ok(Finished::Panic(payload)) => std::panic::resume_unwind(payload),
-            // The task was dropped unfinished: the runtime is shutting down.
-            Err(_) => {
+        let handler = self.inner.oneshot(Request::from_parts(parts, Body::from(body)));
+        let config = self.config.clone();
+        let settle =
+            move |holder, response, answer| settle_response(config, holder, response, answer);
+        match self.engine.run_claimed(holder, recovery, handler, settle).await {
+            Ended::Answered(response) => Ok(response),
+            Ended::Failed(error) => Err(error),
+            Ended::Refused => Ok(problem_retry_after(
+                StatusCode::SERVICE_UNAVAILABLE,
+                ProblemType::RecoveryFailed,
+                None,
+                1,
+            )),
+            Ended::Cancelled => {
                 Ok(problem(StatusCode::SERVICE_UNAVAILABLE, ProblemType::HandlerFailed, None))
             }
         }
     }
 }
 
-/// Recovery when it is due, then steps 6 (the inner service) and 7 (the settle). A panic is
-/// caught only to release the key; it is then resumed in the response future, as if the
-/// layer were not there.
-async fn run_claimed<S, St, ResBody>(
-    inner: S,
+/// Stores the response the recovery hook found, through the header filter as the handler's
+/// would be, and answers it as a replay.
+async fn settle_recovered<St: Store, E>(
     config: Arc<Config>,
     holder: Holder<St>,
-    lookup: Option<Lookup<Request<Bytes>>>,
-    request: Request<Body>,
-    finished: oneshot::Sender<Finished<S::Error>>,
+    response: Response<Bytes>,
+    route: Arc<str>,
+    request: http::HeaderMap,
+    answer: Answer<Response, E>,
+) {
+    let (head, body) = response.into_parts();
+    let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
+    let response = replay(blob.clone(), holder.key().hash(), &route, &request);
+    holder.complete(blob, move || answer.send(response)).await;
+}
+
+/// Step 7: the handler's response is stored (whole, or streamed through), or its key
+/// released when the store policy or a limit says so.
+async fn settle_response<St: Store, E, ResBody>(
+    config: Arc<Config>,
+    holder: Holder<St>,
+    response: Response<ResBody>,
+    answer: Answer<Response, E>,
 ) where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Send + 'static,
-    St: Store,
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    // A lookup is made only when a hook is configured.
-    let holder = match (lookup, &config.recover) {
-        (None, _) | (_, None) => holder,
-        (Some(lookup), Some(hook)) => match resolve(hook, &config.header_filter, holder, lookup)
-            .await
-        {
-            Resolved::Run(holder) => holder,
-            Resolved::Replay(holder, blob) => {
-                let route = request
-                    .extensions()
-                    .get::<MatchedPath>()
-                    .map_or("unrouted", MatchedPath::as_str);
-                let response = replay(blob.clone(), holder.key().hash(), route, request.headers());
-                let answer = move || drop(finished.send(Finished::Response(response)));
-                return holder.complete(blob, answer).await;
-            }
-            Resolved::Refuse(response) => return drop(finished.send(Finished::Response(response))),
-        },
-    };
-    let (holder, response) = match holder.run(inner.oneshot(request)).await {
-        Ok((holder, Ok(response))) => (holder, response),
-        Ok((holder, Err(error))) => {
-            holder.release("the inner service failed").await;
-            let _ = finished.send(Finished::Error(error));
-            return;
-        }
-        Err(payload) => {
-            let _ = finished.send(Finished::Panic(payload));
-            return;
-        }
-    };
-
     let (head, body) = response.into_parts();
     let body = Body::new(body);
     let over_limit = if !(config.store_policy)(head.status) {
@@ -224,15 +207,14 @@ async fn run_claimed<S, St, ResBody>(
     };
     if let Some(why) = over_limit {
         holder.release(why).await;
-        let _ = finished.send(Finished::Response(Response::from_parts(head, body)));
-        return;
+        return answer.send(Response::from_parts(head, body));
     }
     // A body of known size is read whole and stored before the client gets it, so that the
     // client's own next retry finds the record. Any other body streams through.
     if body.size_hint().exact().is_some() {
-        settle_whole(&config, holder, head, body, finished).await;
+        settle_whole(&config, holder, head, body, answer).await;
     } else {
-        settle_streamed(&config, holder, head, body, finished).await;
+        settle_streamed(&config, holder, head, body, answer).await;
     }
 }
 
@@ -241,30 +223,26 @@ async fn settle_whole<St: Store, E>(
     holder: Holder<St>,
     head: http::response::Parts,
     body: Body,
-    finished: oneshot::Sender<Finished<E>>,
+    answer: Answer<Response, E>,
 ) {
     let body = match collect_response(body, config.stored_body_limit).await {
         CollectedBody::Whole(body) => body,
         CollectedBody::TooLarge(body) => {
             holder.release("the response is over the stored body limit").await;
-            let _ = finished.send(Finished::Response(Response::from_parts(head, body)));
-            return;
+            return answer.send(Response::from_parts(head, body));
         }
         CollectedBody::Failed(error) => {
             tracing::error!(key_hash = holder.key().hash(), error = %error, "idempotency: response body failed");
             holder.release("the response body failed").await;
-            let response =
-                problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::HandlerFailed, None);
-            let _ = finished.send(Finished::Response(response));
-            return;
+            return answer.send(problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ProblemType::HandlerFailed,
+                None,
+            ));
         }
     };
     let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
-    holder
-        .complete(blob, move || {
-            let _ = finished.send(Finished::Response(Response::from_parts(head, Body::from(body))));
-        })
-        .await;
+    holder.complete(blob, move || answer.send(Response::from_parts(head, Body::from(body)))).await;
 }
 
 /// Sends the head at once and every frame as the handler produces it; stores the copy when
@@ -274,11 +252,11 @@ async fn settle_streamed<St: Store, E>(
     holder: Holder<St>,
     head: http::response::Parts,
     body: Body,
-    finished: oneshot::Sender<Finished<E>>,
+    answer: Answer<Response, E>,
 ) {
     let (status, headers) = (head.status, head.headers.clone());
     let (client, streamed) = Streamed::channel();
-    let _ = finished.send(Finished::Response(Response::from_parts(head, Body::new(streamed))));
+    answer.send(Response::from_parts(head, Body::new(streamed)));
     // The lease is renewed while the stream runs, as while the handler ran.
     let (holder, teed) = match holder.run(tee(body, &client, config.stored_body_limit)).await {
         Ok(teed) => teed,
@@ -315,7 +293,7 @@ fn outcome_name<St>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
 }
 
 fn replay(blob: Bytes, hash: &str, route: &str, request: &http::HeaderMap) -> Response {
-    match record::decode(blob) {
+    match record::decode(blob, route) {
         Ok(stored) if !record::encoding_acceptable(&stored.headers, request) => {
             // A compression layer inside this one stored an encoded body, and this retry does
             // not accept that encoding. The handler ran already: refuse, never run it again.
@@ -327,10 +305,6 @@ fn replay(blob: Bytes, hash: &str, route: &str, request: &http::HeaderMap) -> Re
         }
         Ok(stored) => {
             tracing::debug!(key_hash = hash, "idempotency: replayed");
-            if let Some(at) = stored.completed_at {
-                let age = std::time::SystemTime::now().duration_since(at).unwrap_or_default();
-                observe::replayed_age(route, age);
-            }
             let mut response = Response::new(Body::from(stored.body));
             *response.status_mut() = stored.status;
             *response.headers_mut() = stored.headers;

@@ -1,24 +1,23 @@
 //! The stored response: a compact, versioned, binary-safe blob, and which headers go into it.
 //!
-//! Layout (all integers big-endian):
+//! Layout (all integers big-endian), after the engine's envelope (format `Http`, 2, and the
+//! completion time; see `crate::engine::envelope`):
 //!
 //! ```text
 //! u8 format (2) | u64 completed at (ms since the Unix epoch) | u16 status | u16 header count
 //!   | { u16 name len, name, u32 value len, value }* | body
 //! ```
 //!
-//! Format 1, written before, has no completion time; it is still read.
+//! Format 1 (`HttpUntimed`), written before, has no completion time; it is still read.
 //!
 //! One blob in one hash field keeps a completed record small (see `BENCHMARKS.md`).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::SystemTime;
 
 use bytes::{Buf, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
-const FORMAT: u8 = 2;
-/// The format without a completion time.
-const FORMAT_1: u8 = 1;
+use crate::engine::envelope::{self, Format};
 
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,11 +44,8 @@ pub(crate) fn encode(
     let kept: Vec<(&HeaderName, &HeaderValue)> =
         headers.iter().filter(|(name, _)| filter.keeps(name, headers)).collect();
     let size =
-        13 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
-    let mut out = Vec::with_capacity(size);
-    out.push(FORMAT);
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    out.extend_from_slice(&u64::try_from(now.as_millis()).unwrap_or(u64::MAX).to_be_bytes());
+        4 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
+    let mut out = envelope::seal(Format::Http, size);
     out.extend_from_slice(&status.as_u16().to_be_bytes());
     // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the casts
     // cannot truncate.
@@ -61,7 +57,7 @@ pub(crate) fn encode(
         out.extend_from_slice(value.as_bytes());
     }
     out.extend_from_slice(body);
-    Bytes::from(out)
+    out.freeze()
 }
 
 /// The bytes the headers that `filter` lets through take in a stored record.
@@ -106,19 +102,19 @@ pub(crate) fn encoding_acceptable(stored: &HeaderMap, request: &HeaderMap) -> bo
     named.or(star).unwrap_or(false)
 }
 
-/// Decodes a blob written by [`encode`]. Never panics; the body shares `blob`'s memory.
-pub(crate) fn decode(mut blob: Bytes) -> Result<StoredResponse, DecodeError> {
-    if blob.remaining() < 5 {
-        return Err(DecodeError("truncated header"));
-    }
-    let completed_at = match blob.get_u8() {
-        FORMAT if blob.remaining() >= 12 => {
-            Some(UNIX_EPOCH + Duration::from_millis(blob.get_u64()))
-        }
-        FORMAT => return Err(DecodeError("truncated header")),
-        FORMAT_1 => None,
+/// Decodes a blob written by [`encode`], observing its age for `route`. Never panics; the body
+/// shares `blob`'s memory.
+pub(crate) fn decode(blob: Bytes, route: &str) -> Result<StoredResponse, DecodeError> {
+    let Some(opened) = envelope::open(blob, route) else {
+        return Err(DecodeError("unknown response format, or a truncated header"));
+    };
+    let (completed_at, mut blob) = match opened.format {
+        Format::Http | Format::HttpUntimed => (opened.completed_at, opened.payload),
         _ => return Err(DecodeError("unknown response format")),
     };
+    if blob.remaining() < 4 {
+        return Err(DecodeError("truncated header"));
+    }
     let status = StatusCode::from_u16(blob.get_u16()).map_err(|_| DecodeError("invalid status"))?;
     let count = blob.get_u16();
     // Each header takes at least 6 bytes: a count the blob cannot hold is not trusted for the
@@ -209,6 +205,7 @@ impl HeaderFilter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn sample_headers() -> HeaderMap {
         let mut headers = HeaderMap::new();
@@ -226,7 +223,7 @@ mod tests {
     fn round_trip_keeps_status_body_and_end_to_end_headers() {
         let blob =
             encode(StatusCode::CREATED, &sample_headers(), &HeaderFilter::default(), b"{\"id\":7}");
-        let stored = decode(blob).unwrap();
+        let stored = decode(blob, "r").unwrap();
         assert_eq!(stored.status, StatusCode::CREATED);
         assert_eq!(stored.body, Bytes::from_static(b"{\"id\":7}"));
         assert_eq!(stored.headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
@@ -242,7 +239,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("x-empty", HeaderValue::from_static(""));
         let stored =
-            decode(encode(StatusCode::OK, &headers, &HeaderFilter::default(), b"")).unwrap();
+            decode(encode(StatusCode::OK, &headers, &HeaderFilter::default(), b""), "r").unwrap();
         assert_eq!(stored.headers, headers);
         assert!(stored.body.is_empty());
     }
@@ -285,18 +282,18 @@ mod tests {
     fn a_record_carries_when_it_was_stored_and_format_1_still_reads() {
         let before = SystemTime::now() - Duration::from_millis(1);
         let stored =
-            decode(encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"x"))
+            decode(encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"x"), "r")
                 .unwrap();
         let at = stored.completed_at.expect("a completion time");
         assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
         // Format 1: no time, status 201, no headers, body "ok".
-        let old = decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k'])).unwrap();
+        let old = decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), "r").unwrap();
         assert_eq!(
             (old.completed_at, old.status, &old.body[..]),
             (None, StatusCode::CREATED, &b"ok"[..])
         );
         // The shortest record of all: format 1, a status, no header, no body.
-        let shortest = decode(Bytes::from_static(&[1, 0, 204, 0, 0])).unwrap();
+        let shortest = decode(Bytes::from_static(&[1, 0, 204, 0, 0]), "r").unwrap();
         assert_eq!((shortest.status, shortest.body.len()), (StatusCode::NO_CONTENT, 0));
     }
 
@@ -305,7 +302,7 @@ mod tests {
         let mut filter = HeaderFilter::default();
         filter.include(&header::SET_COOKIE);
         filter.exclude(header::CONTENT_TYPE);
-        let stored = decode(encode(StatusCode::OK, &sample_headers(), &filter, b"")).unwrap();
+        let stored = decode(encode(StatusCode::OK, &sample_headers(), &filter, b""), "r").unwrap();
         assert!(stored.headers.get(header::SET_COOKIE).is_some());
         assert!(stored.headers.get(header::CONTENT_TYPE).is_none());
     }
@@ -316,13 +313,15 @@ mod tests {
         // The body may be empty, so the full blob decodes; every shorter prefix that cuts a
         // header must fail.
         for len in 0..blob.len() {
-            assert!(decode(blob.slice(..len)).is_err(), "prefix of {len} bytes decoded");
+            assert!(decode(blob.slice(..len), "r").is_err(), "prefix of {len} bytes decoded");
         }
-        assert!(decode(Bytes::from_static(&[2, 0, 200, 0, 0])).is_err());
-        assert!(decode(Bytes::from_static(&[1, 0, 5, 0, 0])).is_err());
+        assert!(decode(Bytes::from_static(&[2, 0, 200, 0, 0]), "r").is_err());
+        assert!(decode(Bytes::from_static(&[1, 0, 5, 0, 0]), "r").is_err());
         // A header count past HeaderMap's maximum once panicked the allocation (found by
         // `decoder_survives_bit_flips`).
-        assert!(decode(Bytes::from_static(&[1, 0, 200, 0xff, 0xff, 0, 0, 0, 0, 0, 0])).is_err());
+        assert!(
+            decode(Bytes::from_static(&[1, 0, 200, 0xff, 0xff, 0, 0, 0, 0, 0, 0]), "r").is_err()
+        );
     }
 }
 
@@ -337,7 +336,7 @@ mod properties {
         /// Arbitrary bytes never panic the decoder.
         #[test]
         fn decoder_never_panics(blob in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = decode(Bytes::from(blob));
+            let _ = decode(Bytes::from(blob), "r");
         }
 
         /// A stored blob with one byte flipped either decodes or is refused; never a panic.
@@ -348,7 +347,7 @@ mod properties {
             let mut blob = encode(StatusCode::OK, &headers, &HeaderFilter::default(), &body).to_vec();
             let at = at % blob.len();
             blob[at] ^= 1 << bit;
-            let _ = decode(Bytes::from(blob));
+            let _ = decode(Bytes::from(blob), "r");
         }
 
         /// What is encoded is decoded as it was.
@@ -360,7 +359,7 @@ mod properties {
                 headers.append("x-value", HeaderValue::from_str(value).unwrap());
             }
             let status = StatusCode::from_u16(status).unwrap();
-            let stored = decode(encode(status, &headers, &HeaderFilter::default(), &body)).unwrap();
+            let stored = decode(encode(status, &headers, &HeaderFilter::default(), &body), "r").unwrap();
             prop_assert_eq!(stored.status, status);
             prop_assert_eq!(stored.headers, headers);
             prop_assert_eq!(stored.body, Bytes::from(body));
@@ -376,8 +375,8 @@ mod properties {
         #[test]
         fn decoder_never_panics_on_large_blobs(len in 5usize..600_000, count in any::<u16>(), fill in proptest::collection::vec(any::<u8>(), 1..16)) {
             let mut blob: Vec<u8> = fill.iter().copied().cycle().take(len).collect();
-            blob[..5].copy_from_slice(&[FORMAT_1, 0, 200, (count >> 8) as u8, count as u8]);
-            let _ = decode(Bytes::from(blob));
+            blob[..5].copy_from_slice(&[Format::HttpUntimed as u8, 0, 200, (count >> 8) as u8, count as u8]);
+            let _ = decode(Bytes::from(blob), "r");
         }
     }
 }

@@ -11,17 +11,11 @@ use axum::{
 use bytes::Bytes;
 use http::{Request, StatusCode, request::Parts};
 
-use super::{
-    problem::{ProblemType, problem, problem_retry_after},
-    record::{self, HeaderFilter},
-};
-use crate::{
-    engine::{Holder, Recovery},
-    recovery::{BoxError, IdempotencyContext, Lookup, Recover, Recovered},
-    store::Store,
-};
+use super::problem::{ProblemType, problem};
+use crate::recovery::{BoxError, IdempotencyContext, Lookup, Recover, Recovered};
 
-type HookFuture =
+/// The hook's lookup of one request.
+pub(super) type HookFuture =
     Pin<Box<dyn Future<Output = Result<Recovered<Response<Bytes>>, BoxError>> + Send>>;
 
 /// The layer's recovery hook, its type erased: it is asked only on a takeover (or on every
@@ -36,6 +30,13 @@ impl Hook {
             let hook = hook.clone();
             Box::pin(async move { hook.recover(lookup).await })
         }))
+    }
+}
+
+impl Hook {
+    /// The hook's lookup of one request, not yet started.
+    pub(super) fn ask(&self, lookup: Lookup<Request<Bytes>>) -> HookFuture {
+        (self.0)(lookup)
     }
 }
 
@@ -54,40 +55,6 @@ pub(super) fn lookup_request(parts: &Parts, body: &Bytes) -> Request<Bytes> {
     *request.version_mut() = parts.version;
     *request.headers_mut() = parts.headers.clone();
     request
-}
-
-/// What the hook's answer leaves the claimed request to do.
-pub(super) enum Resolved<St> {
-    /// Run the handler.
-    Run(Holder<St>),
-    /// The request happened: store this record and answer it as a replay.
-    Replay(Holder<St>, Bytes),
-    /// Recovery failed and the handler must not run: answer this.
-    Refuse(Response),
-}
-
-/// Asks `hook` about the claimed request, within the recovery timeout; a recovered response
-/// is stored through `filter`, as the handler's would be.
-pub(super) async fn resolve<St: Store>(
-    hook: &Hook,
-    filter: &HeaderFilter,
-    holder: Holder<St>,
-    lookup: Lookup<Request<Bytes>>,
-) -> Resolved<St> {
-    match holder.recover((hook.0)(lookup)).await {
-        Recovery::Run(holder) => Resolved::Run(holder),
-        Recovery::Happened(holder, response) => {
-            let (head, body) = response.into_parts();
-            let blob = record::encode(head.status, &head.headers, filter, &body);
-            Resolved::Replay(holder, blob)
-        }
-        Recovery::Refused => Resolved::Refuse(problem_retry_after(
-            StatusCode::SERVICE_UNAVAILABLE,
-            ProblemType::RecoveryFailed,
-            None,
-            1,
-        )),
-    }
 }
 
 /// The handler's own view of its claim, put in the request's extensions by the layer.

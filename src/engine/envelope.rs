@@ -1,0 +1,121 @@
+//! The stored-outcome envelope every door's record starts with: a format byte, then (for the
+//! timed formats) when the outcome was stored. The doors' formats are one enum, so that two
+//! doors can never write the same first byte: a clash is a duplicate discriminant, a compile
+//! error.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+
+use super::observe;
+
+/// What a stored outcome is, by its first byte.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Format {
+    /// An HTTP response, without a completion time (written by earlier versions).
+    HttpUntimed = 1,
+    /// An HTTP response (`crate::http::record`).
+    Http = 2,
+    /// A consumer result, JSON without a completion time (written by earlier versions).
+    JsonUntimed = b'j',
+    /// A consumer result: JSON (`crate::consumer::stored`).
+    Json = b'J',
+    /// A consumer result that ran but has no faithful stored form: the reason, as text.
+    NotStored = b'U',
+}
+
+impl Format {
+    const ALL: [Self; 5] =
+        [Self::HttpUntimed, Self::Http, Self::JsonUntimed, Self::Json, Self::NotStored];
+
+    /// Whether the format carries its completion time (u64 ms since the Unix epoch).
+    fn is_timed(self) -> bool {
+        !matches!(self, Self::HttpUntimed | Self::JsonUntimed)
+    }
+}
+
+/// A stored outcome, its envelope read.
+#[derive(Debug)]
+pub(crate) struct Opened {
+    pub(crate) format: Format,
+    /// When it was stored, by the clock of the instance that stored it; `None` for the
+    /// untimed formats.
+    pub(crate) completed_at: Option<SystemTime>,
+    /// What the door wrote after the envelope; shares the record's memory.
+    pub(crate) payload: Bytes,
+}
+
+/// A new record of `format`, stamped with the time now when the format is timed, with room
+/// for `capacity` bytes of payload.
+pub(crate) fn seal(format: Format, capacity: usize) -> BytesMut {
+    let mut out = BytesMut::with_capacity(9 + capacity);
+    out.put_u8(format as u8);
+    if format.is_timed() {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        out.put_u64(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
+    }
+    out
+}
+
+/// Reads the envelope of a stored record and observes its age for `route`'s replayed-age
+/// histogram. `None` when the first byte is no door's format, or a timed record is too short
+/// to hold its time. Never panics.
+pub(crate) fn open(mut record: Bytes, route: &str) -> Option<Opened> {
+    let first = *record.first()?;
+    let format = Format::ALL.into_iter().find(|format| *format as u8 == first)?;
+    record.advance(1);
+    let completed_at = if format.is_timed() {
+        if record.remaining() < 8 {
+            return None;
+        }
+        let at = UNIX_EPOCH + Duration::from_millis(record.get_u64());
+        observe::replayed_age(route, SystemTime::now().duration_since(at).unwrap_or_default());
+        Some(at)
+    } else {
+        None
+    };
+    Some(Opened { format, completed_at, payload: record })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_timed_record_carries_when_it_was_stored() {
+        let before = SystemTime::now() - Duration::from_millis(1);
+        let mut record = seal(Format::Json, 4);
+        record.put_slice(b"{}");
+        let opened = open(record.freeze(), "r").unwrap();
+        assert_eq!(opened.format, Format::Json);
+        let at = opened.completed_at.unwrap();
+        assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
+        assert_eq!(&opened.payload[..], b"{}");
+    }
+
+    #[test]
+    fn an_untimed_record_is_its_payload_after_the_format_byte() {
+        let opened = open(Bytes::from_static(b"j{\"a\":1}"), "r").unwrap();
+        assert_eq!((opened.format, opened.completed_at), (Format::JsonUntimed, None));
+        assert_eq!(&opened.payload[..], b"{\"a\":1}");
+        let opened = open(Bytes::from_static(&[1, 0, 200]), "r").unwrap();
+        assert_eq!((opened.format, &opened.payload[..]), (Format::HttpUntimed, &[0, 200][..]));
+    }
+
+    #[test]
+    fn every_format_byte_is_its_own_and_nothing_else_opens() {
+        for format in Format::ALL {
+            let record = seal(format, 0).freeze();
+            assert_eq!(record[0], format as u8);
+            assert_eq!(record.len(), if format.is_timed() { 9 } else { 1 });
+            assert_eq!(open(record, "r").unwrap().format, format);
+        }
+        for byte in (0..=u8::MAX).filter(|b| !Format::ALL.iter().any(|f| *f as u8 == *b)) {
+            assert!(open(Bytes::from(vec![byte; 16]), "r").is_none(), "{byte}");
+        }
+        // A timed format too short for its time, and an empty record.
+        assert!(open(Bytes::from_static(&[2, 0, 0]), "r").is_none());
+        assert!(open(Bytes::new(), "r").is_none());
+    }
+}
