@@ -5,6 +5,7 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod consumer;
+mod context;
 mod engine;
 mod fingerprint;
 mod http;
@@ -19,6 +20,7 @@ pub use deadpool_redis;
 pub use crate::store::RedisStore;
 pub use crate::{
     consumer::Idempotent,
+    context::IdempotencyContext,
     fingerprint::Fingerprint,
     http::{
         Idempotency, IdempotencyLayer, KeyError, MAX_KEY_LEN, MakeFingerprint, REPLAYED_HEADER,
@@ -26,6 +28,6 @@ pub use crate::{
         scope::{ExtractorScope, GlobalScope, HeaderScope, ScopeExtractor},
     },
     key::RecordKey,
-    recovery::{IdempotencyContext, Recover, Recovered},
+    recovery::{Recover, Recovered},
     store::{Claim, Fenced, Lease, MemoryStore, OwnerToken, Store, StoreError},
 };

@@ -54,7 +54,7 @@
 
 mod finite;
 mod outcome;
-mod stored;
+mod record;
 
 use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc};
 
@@ -62,12 +62,13 @@ use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
 pub use self::outcome::{Error, Outcome};
-use self::stored::{Unstorable, decode, encode, not_stored};
+use self::record::{Unstorable, decode, encode, not_stored};
 use crate::{
+    context::IdempotencyContext,
     engine::{Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, Settings, engine_setters},
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     key::RecordKey,
-    recovery::{IdempotencyContext, Lookup, NoRecovery, Recover},
+    recovery::{Lookup, NoRecovery, Recover},
     store::Store,
 };
 

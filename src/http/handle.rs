@@ -24,9 +24,10 @@ use super::{
     scope::ScopeExtractor,
 };
 use crate::{
+    context::IdempotencyContext,
     engine::{Answer, Claimed, Ended, Engine, Holder, Recovering},
     key::RecordKey,
-    recovery::{IdempotencyContext, Lookup},
+    recovery::Lookup,
     store::{Store, StoreError},
 };
 

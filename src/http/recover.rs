@@ -12,7 +12,10 @@ use bytes::Bytes;
 use http::{Request, StatusCode, request::Parts};
 
 use super::problem::{ProblemType, problem};
-use crate::recovery::{BoxError, IdempotencyContext, Lookup, Recover, Recovered};
+use crate::{
+    context::IdempotencyContext,
+    recovery::{BoxError, Lookup, Recover, Recovered},
+};
 
 /// The hook's lookup of one request.
 pub(super) type HookFuture =

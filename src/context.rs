@@ -1,0 +1,128 @@
+//! [`IdempotencyContext`]: who a claimed operation is, as its handler, its consumer operation
+//! and its recovery hook see it.
+
+use std::{fmt, sync::Arc};
+
+use crate::{fingerprint::Fingerprint, key::RecordKey};
+
+/// Who a claimed operation is, for the operation itself and for its recovery: the scope, the
+/// record key's hash and the fingerprint.
+///
+/// The HTTP layer puts it in the request's extensions before the handler runs (it is an axum
+/// extractor too); the consumer door passes it to the operation. Write the key hash into the
+/// row that records the outcome (an outbox row, in the same transaction as the side effect),
+/// so that a [`Recover`](crate::Recover) hook can find it; pass a [`derived_key`](Self::derived_key) to a
+/// downstream provider as its own idempotency key.
+///
+/// Cloning is cheap.
+#[derive(Clone)]
+pub struct IdempotencyContext {
+    inner: Arc<Context>,
+}
+
+struct Context {
+    scope: Vec<u8>,
+    key_hash: String,
+    fingerprint: Fingerprint,
+    taken_over: bool,
+}
+
+impl IdempotencyContext {
+    pub(crate) fn new(
+        scope: Vec<u8>,
+        key: &RecordKey,
+        fingerprint: Fingerprint,
+        taken_over: bool,
+    ) -> Self {
+        let key_hash = key.hash().to_owned();
+        Self { inner: Arc::new(Context { scope, key_hash, fingerprint, taken_over }) }
+    }
+
+    /// The scope the key was claimed in (a tenant, a user, a consumer's name); empty for the
+    /// global scope.
+    #[must_use]
+    pub fn scope(&self) -> &[u8] {
+        &self.inner.scope
+    }
+
+    /// The hex SHA-256 of the scope and the key: the record's name, unique per scope and
+    /// key, never the raw key. Store it with the outcome.
+    #[must_use]
+    pub fn key_hash(&self) -> &str {
+        &self.inner.key_hash
+    }
+
+    /// The request's fingerprint.
+    #[must_use]
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.inner.fingerprint
+    }
+
+    /// Whether this claim took over from a holder whose lease lapsed: the operation may have
+    /// happened before, and the recovery hook (if any) did not know its outcome.
+    #[must_use]
+    pub fn is_takeover(&self) -> bool {
+        self.inner.taken_over
+    }
+
+    /// A key for a downstream call made on this request's behalf (a payment provider's own
+    /// idempotency key): 64 hex characters, the same for every retry of this request, and
+    /// different for each `purpose`.
+    ///
+    /// ```
+    /// use axum_idempotency::{Idempotent, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() {
+    /// let idem = Idempotent::new(MemoryStore::new());
+    /// let outcome = idem
+    ///     .run("payments", "evt_1", b"{}", |context| async move {
+    ///         // Pass this to the payment provider as its own idempotency key.
+    ///         Ok::<_, std::io::Error>(context.derived_key("stripe-charge"))
+    ///     })
+    ///     .await
+    ///     .unwrap();
+    /// let charge_key = outcome.into_result().unwrap();
+    /// assert_eq!(charge_key.len(), 64);
+    /// # }
+    /// ```
+    #[must_use]
+    pub fn derived_key(&self, purpose: &str) -> String {
+        let digest = Fingerprint::of_fields(&[self.inner.key_hash.as_bytes(), purpose.as_bytes()]);
+        digest.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for IdempotencyContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyContext")
+            .field("scope", &String::from_utf8_lossy(&self.inner.scope))
+            .field("key_hash", &self.inner.key_hash)
+            .field("taken_over", &self.inner.taken_over)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn derived_keys_are_stable_per_request_and_differ_per_purpose() {
+        let key = RecordKey::new("p", b"tenant", b"k1");
+        let fingerprint = Fingerprint::of_payload(b"{}");
+        let context = IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), false);
+        let again = IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), true);
+        assert_eq!(context.derived_key("charge"), again.derived_key("charge"));
+        assert_ne!(context.derived_key("charge"), context.derived_key("refund"));
+        assert_eq!(context.derived_key("charge").len(), 64);
+        assert!(context.derived_key("charge").bytes().all(|b| b.is_ascii_hexdigit()));
+        let other = RecordKey::new("p", b"tenant", b"k2");
+        let other = IdempotencyContext::new(b"tenant".to_vec(), &other, fingerprint, false);
+        assert_ne!(context.derived_key("charge"), other.derived_key("charge"));
+        assert_eq!(context.key_hash(), key.hash());
+        assert_eq!(context.scope(), b"tenant");
+        assert!(!context.is_takeover() && again.is_takeover());
+        let debug = format!("{context:?}");
+        assert!(debug.contains(key.hash()) && debug.contains("tenant"), "{debug}");
+    }
+}
