@@ -6,7 +6,8 @@
 //! ```
 //!
 //! The broker is Redis either way (`REDIS_URL`, default `redis://127.0.0.1:6379`): a stream of
-//! its own per run, deleted at the end. A producer publishes payment events, retrying some
+//! its own per run, deleted at the end; in Redis, the run's records (under a key prefix of its
+//! own) expire 10 minutes later, so every run prints the same table. A producer publishes payment events, retrying some
 //! (the same event twice). Worker A processes messages but "crashes" after the side effect of
 //! every third one, before its XACK; worker B takes those over with XAUTOCLAIM. Every
 //! delivery goes through `Idempotent::run`, keyed by the event id: the side effect happens
@@ -21,14 +22,17 @@ use std::{
 };
 
 use axum_idempotency::{
-    Idempotent, MemoryStore, RedisStore, Store,
+    Idempotent, MemoryStore, RedisStore,
     consumer::{Error, Outcome},
-    deadpool_redis::redis::{
-        self, AsyncCommands,
-        aio::MultiplexedConnection,
-        streams::{
-            StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions,
-            StreamReadReply,
+    store::{
+        Store,
+        deadpool_redis::redis::{
+            self, AsyncCommands,
+            aio::MultiplexedConnection,
+            streams::{
+                StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions,
+                StreamReadReply,
+            },
         },
     },
 };
@@ -218,7 +222,12 @@ async fn run<St: Store>(
 ) -> Result<(), redis::RedisError> {
     let client = redis::Client::open(broker_url)?;
     let mut broker = client.get_multiplexed_async_connection().await?;
-    let stream = format!("payments-example-{}", std::process::id());
+    // A stream and records of this run's own, so that a second run against the same Redis
+    // starts clean: the streams are deleted at the end, the records expire after 10 minutes.
+    let run_id = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| since.as_nanos());
+    let stream = format!("payments-example-{run_id}");
     let () = broker.xgroup_create_mkstream(&stream, GROUP, "0").await?;
 
     for number in 1..=EVENTS {
@@ -235,7 +244,10 @@ async fn run<St: Store>(
         broker.xadd(&stream, "*", &[("event", REUSED.to_string()), ("payload", reused)]).await?;
 
     let rows = Arc::new(Mutex::new(BTreeMap::new()));
-    let idem = Idempotent::new(store).lease(Duration::from_secs(5));
+    let idem = Idempotent::new(store)
+        .key_prefix(stream.clone())
+        .retention(Duration::from_secs(10 * 60))
+        .lease(Duration::from_secs(5));
     let worker =
         |name| Worker { name, stream: stream.clone(), idem: idem.clone(), rows: rows.clone() };
     let a = tokio::spawn(worker_a(worker("A"), client.get_multiplexed_async_connection().await?));

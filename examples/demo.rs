@@ -19,7 +19,7 @@ use std::{
 };
 
 use axum::{Json, Router, body::Body, extract::State, http::StatusCode, routing::post};
-use axum_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, Store};
+use axum_idempotency::{IdempotencyLayer, MemoryStore, RedisStore, store::Store};
 use http_body_util::BodyExt;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use serde_json::{Value, json};

@@ -423,7 +423,7 @@ mod demo {
     }
 
     async fn payments_for(db: &Pool, key: &str) -> Result<i64, BoxError> {
-        let hash = axum_idempotency::RecordKey::new("idempotency", b"", key.as_bytes());
+        let hash = axum_idempotency::store::RecordKey::new("idempotency", b"", key.as_bytes());
         let client = db.get().await?;
         let row = client
             .query_one("SELECT count(*) FROM payments WHERE key_hash = $1", &[&hash.hash()])

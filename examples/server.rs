@@ -50,7 +50,7 @@ use axum::{
     http::{HeaderName, StatusCode},
     routing::{get, post},
 };
-use axum_idempotency::{HeaderScope, IdempotencyLayer, MemoryStore, RedisStore, Store};
+use axum_idempotency::{HeaderScope, IdempotencyLayer, MemoryStore, RedisStore, store::Store};
 use serde::Deserialize;
 use serde_json::{Value, json};
 

@@ -48,8 +48,9 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    Idempotent, MemoryStore, RedisStore, Store,
+    Idempotent, MemoryStore, RedisStore,
     consumer::{Error, Outcome},
+    store::Store,
 };
 use hmac::{Hmac, KeyInit, Mac};
 use serde::{Deserialize, Serialize};

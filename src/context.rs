@@ -11,7 +11,7 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 /// The HTTP layer puts it in the request's extensions before the handler runs (it is an axum
 /// extractor too); the consumer door passes it to the operation. Write the key hash into the
 /// row that records the outcome (an outbox row, in the same transaction as the side effect),
-/// so that a [`Recover`](crate::Recover) hook can find it; pass a [`derived_key`](Self::derived_key) to a
+/// so that a [`Recover`](crate::recovery::Recover) hook can find it; pass a [`derived_key`](Self::derived_key) to a
 /// downstream provider as its own idempotency key.
 ///
 /// Cloning is cheap.

@@ -16,7 +16,7 @@ use crate::fingerprint::Fingerprint;
 /// `%7B`, `%7D` and `%25`: any prefix is safe, and two prefixes never share a key.
 ///
 /// ```
-/// use axum_idempotency::RecordKey;
+/// use axum_idempotency::store::RecordKey;
 ///
 /// let key = RecordKey::new("svc{}", b"", b"k");
 /// assert!(key.as_str().starts_with("svc%7B%7D:{"));
@@ -31,7 +31,7 @@ impl RecordKey {
     /// Derives the record key for `key` in `scope`, under `prefix`.
     ///
     /// ```
-    /// use axum_idempotency::RecordKey;
+    /// use axum_idempotency::store::RecordKey;
     ///
     /// let a = RecordKey::new("idem", b"tenant-a", b"order-1");
     /// let b = RecordKey::new("idem", b"tenant-b", b"order-1");

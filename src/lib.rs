@@ -8,26 +8,20 @@ pub mod consumer;
 mod context;
 mod engine;
 mod fingerprint;
-mod http;
+pub mod http;
 mod key;
 pub mod recovery;
 pub mod store;
 
-#[cfg(feature = "redis")]
-pub use deadpool_redis;
-
+// The root holds what a first user writes; the rest is in the modules: `http` (the layer's
+// middleware, key parsing, scopes, store policy), `consumer`, `store` (the `Store` trait and
+// what it speaks: claims, leases, tokens, record keys), `recovery`.
 #[cfg(feature = "redis")]
 pub use crate::store::RedisStore;
 pub use crate::{
     consumer::Idempotent,
     context::IdempotencyContext,
     fingerprint::Fingerprint,
-    http::{
-        Idempotency, IdempotencyLayer, KeyError, MAX_KEY_LEN, MakeFingerprint, REPLAYED_HEADER,
-        ResponseFuture, StorePolicy, default_store_policy, parse_key, scope,
-        scope::{ExtractorScope, GlobalScope, HeaderScope, ScopeExtractor},
-    },
-    key::RecordKey,
-    recovery::{Recover, Recovered},
-    store::{Claim, Fenced, Lease, MemoryStore, OwnerToken, Store, StoreError},
+    http::{IdempotencyLayer, scope::HeaderScope},
+    store::MemoryStore,
 };

@@ -8,7 +8,7 @@
 //! in the same transaction as the side effect), it is stored and answered as a replay, and the
 //! operation does not run. When the hook answers [`Recovered::Unknown`], it runs.
 //!
-//! [`Claim::TakenOver`]: crate::Claim::TakenOver
+//! [`Claim::TakenOver`]: crate::store::Claim::TakenOver
 
 use std::future::Future;
 

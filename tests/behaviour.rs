@@ -15,7 +15,9 @@ use axum::{
     http::{StatusCode, request::Parts},
     routing::post,
 };
-use axum_idempotency::{ExtractorScope, HeaderScope, IdempotencyLayer, RecordKey};
+use axum_idempotency::{
+    HeaderScope, IdempotencyLayer, http::scope::ExtractorScope, store::RecordKey,
+};
 use common::*;
 
 every_store!(

@@ -8,8 +8,11 @@ mod common;
 use std::{collections::BTreeMap, time::Duration};
 
 use axum_idempotency::{
-    Claim, Fenced, Fingerprint, IdempotencyLayer, OwnerToken, RecordKey, Store,
-    deadpool_redis::redis::AsyncCommands, store::CachingStore,
+    Fingerprint, IdempotencyLayer,
+    store::{
+        CachingStore, Claim, Fenced, OwnerToken, RecordKey, Store,
+        deadpool_redis::redis::AsyncCommands,
+    },
 };
 use bytes::Bytes;
 use common::*;

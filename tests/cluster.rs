@@ -11,7 +11,7 @@ use std::{
 };
 
 use axum::http::StatusCode;
-use axum_idempotency::{IdempotencyLayer, deadpool_redis::redis};
+use axum_idempotency::{IdempotencyLayer, store::deadpool_redis::redis};
 use common::{
     cluster::{RedisCluster, key_slot},
     *,

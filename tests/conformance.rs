@@ -14,9 +14,10 @@ use std::{
 };
 
 use axum_idempotency::{
-    Claim, Fenced, Fingerprint, Lease, MemoryStore, OwnerToken, RecordKey, Store, StoreError,
-    conformance,
-    store::{Subscription, Waiters},
+    Fingerprint, MemoryStore, conformance,
+    store::{
+        Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError, Subscription, Waiters,
+    },
 };
 use bytes::Bytes;
 

@@ -13,8 +13,9 @@ use std::{
 };
 
 use axum_idempotency::{
-    Fingerprint, IdempotencyContext, Idempotent, OwnerToken, RecordKey, Store,
+    Fingerprint, IdempotencyContext, Idempotent,
     consumer::{Error, Outcome},
+    store::{OwnerToken, RecordKey, Store},
 };
 use common::*;
 use serde::{Deserialize, Serialize};

@@ -16,10 +16,10 @@ use std::{
 };
 
 use axum_idempotency::{
-    Claim, Fingerprint, IdempotencyContext, Idempotent, OwnerToken, RecordKey, Store,
+    Fingerprint, IdempotencyContext, Idempotent,
     consumer::{Error, Outcome},
     recovery::{Lookup, Recovered},
-    store::Lease,
+    store::{Claim, Lease, OwnerToken, RecordKey, Store},
 };
 use bytes::Bytes;
 use common::*;

@@ -9,7 +9,7 @@ use axum::{
     body::{Body, Bytes},
     http::{HeaderValue, Method, Request},
 };
-use axum_idempotency::{IdempotencyLayer, MemoryStore, RecordKey};
+use axum_idempotency::{IdempotencyLayer, MemoryStore, store::RecordKey};
 use common::*;
 use futures_util::StreamExt as _;
 use proptest::prelude::*;
@@ -160,7 +160,7 @@ proptest! {
                 request
             };
             let first = send(&app, build()).await;
-            let key = axum_idempotency::parse_key(build().headers(), &"idempotency-key".parse().unwrap());
+            let key = axum_idempotency::http::parse_key(build().headers(), &"idempotency-key".parse().unwrap());
             let handled = method == Method::POST || method == Method::PATCH;
             match (&key, handled) {
                 (_, false) | (Ok(None), true) => {

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, Idempotent, RecordKey, consumer::Outcome,
+    IdempotencyContext, IdempotencyLayer, Idempotent, consumer::Outcome, store::RecordKey,
 };
 use common::*;
 

@@ -20,11 +20,10 @@ use std::{
 
 use axum::{Router, body::Body, routing::post};
 use axum_idempotency::{
-    Claim, Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent, OwnerToken, RecordKey,
-    Store,
+    Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent,
     consumer::Outcome,
     recovery::{Lookup, Recovered},
-    store::Lease,
+    store::{Claim, Lease, OwnerToken, RecordKey, Store},
 };
 use bytes::Bytes;
 use common::*;
@@ -287,7 +286,7 @@ impl Store for SlowRenewals {
         fingerprint: &Fingerprint,
         owner: &OwnerToken,
         lease: Lease,
-    ) -> Result<Claim, axum_idempotency::StoreError> {
+    ) -> Result<Claim, axum_idempotency::store::StoreError> {
         self.inner.claim(key, fingerprint, owner, lease).await
     }
 
@@ -298,7 +297,7 @@ impl Store for SlowRenewals {
         fingerprint: &Fingerprint,
         response: Bytes,
         retention: Duration,
-    ) -> Result<axum_idempotency::Fenced, axum_idempotency::StoreError> {
+    ) -> Result<axum_idempotency::store::Fenced, axum_idempotency::store::StoreError> {
         self.inner.complete(key, owner, fingerprint, response, retention).await
     }
 
@@ -306,7 +305,7 @@ impl Store for SlowRenewals {
         &self,
         key: &RecordKey,
         owner: &OwnerToken,
-    ) -> Result<axum_idempotency::Fenced, axum_idempotency::StoreError> {
+    ) -> Result<axum_idempotency::store::Fenced, axum_idempotency::store::StoreError> {
         self.inner.release(key, owner).await
     }
 
@@ -315,7 +314,7 @@ impl Store for SlowRenewals {
         key: &RecordKey,
         owner: &OwnerToken,
         lease: Lease,
-    ) -> Result<axum_idempotency::Fenced, axum_idempotency::StoreError> {
+    ) -> Result<axum_idempotency::store::Fenced, axum_idempotency::store::StoreError> {
         // A renewal is slow; the hand-back (a zero lease) is not.
         if !lease.duration.is_zero() {
             tokio::time::sleep(self.delay).await;

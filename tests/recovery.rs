@@ -21,7 +21,7 @@ use std::{
 };
 
 use axum::body::Body;
-use axum_idempotency::{RecordKey, deadpool_redis::redis::AsyncCommands};
+use axum_idempotency::store::{RecordKey, deadpool_redis::redis::AsyncCommands};
 use common::RedisServer;
 use http::Request;
 use http_body_util::BodyExt;
@@ -362,7 +362,7 @@ async fn redis_losing_the_record_is_answered_from_the_outbox_with_recovery_on_ev
     let first = pay(service.port, "pay-1").await.unwrap();
     assert_eq!((first.status, first.replayed), (201, false));
     assert_eq!(record(&redis, "pay-1").await.map(|r| r.0), Some('C'));
-    let () = axum_idempotency::deadpool_redis::redis::cmd("FLUSHALL")
+    let () = axum_idempotency::store::deadpool_redis::redis::cmd("FLUSHALL")
         .query_async(&mut redis.connection().await)
         .await
         .unwrap();

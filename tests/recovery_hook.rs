@@ -16,11 +16,10 @@ use std::{
 
 use axum::{Router, routing::post};
 use axum_idempotency::{
-    Claim, Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent, OwnerToken, RecordKey,
-    Store,
+    Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent,
     consumer::{Error, Outcome},
     recovery::{Lookup, Recovered},
-    store::Lease,
+    store::{Claim, Lease, OwnerToken, RecordKey, Store},
 };
 use bytes::Bytes;
 use common::*;

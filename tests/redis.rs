@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::{Router, body::Body, http::Request};
 use axum_idempotency::{
     IdempotencyLayer, RedisStore,
-    deadpool_redis::redis::{self, AsyncCommands},
+    store::deadpool_redis::redis::{self, AsyncCommands},
 };
 use common::*;
 

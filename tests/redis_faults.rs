@@ -20,8 +20,11 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyLayer, RecordKey, RedisStore,
-    deadpool_redis::redis::{self, AsyncCommands},
+    IdempotencyLayer, RedisStore,
+    store::{
+        RecordKey,
+        deadpool_redis::redis::{self, AsyncCommands},
+    },
 };
 use common::*;
 

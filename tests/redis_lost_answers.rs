@@ -7,9 +7,9 @@ mod common;
 use std::time::Duration;
 
 use axum_idempotency::{
-    Claim, Fingerprint, IdempotencyLayer, OwnerToken, RecordKey, RedisStore, Store,
+    Fingerprint, IdempotencyLayer, RedisStore,
     recovery::{Lookup, Recovered},
-    store::Lease,
+    store::{Claim, Lease, OwnerToken, RecordKey, Store},
 };
 use bytes::Bytes;
 use common::*;
@@ -127,7 +127,7 @@ async fn a_claim_arriving_after_its_deadline_writes_nothing() {
     // `lua/claim.lua` run by hand, as a claim held up on the wire arrives: its deadline (in
     // the server's time) has passed. On an absent key, a marker, and a lapsed claim alike, it
     // is refused ({6}) and the key is left as it was.
-    use axum_idempotency::deadpool_redis::redis::{self, AsyncCommands, Script, Value};
+    use axum_idempotency::store::deadpool_redis::redis::{self, AsyncCommands, Script, Value};
     let server = RedisServer::start();
     let mut redis = server.connection().await;
     let script = Script::new(include_str!("../lua/claim.lua"));

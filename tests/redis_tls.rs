@@ -12,7 +12,7 @@ use std::{
 
 use axum_idempotency::{
     IdempotencyLayer, RedisStore,
-    deadpool_redis::redis::{self, AsyncCommands, TlsCertificates},
+    store::deadpool_redis::redis::{self, AsyncCommands, TlsCertificates},
 };
 use common::*;
 

@@ -8,7 +8,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use axum_idempotency::{IdempotencyLayer, RedisStore, deadpool_redis::redis};
+use axum_idempotency::{IdempotencyLayer, RedisStore, store::deadpool_redis::redis};
 use common::*;
 
 fn waiting(store: RedisStore, calls: &Calls, wait: Duration) -> axum::Router {

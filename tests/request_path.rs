@@ -12,7 +12,10 @@ use axum::{
     body::Body,
     http::{Request, Response},
 };
-use axum_idempotency::{Fingerprint, IdempotencyLayer, OwnerToken, Store};
+use axum_idempotency::{
+    Fingerprint, IdempotencyLayer,
+    store::{OwnerToken, Store},
+};
 use common::*;
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -71,7 +74,7 @@ async fn one_key_on_two_resources_through_a_nested_router_is_409<H: Harness>(h: 
     let claim = store
         .claim(&global("k1"), &nested, &OwnerToken::random(), Duration::from_secs(1).into())
         .await;
-    assert!(matches!(claim.unwrap(), axum_idempotency::Claim::Replay { .. }));
+    assert!(matches!(claim.unwrap(), axum_idempotency::store::Claim::Replay { .. }));
     assert_eq!(calls.get(), 1);
 }
 

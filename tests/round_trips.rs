@@ -111,9 +111,9 @@ async fn a_recovery_hook_costs_nothing_fresh_and_one_lookup_on_a_takeover() {
     };
 
     use axum_idempotency::{
-        Claim, Fingerprint, OwnerToken, Store,
+        Fingerprint,
         recovery::{Lookup, Recovered},
-        store::Lease,
+        store::{Claim, Lease, OwnerToken, Store},
     };
     use bytes::Bytes;
     use http::Response;

@@ -13,7 +13,7 @@ use std::{
 
 use axum_idempotency::{
     IdempotencyLayer, RedisStore,
-    deadpool_redis::redis::{self, AsyncCommands},
+    store::deadpool_redis::redis::{self, AsyncCommands},
 };
 use common::*;
 

@@ -14,7 +14,8 @@ mod common;
 use std::time::Duration;
 
 use axum_idempotency::{
-    Claim, Fenced, Fingerprint, Lease, OwnerToken, RecordKey, Store, StoreError,
+    Fingerprint,
+    store::{Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError},
 };
 use bytes::Bytes;
 use common::*;

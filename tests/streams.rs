@@ -17,7 +17,7 @@ use std::{
 use axum_idempotency::{
     Idempotent, RedisStore,
     consumer::Outcome,
-    deadpool_redis::redis::{
+    store::deadpool_redis::redis::{
         self, AsyncCommands,
         aio::MultiplexedConnection,
         streams::{

@@ -169,7 +169,8 @@ async fn a_delivery_waits_for_the_running_one_and_gets_its_result<H: Harness>(h:
         let idem = idem.clone();
         tokio::spawn(async move { idem.run("consumer", "evt_1", b"p", operation(1, 500)).await })
     };
-    let key = axum_idempotency::RecordKey::new("idempotency-consumer", b"consumer", b"evt_1");
+    let key =
+        axum_idempotency::store::RecordKey::new("idempotency-consumer", b"consumer", b"evt_1");
     eventually("the first delivery holds the key", async || {
         h.held(&key).await == Some(Held::InProgress)
     })

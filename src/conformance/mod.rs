@@ -29,7 +29,7 @@
 //! panic, naming the promise, on the first answer that breaks it.
 //!
 //! Not covered, because a black box cannot reach it: a value under a key that no store wrote
-//! (a store must answer [`StoreError::CorruptRecord`](crate::StoreError::CorruptRecord) and
+//! (a store must answer [`StoreError::CorruptRecord`](crate::store::StoreError::CorruptRecord) and
 //! leave it alone), and a claim landing late after its caller gave up (a store whose claims can
 //! arrive late implements [`Store::abandon`] and tests it against its backend).
 

@@ -156,8 +156,8 @@ impl<St: Store, H> Idempotent<St, H> {
     ///
     /// The hook answers for one result type: `run` then takes operations of that type.
     ///
-    /// [`Recovered::Happened`]: crate::Recovered::Happened
-    /// [`Recovered::Unknown`]: crate::Recovered::Unknown
+    /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
+    /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
     pub fn recover<H2>(self, hook: H2) -> Idempotent<St, H2> {
         let Self { store, mut settings, fingerprint, prefix, stored_limit, hook: _ } = self;
         Arc::make_mut(&mut settings).recovering = true;

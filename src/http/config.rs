@@ -13,7 +13,7 @@ pub type StorePolicy = fn(StatusCode) -> bool;
 /// everything else (5xx, 408, 429, 1xx, 3xx).
 ///
 /// ```
-/// use axum_idempotency::default_store_policy;
+/// use axum_idempotency::http::default_store_policy;
 /// use http::StatusCode;
 ///
 /// assert!(default_store_policy(StatusCode::CREATED));

@@ -150,7 +150,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// Fingerprints requests with the app's own function instead (see [`MakeFingerprint`]);
     /// the other fingerprint options no longer apply.
     ///
-    /// [`MakeFingerprint`]: crate::MakeFingerprint
+    /// [`MakeFingerprint`]: crate::http::MakeFingerprint
     pub fn fingerprint_with(mut self, make: impl super::fingerprinting::MakeFingerprint) -> Self {
         self.config().intent.custom = Some(Arc::new(make));
         self
@@ -171,16 +171,18 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     }
 
     /// The IETF draft's statuses (draft-ietf-httpapi-idempotency-key-header): 409 while the
-    /// original request runs, 422 for a key reused with a different request.
+    /// original request runs (past the wait), 422 for a key reused with a different request.
+    /// It sets these two statuses and nothing else: every other setting, before or after it
+    /// in the chain, is kept.
     ///
-    /// Prefer it behind clients that take any 2xx as final, as Stripe's SDKs do: they retry on
-    /// 409, but take the default 202 as the answer.
+    /// Prefer it behind clients that take any 2xx as final, as Stripe's SDKs do: past the wait
+    /// they retry on 409, but would take a 202 as the answer.
     pub fn ietf_draft(self) -> Self {
         self.in_progress_status(StatusCode::CONFLICT)
             .mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
     }
 
-    /// Sets which responses are stored for replay. Defaults to [`default_store_policy`](crate::default_store_policy).
+    /// Sets which responses are stored for replay. Defaults to [`default_store_policy`](crate::http::default_store_policy).
     pub fn store_policy(mut self, policy: StorePolicy) -> Self {
         self.config().store_policy = policy;
         self
@@ -226,8 +228,8 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// );
     /// ```
     ///
-    /// [`Recovered::Happened`]: crate::Recovered::Happened
-    /// [`Recovered::Unknown`]: crate::Recovered::Unknown
+    /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
+    /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
     /// [`IdempotencyContext`]: crate::IdempotencyContext
     pub fn recover<H>(mut self, hook: H) -> Self
     where

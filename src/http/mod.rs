@@ -1,15 +1,17 @@
-//! The HTTP front door: [`IdempotencyLayer`] and the [`Idempotency`] middleware it makes.
+//! The HTTP front door: [`IdempotencyLayer`], the [`Idempotency`] middleware it makes, and
+//! what its configuration names (scopes, the store policy, the fingerprint function, the key
+//! header's parser).
 //!
 //! It turns a request into the engine's terms (a record key from the scope and the
 //! `Idempotency-Key`, a fingerprint of the request, the response encoded for the store) and the
 //! engine's answers back into HTTP (the handler's response, a replay, a problem+json answer).
-//!
-//! - `layer.rs`: the builder; `config.rs`: what it configures.
-//! - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
-//!   `future.rs`: its response future; `body.rs`: request and response bodies.
-//! - `intent.rs`: what the fingerprint covers; `key.rs`: the key header; `scope.rs`: whose key it is; `record.rs`: the stored response;
-//!   `problem.rs`: the layer's own answers; `recover.rs`: the recovery hook and the
-//!   `IdempotencyContext` extractor.
+
+// - `layer.rs`: the builder; `config.rs`: what it configures.
+// - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
+//   `future.rs`: its response future; `body.rs`: request and response bodies.
+// - `fingerprinting.rs`: what the fingerprint covers; `key_header.rs`: the key header;
+//   `scope.rs`: whose key it is; `record.rs`: the stored response; `problem.rs`: the layer's
+//   own answers; `recover.rs`: the recovery hook and the `IdempotencyContext` extractor.
 
 mod body;
 mod config;

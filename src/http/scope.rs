@@ -96,7 +96,7 @@ where
 ///
 /// ```
 /// use axum::{extract::FromRequestParts, http::{StatusCode, request::Parts}};
-/// use axum_idempotency::{ExtractorScope, IdempotencyLayer, MemoryStore};
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::scope::ExtractorScope};
 ///
 /// struct User { id: u64 }
 ///

@@ -36,7 +36,10 @@ pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
 pub use self::subscription::Subscription;
 pub use self::subscription::{OnLastLeave, Waiters};
 use crate::fingerprint::Fingerprint;
-use crate::key::RecordKey;
+pub use crate::key::RecordKey;
+/// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.
+#[cfg(feature = "redis")]
+pub use deadpool_redis;
 
 /// Storage for idempotency records.
 ///

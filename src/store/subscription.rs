@@ -61,7 +61,7 @@ impl Subscription {
 /// channel.
 ///
 /// ```
-/// use axum_idempotency::{RecordKey, store::Waiters};
+/// use axum_idempotency::store::{RecordKey, Waiters};
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let waiters = Waiters::default();

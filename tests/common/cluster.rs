@@ -8,8 +8,11 @@ use std::{
 };
 
 use axum_idempotency::{
-    RecordKey, RedisStore,
-    deadpool_redis::redis::{self, AsyncCommands},
+    RedisStore,
+    store::{
+        RecordKey,
+        deadpool_redis::redis::{self, AsyncCommands},
+    },
 };
 
 use super::{

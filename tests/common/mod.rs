@@ -17,7 +17,10 @@ use axum::{
     http::{HeaderMap, Request, Response, StatusCode},
     routing::{get, post},
 };
-use axum_idempotency::{MemoryStore, RecordKey, Store, store::RecordState};
+use axum_idempotency::{
+    MemoryStore,
+    store::{RecordKey, RecordState, Store},
+};
 use http_body_util::BodyExt;
 use tower::ServiceExt;
 

@@ -8,12 +8,14 @@ use std::{
 };
 
 use axum_idempotency::{
-    RecordKey, RedisStore,
-    deadpool_redis::{
-        Config, Pool, Runtime,
-        redis::{self, AsyncCommands},
+    RedisStore,
+    store::{
+        CachingStore, RecordKey,
+        deadpool_redis::{
+            Config, Pool, Runtime,
+            redis::{self, AsyncCommands},
+        },
     },
-    store::CachingStore,
 };
 
 use super::{Harness, Held, RawHarness, RawValue, free_port, settle_channel};

@@ -14,7 +14,7 @@ use std::{
 };
 
 use axum::{body::Body, http::Request};
-use axum_idempotency::{Fingerprint, OwnerToken, RecordKey, RedisStore, Store};
+use axum_idempotency::{Fingerprint, RedisStore, store::{OwnerToken, RecordKey, Store}};
 
 use crate::{
     ChildGuard, Error, REQUEST_BODY, SCENARIOS, SIZES, TARGETS, app, free_port, request_body,

@@ -90,7 +90,7 @@ impl RedisStore {
     /// A store over `pool`.
     ///
     /// ```no_run
-    /// use axum_idempotency::{RedisStore, deadpool_redis::{Config, Runtime}};
+    /// use axum_idempotency::{RedisStore, store::deadpool_redis::{Config, Runtime}};
     ///
     /// let pool = Config::from_url("redis://127.0.0.1:6379").create_pool(Some(Runtime::Tokio1))?;
     /// let store = RedisStore::new(pool);
