@@ -101,6 +101,7 @@ async fn malformed_keys_are_400<H: Harness>(h: H) {
         vec![b"a\tb"],
         vec![b"one", b"two"],
         vec![b"one, two"],
+        vec![b"\"k\";a=1"],
     ];
     for values in bad {
         let mut request = Request::post("/payments").body(Body::from("{}")).unwrap();
@@ -111,6 +112,10 @@ async fn malformed_keys_are_400<H: Harness>(h: H) {
         }
         let seen = send(&app, request).await;
         seen.assert_problem(400, "key-malformed");
+        // The detail names what is wrong: a key with parameters is not told it is two.
+        if values == [b"\"k\";a=1"] {
+            assert!(seen.body.contains("without parameters"), "{}", seen.body);
+        }
     }
     assert_eq!(calls.get(), 0);
     assert_eq!(h.record_count().await, 0);

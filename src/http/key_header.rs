@@ -18,6 +18,9 @@ pub enum KeyError {
     /// The key has a character outside visible ASCII (outside printable ASCII in a quoted
     /// key), or a malformed quoted string.
     Malformed,
+    /// A quoted key carries structured-field parameters (`"k";a=1`): the key is a bare
+    /// string.
+    Parameters,
 }
 
 impl KeyError {
@@ -28,6 +31,9 @@ impl KeyError {
             Self::TooLong => "the Idempotency-Key is longer than 255 characters",
             Self::Malformed => {
                 "the Idempotency-Key must be 1 to 255 visible ASCII characters, or printable ASCII characters (spaces included) as a quoted string"
+            }
+            Self::Parameters => {
+                "the Idempotency-Key must be a string without parameters: nothing may follow its closing quote"
             }
         }
     }
@@ -89,7 +95,14 @@ fn unquote(inner: &[u8]) -> Result<Vec<u8>, KeyError> {
                 _ => return Err(KeyError::Malformed),
             },
             b'"' if bytes.as_slice().is_empty() => return Ok(key),
-            b'"' => return Err(KeyError::Multiple),
+            // Something after the closing quote: a list, parameters, or stray text.
+            b'"' => {
+                return Err(match bytes.as_slice().trim_ascii_start().first() {
+                    Some(b',') => KeyError::Multiple,
+                    Some(b';') => KeyError::Parameters,
+                    _ => KeyError::Malformed,
+                });
+            }
             _ => key.push(b),
         }
     }
@@ -137,6 +150,14 @@ mod tests {
         assert_eq!(parse(&[b"a", b"b"]), Err(KeyError::Multiple));
         assert_eq!(parse(&[b"a, b"]), Err(KeyError::Multiple));
         assert_eq!(parse(&[b"\"a\", \"b\""]), Err(KeyError::Multiple));
+    }
+
+    #[test]
+    fn a_quoted_key_with_parameters_or_trailing_text_says_so() {
+        assert_eq!(parse(&[b"\"k\";a=1"]), Err(KeyError::Parameters));
+        assert_eq!(parse(&[b"\"k\" ;a"]), Err(KeyError::Parameters));
+        assert_eq!(parse(&[b"\"k\"x"]), Err(KeyError::Malformed));
+        assert!(KeyError::Parameters.detail().contains("without parameters"));
     }
 
     #[test]
