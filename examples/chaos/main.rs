@@ -1,0 +1,357 @@
+//! Chaos with a checker: real clients, real processes, faults at random and overlapping, and a
+//! checker that reads the whole history afterwards.
+//!
+//! ```sh
+//! cargo run --release --example chaos --features cluster                      # 60 s, one Redis (AOF)
+//! cargo run --release --example chaos --features cluster -- --store cluster   # 60 s, a 3-master Cluster
+//! cargo run --release --example chaos --features cluster -- --seconds 600     # the 10-minute run
+//! ```
+//!
+//! It starts everything on free loopback ports and stops it by pid: Redis (one server with
+//! `appendonly yes`, `appendfsync always`, behind a TCP proxy the nemesis controls; or a Cluster
+//! of three masters with a replica each), three instances of a payments service behind
+//! `IdempotencyLayer`, two workers behind `Idempotent`, and a PostgreSQL database of its own on
+//! the server at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`), dropped
+//! at the end. The side effect is a row per execution there, with no unique constraint: a double
+//! run shows.
+//!
+//! For `--seconds`, clients create payments and retry them (`clients.rs`), a broker delivers
+//! events to the workers at least once, and the nemesis (`nemesis.rs`) kills and restarts
+//! instances and workers, pauses workers past their lease, pauses and restarts Redis, makes
+//! its network slow, silent or reset, and on a Cluster pauses and kills masters. Then the
+//! faults heal, the clients finish the keys they hold, and the checker (`checker.rs`) decides.
+//! It prints one table, and exits 1 on any violation, keeping the run's folder with
+//! `history.jsonl` (every attempt, answer and fault) and each process's log.
+//!
+//! `--expect-violations` inverts the exit status, for the negative control: a debug build with
+//! `RUSTFLAGS="--cfg axum_idempotency_unfenced"` gives every holder the same owner token, so no
+//! fence tells a lapsed holder from the new owner, and the checker must find the double runs
+//! that follow.
+
+mod checker;
+mod clients;
+mod nemesis;
+mod proxy;
+mod service;
+mod system;
+
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use axum_idempotency::recovery::BoxError;
+
+use crate::{
+    checker::Row,
+    clients::{History, Targets},
+    nemesis::Nemesis,
+    system::{Database, Proc, free_port},
+};
+
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+struct Options {
+    store: String,
+    seconds: u64,
+    clients: usize,
+    deliveries: usize,
+    expect_violations: bool,
+    keep: bool,
+}
+
+impl Options {
+    fn parse(args: &[String]) -> Result<Self, BoxError> {
+        let value = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
+        let store = value("--store").cloned().unwrap_or_else(|| "redis".to_owned());
+        if !matches!(store.as_str(), "redis" | "cluster") {
+            return Err(format!("--store {store}: redis or cluster").into());
+        }
+        Ok(Self {
+            store,
+            seconds: value("--seconds").map_or(Ok(60), |s| s.parse())?,
+            clients: value("--clients").map_or(Ok(24), |s| s.parse())?,
+            deliveries: value("--deliveries").map_or(Ok(8), |s| s.parse())?,
+            expect_violations: args.iter().any(|a| a == "--expect-violations"),
+            keep: args.iter().any(|a| a == "--keep"),
+        })
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("serve") {
+        let door = args.get(1).ok_or("serve http|consumer --port N")?;
+        let port = args.get(3).ok_or("serve http|consumer --port N")?.parse()?;
+        return service::serve(door, port).await;
+    }
+    let options = Options::parse(&args)?;
+    let violations = run(&options).await?;
+    let failed = if options.expect_violations { violations == 0 } else { violations > 0 };
+    if failed {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+async fn run(options: &Options) -> Result<usize, BoxError> {
+    let dir =
+        PathBuf::from("target/chaos").join(format!("{}-{}", options.store, service::now_ms()));
+    std::fs::create_dir_all(&dir)?;
+    let dir = dir.canonicalize()?;
+    let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned());
+    let database = Database::create(&admin, service::SCHEMA).await?;
+    let outcome = run_in(options, &dir, &database).await;
+    if let Err(error) = database.drop_now().await {
+        eprintln!("could not drop the run's database: {error}");
+    }
+    let violations = outcome?;
+    if violations == 0 && !options.keep {
+        let _ = std::fs::remove_dir_all(&dir);
+    } else {
+        println!("\nthe run's history and logs: {}", dir.display());
+    }
+    Ok(violations)
+}
+
+async fn run_in(
+    options: &Options,
+    dir: &std::path::Path,
+    database: &Database,
+) -> Result<usize, BoxError> {
+    // The store, and what the services are told to reach it by.
+    let (redis, proxy, spec, every_claim) = if options.store == "cluster" {
+        let nodes = system::cluster(dir)?;
+        let urls: Vec<String> =
+            nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect();
+        // A failover after a master died can lose its last writes: every claim asks the
+        // system of record, as the README advises for stores that lose records.
+        (nodes, None, format!("cluster:{}", urls.join(",")), true)
+    } else {
+        let mut server = system::redis("redis", free_port(), dir, &[]);
+        server.start()?;
+        let proxy = proxy::Proxy::start(server.port).await?;
+        let spec = format!("redis://127.0.0.1:{}", proxy.port);
+        (vec![server], Some(proxy), spec, false)
+    };
+    let exe = std::env::current_exe()?;
+    let service = |door: &str, name: String| -> Result<Proc, BoxError> {
+        let port = free_port();
+        let args = ["serve", door, "--port", &port.to_string()].map(str::to_owned);
+        let mut proc = Proc::new(&name, port, &exe, &args, dir)
+            .env("CHAOS_STORE", &spec)
+            .env("CHAOS_DATABASE_URL", &database.url)
+            .env("CHAOS_PROCESS", &name)
+            .env("CHAOS_EVERY_CLAIM", if every_claim { "1" } else { "0" });
+        proc.start()?;
+        Ok(proc)
+    };
+    let instances =
+        (1..=3).map(|i| service("http", format!("instance-{i}"))).collect::<Result<Vec<_>, _>>()?;
+    let workers = (1..=2)
+        .map(|i| service("consumer", format!("worker-{i}")))
+        .collect::<Result<Vec<_>, _>>()?;
+    let http = Targets {
+        door: "http",
+        path: "/payments",
+        ports: instances.iter().map(|p| p.port).collect(),
+    };
+    let consumer = Targets {
+        door: "consumer",
+        path: "/deliver",
+        ports: workers.iter().map(|p| p.port).collect(),
+    };
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let nemesis = Arc::new(Nemesis {
+        instances: Arc::new(Mutex::new(instances)),
+        workers: Arc::new(Mutex::new(workers)),
+        redis: Arc::new(Mutex::new(redis)),
+        proxy,
+        stop: stop.clone(),
+        faults: Mutex::default(),
+        errors: Mutex::default(),
+    });
+    let history = Arc::new(History::default());
+    let started = Instant::now();
+    let mut clients = Vec::new();
+    for id in 0..options.clients {
+        clients.push(tokio::spawn(clients::client(
+            id,
+            http.clone(),
+            history.clone(),
+            stop.clone(),
+        )));
+    }
+    for id in 0..options.deliveries {
+        clients.push(tokio::spawn(clients::client(
+            id,
+            consumer.clone(),
+            history.clone(),
+            stop.clone(),
+        )));
+    }
+    let threads = [
+        std::thread::spawn({
+            let nemesis = nemesis.clone();
+            move || nemesis.processes()
+        }),
+        std::thread::spawn({
+            let nemesis = nemesis.clone();
+            let cluster = options.store == "cluster";
+            move || if cluster { nemesis.cluster() } else { nemesis.single_redis() }
+        }),
+    ];
+    tokio::time::sleep(Duration::from_secs(options.seconds)).await;
+    stop.store(true, Ordering::SeqCst);
+    let faulted = started.elapsed();
+    // The faults heal: each thread ends the fault it is in.
+    for thread in threads {
+        thread.join().map_err(|_| "a nemesis thread panicked")?;
+    }
+    for client in clients {
+        client.await?;
+    }
+    let drained = started.elapsed() - faulted;
+    // A worker that was paused may still commit: let the stragglers land.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let rows = read_rows(&database.url).await?;
+    let attempts = history.attempts.lock().unwrap().clone();
+    let ends = history.ends.lock().unwrap().clone();
+    let faults = nemesis.faults.lock().unwrap().clone();
+    let mut logs: Vec<PathBuf> = Vec::new();
+    for procs in [&nemesis.instances, &nemesis.workers, &nemesis.redis] {
+        logs.extend(procs.lock().unwrap().iter().map(|p| p.log().to_owned()));
+    }
+    let verdict = checker::check(&attempts, &ends, &rows, &faults, &logs);
+    write_history(&dir.join("history.jsonl"), &attempts, &faults)?;
+    let summary = Summary {
+        store: if options.store == "cluster" {
+            "a Redis Cluster (3 masters, 3 replicas, AOF), every claim asks the database"
+        } else {
+            "one Redis (AOF, appendfsync always) behind a faulty proxy; takeovers ask the database"
+        },
+        seconds: faulted.as_secs(),
+        drained,
+        counts: nemesis.counts(),
+        errors: nemesis.errors.lock().unwrap().clone(),
+    };
+    summary.print(&attempts, &ends, &rows, &verdict);
+    Ok(verdict.total())
+}
+
+async fn read_rows(url: &str) -> Result<Vec<Row>, BoxError> {
+    let client = system::connect(url).await?;
+    let sql = "SELECT id, door, key, amount, process, started_ms, written_ms FROM executions";
+    Ok(client
+        .query(sql, &[])
+        .await?
+        .iter()
+        .map(|r| Row {
+            id: r.get(0),
+            door: r.get(1),
+            key: r.get(2),
+            amount: r.get(3),
+            process: r.get(4),
+            started_ms: r.get(5),
+            written_ms: r.get(6),
+        })
+        .collect())
+}
+
+fn write_history(
+    path: &std::path::Path,
+    attempts: &[clients::Attempt],
+    faults: &[nemesis::Fault],
+) -> Result<(), BoxError> {
+    use std::io::Write as _;
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path)?);
+    for fault in faults {
+        writeln!(file, "{}", serde_json::json!({ "fault": fault }))?;
+    }
+    for attempt in attempts {
+        writeln!(file, "{}", serde_json::json!({ "attempt": attempt }))?;
+    }
+    file.flush()?;
+    Ok(())
+}
+
+struct Summary {
+    store: &'static str,
+    seconds: u64,
+    drained: Duration,
+    counts: std::collections::BTreeMap<&'static str, usize>,
+    errors: Vec<String>,
+}
+
+impl Summary {
+    fn print(
+        &self,
+        attempts: &[clients::Attempt],
+        ends: &[clients::KeyEnd],
+        rows: &[Row],
+        verdict: &checker::Verdict,
+    ) {
+        println!("\n## Chaos run: {}\n", self.store);
+        println!(
+            "{} s of faults; then the faults healed and the clients finished their keys in {:.1} s\n",
+            self.seconds,
+            self.drained.as_secs_f64()
+        );
+        println!("| faults injected | count |\n|---|---:|");
+        for (kind, count) in &self.counts {
+            println!("| {kind} | {count} |");
+        }
+        let total: usize = self.counts.values().sum();
+        println!("| **all** | **{total}** |\n");
+
+        println!(
+            "| door | keys | attempts | executions | 2xx answer | 202 | 409 | 503 | other status | no answer (timeout, refused, reset) |"
+        );
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for door in ["http", "consumer"] {
+            let of_door: Vec<_> = attempts.iter().filter(|a| a.door == door).collect();
+            let status = |pick: &dyn Fn(u16) -> bool| {
+                of_door.iter().filter(|a| a.status.is_some_and(pick)).count()
+            };
+            println!(
+                "| {door} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                ends.iter().filter(|e| e.door == door).count(),
+                of_door.len(),
+                rows.iter().filter(|r| r.door == door).count(),
+                status(&clients::is_answer),
+                status(&|s| s == 202),
+                status(&|s| s == 409),
+                status(&|s| s == 503),
+                status(&|s| !clients::is_answer(s) && !matches!(s, 202 | 409 | 503)),
+                of_door.iter().filter(|a| a.status.is_none()).count(),
+            );
+        }
+        println!("\n| check | violations |\n|---|---:|");
+        for (check, found) in &verdict.violations {
+            println!("| {check} | {} |", found.len());
+        }
+        println!(
+            "| (not a violation) reruns of a worker paused past its lease, which the README allows: at most once per lease | {} |",
+            verdict.lease_reruns.len()
+        );
+        for (check, found) in &verdict.violations {
+            for what in found.iter().take(20) {
+                println!("violation: {check}: {what}");
+            }
+        }
+        for what in &verdict.lease_reruns {
+            println!("lease rerun: {what}");
+        }
+        for error in &self.errors {
+            println!("nemesis error: {error}");
+        }
+        println!("\nviolations: {}", verdict.total());
+    }
+}

@@ -1,0 +1,193 @@
+//! The nemesis: faults at random intervals, on two threads at once, one for the service's
+//! processes and one for the store, so that faults overlap. Every fault is logged with when it
+//! started and ended.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use serde::Serialize;
+
+use crate::{
+    proxy::{Proxy, Weather},
+    service::{LEASE, now_ms},
+    system::{Proc, is_master, wait_for_cluster},
+};
+
+/// One fault: what, on which process, from when to when.
+#[derive(Serialize, Clone, Debug)]
+pub(crate) struct Fault {
+    pub(crate) kind: &'static str,
+    pub(crate) target: String,
+    pub(crate) start_ms: i64,
+    pub(crate) end_ms: i64,
+}
+
+pub(crate) struct Nemesis {
+    pub(crate) instances: Arc<Mutex<Vec<Proc>>>,
+    pub(crate) workers: Arc<Mutex<Vec<Proc>>>,
+    pub(crate) redis: Arc<Mutex<Vec<Proc>>>,
+    /// The proxy in front of a single Redis (none in front of a Cluster).
+    pub(crate) proxy: Option<Proxy>,
+    pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) faults: Mutex<Vec<Fault>>,
+    pub(crate) errors: Mutex<Vec<String>>,
+}
+
+fn between(low_ms: u64, high_ms: u64) -> Duration {
+    Duration::from_millis(low_ms + rand::random::<u64>() % (high_ms - low_ms).max(1))
+}
+
+fn pick(of: usize) -> usize {
+    usize::from(rand::random::<u16>()) % of
+}
+
+impl Nemesis {
+    /// Runs `fault` between its start and its end, and logs it.
+    fn fault(&self, kind: &'static str, target: &str, fault: impl FnOnce()) {
+        let start_ms = now_ms();
+        fault();
+        let end_ms = now_ms();
+        self.faults.lock().unwrap().push(Fault {
+            kind,
+            target: target.to_owned(),
+            start_ms,
+            end_ms,
+        });
+    }
+
+    fn rest(&self) {
+        std::thread::sleep(between(500, 2500));
+    }
+
+    fn error(&self, what: String) {
+        eprintln!("nemesis: {what}");
+        self.errors.lock().unwrap().push(what);
+    }
+
+    /// SIGKILL an instance or a worker and start it again; pause a worker past its lease.
+    pub(crate) fn processes(&self) {
+        while !self.stop.load(Ordering::SeqCst) {
+            self.rest();
+            match pick(3) {
+                0 => self.kill_and_restart("kill-instance", &self.instances),
+                1 => self.kill_and_restart("kill-worker", &self.workers),
+                _ => {
+                    let workers = self.workers.lock().unwrap();
+                    let worker = &workers[pick(workers.len())];
+                    let past_lease = LEASE + between(500, 2000);
+                    self.fault("pause-worker", &worker.name, || {
+                        worker.signal("-STOP");
+                        std::thread::sleep(past_lease);
+                        worker.signal("-CONT");
+                    });
+                }
+            }
+        }
+    }
+
+    fn kill_and_restart(&self, kind: &'static str, procs: &Mutex<Vec<Proc>>) {
+        let mut procs = procs.lock().unwrap();
+        let i = pick(procs.len());
+        let proc = &mut procs[i];
+        let mut failed = None;
+        self.fault(kind, &proc.name.clone(), || {
+            proc.kill();
+            std::thread::sleep(between(200, 1500));
+            failed = proc.start().err();
+        });
+        if let Some(error) = failed {
+            self.error(format!("{kind}: {error}"));
+        }
+    }
+
+    /// A single Redis: pause it, restart it (AOF keeps its data), or make its network slow,
+    /// silent or reset.
+    pub(crate) fn single_redis(&self) {
+        let proxy = self.proxy.as_ref().expect("a single Redis runs behind the proxy");
+        while !self.stop.load(Ordering::SeqCst) {
+            self.rest();
+            let mut redis = self.redis.lock().unwrap();
+            let server = &mut redis[0];
+            match pick(5) {
+                0 => self.fault("pause-redis", &server.name, || {
+                    server.signal("-STOP");
+                    std::thread::sleep(between(300, 4000));
+                    server.signal("-CONT");
+                }),
+                1 => {
+                    let mut failed = None;
+                    self.fault("restart-redis", &server.name.clone(), || {
+                        server.kill();
+                        std::thread::sleep(between(100, 1000));
+                        failed = server.start().err();
+                    });
+                    if let Some(error) = failed {
+                        self.error(format!("restart-redis: {error}"));
+                    }
+                }
+                2 => self.fault("slow-network", "proxy", || {
+                    proxy.set(Weather::Slow(between(50, 500)));
+                    std::thread::sleep(between(1000, 4000));
+                    proxy.set(Weather::Clear);
+                }),
+                3 => self.fault("silent-network", "proxy", || {
+                    proxy.set(Weather::Silent);
+                    std::thread::sleep(between(300, 3000));
+                    proxy.set(Weather::Clear);
+                }),
+                _ => self.fault("reset-connections", "proxy", || proxy.reset_all()),
+            }
+        }
+    }
+
+    /// A Cluster: pause a master (past the node timeout, a failover), or kill one (a failover)
+    /// and start it again (it comes back as a replica).
+    pub(crate) fn cluster(&self) {
+        while !self.stop.load(Ordering::SeqCst) {
+            self.rest();
+            let mut nodes = self.redis.lock().unwrap();
+            let masters: Vec<usize> =
+                (0..nodes.len()).filter(|&i| is_master(nodes[i].port)).collect();
+            let Some(&i) = masters.get(pick(masters.len().max(1))) else {
+                self.error("no master answered ROLE".to_owned());
+                continue;
+            };
+            let node = &mut nodes[i];
+            let mut failed = None;
+            if rand::random::<bool>() {
+                self.fault("pause-master", &node.name.clone(), || {
+                    node.signal("-STOP");
+                    std::thread::sleep(between(300, 3000));
+                    node.signal("-CONT");
+                });
+            } else {
+                self.fault("kill-master", &node.name.clone(), || {
+                    node.kill();
+                    std::thread::sleep(between(2000, 4000));
+                    failed = node.start().err();
+                });
+            }
+            if let Some(error) = failed {
+                self.error(format!("kill-master: {error}"));
+            }
+            // One shard down at a time: the next fault waits until every slot is served.
+            if let Err(error) = wait_for_cluster(&nodes, Duration::from_secs(20)) {
+                self.error(error.to_string());
+            }
+        }
+    }
+
+    pub(crate) fn counts(&self) -> BTreeMap<&'static str, usize> {
+        let mut counts = BTreeMap::new();
+        for fault in self.faults.lock().unwrap().iter() {
+            *counts.entry(fault.kind).or_default() += 1;
+        }
+        counts
+    }
+}

@@ -1,0 +1,237 @@
+//! The system under test: a payments service (the HTTP door) and a payments worker (the
+//! consumer door), each a process of this example, over one idempotency store.
+//!
+//! The side effect is a row per execution in PostgreSQL, with no unique constraint, so a double
+//! run is visible to the checker: nothing but the crate keeps a key from running twice. The row
+//! is also the outcome: the recovery hook reads it, and the receipt (the answer) is rebuilt from
+//! it byte for byte.
+
+use std::{net::SocketAddr, time::Duration};
+
+use axum::{
+    Json, Router,
+    body::Body,
+    extract::State,
+    http::{Request, Response, StatusCode, header},
+    routing::post,
+};
+use axum_idempotency::{
+    IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
+    consumer::{Error, Outcome},
+    recovery::{BoxError, Lookup, Recovered},
+};
+use bytes::Bytes;
+use deadpool_postgres::{Manager, Pool};
+use serde::{Deserialize, Serialize};
+use tokio_postgres::NoTls;
+
+/// How long a claim holds its key without renewal. Short, so that a dead holder's keys are
+/// taken over within the run; the keep-alive renews it every third.
+pub(crate) const LEASE: Duration = Duration::from_secs(2);
+
+/// The schema of the system of record: one row per execution of the side effect.
+pub(crate) const SCHEMA: &str = "CREATE TABLE executions (
+    id BIGSERIAL PRIMARY KEY,
+    door TEXT NOT NULL,
+    key TEXT NOT NULL,
+    key_hash TEXT NOT NULL,
+    amount BIGINT NOT NULL,
+    process TEXT NOT NULL,
+    started_ms BIGINT NOT NULL,
+    written_ms BIGINT NOT NULL);
+CREATE INDEX executions_key_hash ON executions (key_hash);";
+
+/// A request (HTTP body) or an event (the consumer's payload).
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub(crate) struct Payment {
+    pub(crate) key: String,
+    pub(crate) amount: i64,
+}
+
+/// The answer: rebuilt from the execution's row, so the original and a recovery are the same
+/// bytes.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub(crate) struct Receipt {
+    pub(crate) payment: i64,
+    pub(crate) key: String,
+    pub(crate) amount: i64,
+}
+
+/// What a worker answers the broker: `ran` or `replayed`, and the receipt.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub(crate) struct Delivered {
+    pub(crate) outcome: String,
+    pub(crate) receipt: Receipt,
+}
+
+/// Milliseconds since the epoch: the clock the runner's history and the rows share.
+pub(crate) fn now_ms() -> i64 {
+    let since = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    since.map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+#[derive(Clone)]
+struct App {
+    db: Pool,
+    door: &'static str,
+    process: String,
+}
+
+impl App {
+    /// The side effect: a call to the payment provider (20 to 150 ms), then the row, in one
+    /// transaction.
+    async fn pay(
+        &self,
+        context: &IdempotencyContext,
+        payment: &Payment,
+    ) -> Result<Receipt, BoxError> {
+        let started = now_ms();
+        let mut client = self.db.get().await?;
+        let tx = client.transaction().await?;
+        let provider = Duration::from_millis(20 + rand::random::<u64>() % 130);
+        tokio::time::sleep(provider).await;
+        let row = tx
+            .query_one(
+                "INSERT INTO executions (door, key, key_hash, amount, process, started_ms, written_ms)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
+                &[
+                    &self.door,
+                    &payment.key,
+                    &context.key_hash(),
+                    &payment.amount,
+                    &self.process,
+                    &started,
+                    &now_ms(),
+                ],
+            )
+            .await?;
+        tx.commit().await?;
+        Ok(Receipt { payment: row.get(0), key: payment.key.clone(), amount: payment.amount })
+    }
+
+    /// The recovery hook's question: the first execution committed for `key_hash`, if any.
+    async fn executed(&self, key_hash: &str) -> Result<Option<Receipt>, BoxError> {
+        let client = self.db.get().await?;
+        let sql = "SELECT id, key, amount FROM executions WHERE key_hash = $1 ORDER BY id LIMIT 1";
+        let row = client.query_opt(sql, &[&key_hash]).await?;
+        Ok(row.map(|row| Receipt { payment: row.get(0), key: row.get(1), amount: row.get(2) }))
+    }
+}
+
+fn receipt_response(receipt: &Receipt) -> Response<Bytes> {
+    let body = serde_json::to_vec(receipt).unwrap_or_default();
+    let mut response = Response::new(Bytes::from(body));
+    *response.status_mut() = StatusCode::CREATED;
+    response.headers_mut().insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+    response
+}
+
+/// The store the runner names: `redis://…`, or `cluster:url,url,…`.
+fn store(spec: &str) -> Result<RedisStore, BoxError> {
+    Ok(match spec.strip_prefix("cluster:") {
+        Some(urls) => RedisStore::cluster_from_urls(urls.split(','))?,
+        None => RedisStore::from_url(spec)?,
+    })
+}
+
+/// Serves `door` (`http` or `consumer`) on `port` until killed.
+pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
+    let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is not set"));
+    let store = store(&var("CHAOS_STORE")?)?;
+    let config: tokio_postgres::Config = var("CHAOS_DATABASE_URL")?.parse()?;
+    let db = Pool::builder(Manager::new(config, NoTls))
+        .max_size(16)
+        .wait_timeout(Some(Duration::from_secs(5)))
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .build()?;
+    let process = var("CHAOS_PROCESS")?;
+    let every_claim = std::env::var("CHAOS_EVERY_CLAIM").is_ok_and(|v| v == "1");
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await?;
+    let router = match door {
+        "http" => {
+            let app = App { db, door: "http", process };
+            let hook_app = app.clone();
+            let layer = IdempotencyLayer::new(store)
+                .lease(LEASE)
+                .recover(move |lookup: Lookup<Request<Bytes>>| {
+                    let app = hook_app.clone();
+                    async move {
+                        Ok::<_, BoxError>(match app.executed(lookup.context.key_hash()).await? {
+                            Some(receipt) => Recovered::Happened(receipt_response(&receipt)),
+                            None => Recovered::Unknown,
+                        })
+                    }
+                })
+                .recover_every_claim(every_claim);
+            Router::new().route("/payments", post(create_payment)).with_state(app).layer(layer)
+        }
+        "consumer" => {
+            let app = App { db, door: "consumer", process };
+            let hook_app = app.clone();
+            let idempotent = Idempotent::new(store)
+                .lease(LEASE)
+                .recover(move |lookup: Lookup<Bytes>| {
+                    let app = hook_app.clone();
+                    async move {
+                        Ok::<_, BoxError>(match app.executed(lookup.context.key_hash()).await? {
+                            Some(receipt) => Recovered::Happened(receipt),
+                            None => Recovered::Unknown,
+                        })
+                    }
+                })
+                .recover_every_claim(every_claim);
+            Router::new().route("/deliver", post(deliver)).with_state((app, idempotent))
+        }
+        other => return Err(format!("unknown door {other:?}: http or consumer").into()),
+    };
+    println!("listening on {}", listener.local_addr()?);
+    axum::serve(listener, router).await?;
+    Ok(())
+}
+
+async fn create_payment(
+    State(app): State<App>,
+    context: IdempotencyContext,
+    Json(payment): Json<Payment>,
+) -> Response<Body> {
+    match app.pay(&context, &payment).await {
+        Ok(receipt) => receipt_response(&receipt).map(Body::from),
+        Err(error) => {
+            eprintln!("payment failed: {error}");
+            Response::builder().status(503).body(Body::from("payment failed")).unwrap()
+        }
+    }
+}
+
+type Worker<H> = (App, Idempotent<RedisStore, H>);
+
+async fn deliver<H>(State((app, idempotent)): State<Worker<H>>, body: Bytes) -> Response<Body>
+where
+    H: axum_idempotency::recovery::Recover<Bytes, Receipt> + Clone,
+{
+    let Ok(payment) = serde_json::from_slice::<Payment>(&body) else {
+        return Response::builder().status(400).body(Body::from("not a payment")).unwrap();
+    };
+    let key = payment.key.clone();
+    let operation =
+        move |context: IdempotencyContext| async move { app.pay(&context, &payment).await };
+    let (status, outcome) = match idempotent.run("payments", &key, &body, operation).await {
+        Ok(Outcome::Ran(receipt)) => (200, Some(("ran", receipt))),
+        Ok(Outcome::Replayed(receipt)) => (200, Some(("replayed", receipt))),
+        Ok(Outcome::InProgress { .. }) => (202, None),
+        Ok(Outcome::Mismatch) => (409, None),
+        Err(Error::Store(_) | Error::Recovery | Error::Operation(_)) => (503, None),
+        Err(error) => {
+            eprintln!("delivery of {key} failed: {error}");
+            (500, None)
+        }
+    };
+    let body = match outcome {
+        Some((outcome, receipt)) => {
+            serde_json::to_vec(&Delivered { outcome: outcome.to_owned(), receipt })
+                .unwrap_or_default()
+        }
+        None => Vec::new(),
+    };
+    Response::builder().status(status).body(Body::from(body)).unwrap()
+}
