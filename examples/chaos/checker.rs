@@ -9,6 +9,10 @@
 //! - **An answer**: every client that stayed within its retry budget got a 2xx; none was
 //!   refused (a 4xx other than 409 in progress, a 500).
 //! - **No panic** in any process's log.
+//!
+//! In a `--lossy` run, a rerun with a restart without AOF or a failover between its executions
+//! is counted apart too: the README says such a loss costs a rerun without
+//! `recover_every_claim`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -45,6 +49,8 @@ pub(crate) struct Verdict {
     pub(crate) violations: BTreeMap<&'static str, Vec<String>>,
     /// Reruns the README allows (a holder paused past its lease), naming the key.
     pub(crate) lease_reruns: Vec<String>,
+    /// Reruns after the store lost records, in a `--lossy` run, naming the key.
+    pub(crate) loss_reruns: Vec<String>,
 }
 
 pub(crate) const ONCE: &str = "side effect at most once per key";
@@ -78,6 +84,7 @@ pub(crate) fn check(
     rows: &[Row],
     faults: &[Fault],
     logs: &[PathBuf],
+    lossy: bool,
 ) -> Verdict {
     let mut verdict = Verdict::default();
     for check in [ONCE, SAME_ANSWER, ANSWERED, NO_PANIC] {
@@ -96,6 +103,18 @@ pub(crate) fn check(
                 && f.end_ms >= row.started_ms
         })
     };
+    // In a lossy run, a restart without AOF or a failover between two executions of a key
+    // may have lost its record.
+    let lost_between = |runs: &[&Row]| {
+        let first = runs.iter().map(|r| r.written_ms).min().unwrap_or(0);
+        let last = runs.iter().map(|r| r.started_ms).max().unwrap_or(0);
+        lossy
+            && faults.iter().any(|f| {
+                matches!(f.kind, "restart-redis" | "kill-master" | "pause-master")
+                    && f.start_ms <= last
+                    && f.end_ms >= first
+            })
+    };
     let mut explained = BTreeSet::new();
     for (&(door, key), runs) in &rows_by_key {
         if runs.len() <= 1 {
@@ -106,6 +125,9 @@ pub(crate) fn check(
         if runs.iter().any(|row| paused_past_lease(row)) {
             explained.insert((door, key));
             verdict.lease_reruns.push(what);
+        } else if lost_between(runs) {
+            explained.insert((door, key));
+            verdict.loss_reruns.push(what);
         } else {
             verdict.violation(ONCE, what);
         }

@@ -1,8 +1,8 @@
 //! The clients: HTTP clients that create payments and retry with the same key as Stripe's SDKs
 //! do (on a timeout, a dropped connection, a 5xx, a 202 or a 409), and a broker that delivers
 //! events to the workers at least once (again on a timeout, an error or "in progress"). Now and
-//! then a request is doubled at once (a double click, a redelivery racing the first). Every
-//! attempt and its answer goes into the history.
+//! then a request is doubled at once (a double click, a redelivery racing the first), or sent
+//! again after its answer (a late retry). Every attempt and its answer goes into the history.
 
 use std::{
     sync::{
@@ -130,6 +130,24 @@ async fn one_key(
         backoff = (backoff * 2).min(Duration::from_secs(1));
     };
     let (answered, refused) = end;
+    // Now and then the same request comes again after its answer (an app restarted before it
+    // saw the answer, a job retried): it must be a replay of that answer, byte for byte.
+    if answered && rand::random::<u8>() < 26 {
+        tokio::time::sleep(Duration::from_millis(u64::from(rand::random::<u16>() % 2000))).await;
+        let late = Instant::now();
+        while late.elapsed() < BUDGET {
+            attempt += 1;
+            let done = send(http, targets, key, body, attempt).await;
+            let status = done.status;
+            history.attempts.lock().unwrap().push(done);
+            if status.is_some_and(is_answer)
+                || status.is_some_and(|s| s < 500 && !matches!(s, 202 | 409))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     history.ends.lock().unwrap().push(KeyEnd {
         door: targets.door.to_owned(),
         key: key.to_owned(),

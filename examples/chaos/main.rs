@@ -23,6 +23,10 @@
 //! It prints one table, and exits 1 on any violation, keeping the run's folder with
 //! `history.jsonl` (every attempt, answer and fault) and each process's log.
 //!
+//! `--lossy` runs what the README says can cost a rerun, to count it: the single Redis without
+//! AOF (a restart loses every record), and on both stores only takeovers ask the database. A
+//! rerun of a key after such a loss is counted apart, not as a violation.
+//!
 //! `--expect-violations` inverts the exit status, for the negative control: a debug build with
 //! `RUSTFLAGS="--cfg axum_idempotency_unfenced"` gives every holder the same owner token, so no
 //! fence tells a lapsed holder from the new owner, and the checker must find the double runs
@@ -60,6 +64,7 @@ struct Options {
     seconds: u64,
     clients: usize,
     deliveries: usize,
+    lossy: bool,
     expect_violations: bool,
     keep: bool,
 }
@@ -76,6 +81,7 @@ impl Options {
             seconds: value("--seconds").map_or(Ok(60), |s| s.parse())?,
             clients: value("--clients").map_or(Ok(24), |s| s.parse())?,
             deliveries: value("--deliveries").map_or(Ok(8), |s| s.parse())?,
+            lossy: args.iter().any(|a| a == "--lossy"),
             expect_violations: args.iter().any(|a| a == "--expect-violations"),
             keep: args.iter().any(|a| a == "--keep"),
         })
@@ -130,10 +136,11 @@ async fn run_in(
         let urls: Vec<String> =
             nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect();
         // A failover after a master died can lose its last writes: every claim asks the
-        // system of record, as the README advises for stores that lose records.
-        (nodes, None, format!("cluster:{}", urls.join(",")), true)
+        // system of record, as the README advises for stores that lose records (not when the
+        // run is to count what such losses cost).
+        (nodes, None, format!("cluster:{}", urls.join(",")), !options.lossy)
     } else {
-        let mut server = system::redis("redis", free_port(), dir, &[]);
+        let mut server = system::redis("redis", free_port(), dir, !options.lossy, &[]);
         server.start()?;
         let proxy = proxy::Proxy::start(server.port).await?;
         let spec = format!("redis://127.0.0.1:{}", proxy.port);
@@ -174,6 +181,7 @@ async fn run_in(
         redis: Arc::new(Mutex::new(redis)),
         proxy,
         stop: stop.clone(),
+        lossy: options.lossy,
         faults: Mutex::default(),
         errors: Mutex::default(),
     });
@@ -229,13 +237,22 @@ async fn run_in(
     for procs in [&nemesis.instances, &nemesis.workers, &nemesis.redis] {
         logs.extend(procs.lock().unwrap().iter().map(|p| p.log().to_owned()));
     }
-    let verdict = checker::check(&attempts, &ends, &rows, &faults, &logs);
+    let verdict = checker::check(&attempts, &ends, &rows, &faults, &logs, options.lossy);
     write_history(&dir.join("history.jsonl"), &attempts, &faults)?;
     let summary = Summary {
-        store: if options.store == "cluster" {
-            "a Redis Cluster (3 masters, 3 replicas, AOF), every claim asks the database"
-        } else {
-            "one Redis (AOF, appendfsync always) behind a faulty proxy; takeovers ask the database"
+        store: match (options.store.as_str(), options.lossy) {
+            ("cluster", false) => {
+                "a Redis Cluster (3 masters, 3 replicas, AOF); every claim asks the database"
+            }
+            ("cluster", true) => {
+                "a Redis Cluster (3 masters, 3 replicas); only takeovers ask the database (lossy)"
+            }
+            (_, false) => {
+                "one Redis (AOF, appendfsync always) behind a faulty proxy; takeovers ask the database"
+            }
+            (_, true) => {
+                "one Redis without AOF behind a faulty proxy; only takeovers ask the database (lossy)"
+            }
         },
         seconds: faulted.as_secs(),
         drained,
@@ -341,6 +358,10 @@ impl Summary {
             "| (not a violation) reruns of a worker paused past its lease, which the README allows: at most once per lease | {} |",
             verdict.lease_reruns.len()
         );
+        println!(
+            "| (not a violation) reruns after Redis lost records (a restart without AOF, a failover), which the README allows without `recover_every_claim` | {} |",
+            verdict.loss_reruns.len()
+        );
         for (check, found) in &verdict.violations {
             for what in found.iter().take(20) {
                 println!("violation: {check}: {what}");
@@ -348,6 +369,9 @@ impl Summary {
         }
         for what in &verdict.lease_reruns {
             println!("lease rerun: {what}");
+        }
+        for what in &verdict.loss_reruns {
+            println!("rerun after a loss: {what}");
         }
         for error in &self.errors {
             println!("nemesis error: {error}");

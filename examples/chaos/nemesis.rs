@@ -35,6 +35,8 @@ pub(crate) struct Nemesis {
     /// The proxy in front of a single Redis (none in front of a Cluster).
     pub(crate) proxy: Option<Proxy>,
     pub(crate) stop: Arc<AtomicBool>,
+    /// A run that counts what losses cost: restarts (without AOF) come more often.
+    pub(crate) lossy: bool,
     pub(crate) faults: Mutex<Vec<Fault>>,
     pub(crate) errors: Mutex<Vec<String>>,
 }
@@ -114,7 +116,8 @@ impl Nemesis {
             self.rest();
             let mut redis = self.redis.lock().unwrap();
             let server = &mut redis[0];
-            match pick(5) {
+            let fault = if self.lossy && rand::random::<bool>() { 1 } else { pick(5) };
+            match fault {
                 0 => self.fault("pause-redis", &server.name, || {
                     server.signal("-STOP");
                     std::thread::sleep(between(300, 4000));

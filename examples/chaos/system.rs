@@ -113,8 +113,9 @@ impl Drop for Proc {
     }
 }
 
-/// A `redis-server` with AOF (`appendfsync always`): a restart keeps every acknowledged write.
-pub(crate) fn redis(name: &str, port: u16, dir: &Path, extra: &[&str]) -> Proc {
+/// A `redis-server`; with `aof`, `appendfsync always`: a restart keeps every acknowledged
+/// write. Without, a restart loses every record.
+pub(crate) fn redis(name: &str, port: u16, dir: &Path, aof: bool, extra: &[&str]) -> Proc {
     let node_dir = dir.join(name);
     std::fs::create_dir_all(&node_dir).expect("a directory for redis");
     let mut args: Vec<String> = [
@@ -125,7 +126,7 @@ pub(crate) fn redis(name: &str, port: u16, dir: &Path, extra: &[&str]) -> Proc {
         "--save",
         "",
         "--appendonly",
-        "yes",
+        if aof { "yes" } else { "no" },
         "--appendfsync",
         "always",
         "--maxmemory-policy",
@@ -155,6 +156,7 @@ pub(crate) fn cluster(dir: &Path) -> Result<Vec<Proc>, BoxError> {
             &format!("redis-{i}"),
             port,
             dir,
+            true,
             &[
                 "--cluster-enabled",
                 "yes",
