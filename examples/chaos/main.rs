@@ -146,6 +146,8 @@ async fn run_in(
         let spec = format!("redis://127.0.0.1:{}", proxy.port);
         (vec![server], Some(proxy), spec, false)
     };
+    let ports: Vec<u16> = redis.iter().map(|r| r.port).collect();
+    let _watchdog = system::watchdog(&ports, &database.admin, &database.name)?;
     let exe = std::env::current_exe()?;
     let service = |door: &str, name: String| -> Result<Proc, BoxError> {
         let port = free_port();

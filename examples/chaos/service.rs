@@ -184,6 +184,13 @@ pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
         }
         other => return Err(format!("unknown door {other:?}: http or consumer").into()),
     };
+    // The runner holds the other end of stdin: when it is gone, so is this process.
+    tokio::spawn(async {
+        let mut stdin = tokio::io::stdin();
+        let mut byte = [0u8; 1];
+        while matches!(tokio::io::AsyncReadExt::read(&mut stdin, &mut byte).await, Ok(1..)) {}
+        std::process::exit(0);
+    });
     println!("listening on {}", listener.local_addr()?);
     axum::serve(listener, router).await?;
     Ok(())

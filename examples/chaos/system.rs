@@ -32,6 +32,9 @@ pub(crate) struct Proc {
     envs: Vec<(String, String)>,
     log: PathBuf,
     child: Option<Child>,
+    /// The write end of the child's stdin: the child exits when it closes, so that a runner
+    /// that dies (Ctrl-C) takes its services with it.
+    _stdin: Option<std::process::ChildStdin>,
 }
 
 impl Proc {
@@ -44,6 +47,7 @@ impl Proc {
             envs: Vec::new(),
             log: dir.join(format!("{name}.log")),
             child: None,
+            _stdin: None,
         }
     }
 
@@ -59,14 +63,15 @@ impl Proc {
     /// Starts the process (its output appended to its log) and waits until its port answers.
     pub(crate) fn start(&mut self) -> Result<(), BoxError> {
         let log = File::options().create(true).append(true).open(&self.log)?;
-        let child = Command::new(&self.program)
+        let mut child = Command::new(&self.program)
             .args(&self.args)
             .envs(self.envs.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
             .map_err(|e| format!("cannot start {} ({}): {e}", self.name, self.program.display()))?;
+        self._stdin = child.stdin.take();
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
@@ -210,11 +215,35 @@ pub(crate) fn is_master(port: u16) -> bool {
     redis_cli(port, &["role"]).lines().next() == Some("master")
 }
 
+/// A process that, should this one die without cleaning up (Ctrl-C), shuts the Redis servers
+/// down and drops the run's database. Services exit by themselves: their stdin closes. A
+/// clean end drops it first, so it never touches a port that another program took since.
+pub(crate) struct Watchdog(Child);
+
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub(crate) fn watchdog(ports: &[u16], admin: &str, database: &str) -> std::io::Result<Watchdog> {
+    let shutdowns: Vec<String> =
+        ports.iter().map(|p| format!("redis-cli -p {p} shutdown nosave >/dev/null 2>&1")).collect();
+    let script = format!(
+        "while kill -0 {} 2>/dev/null; do sleep 1; done; {}; \
+         psql '{admin}' -qc 'DROP DATABASE IF EXISTS {database} WITH (FORCE)' >/dev/null 2>&1",
+        std::process::id(),
+        shutdowns.join("; "),
+    );
+    Command::new("sh").args(["-c", &script]).stdin(Stdio::null()).spawn().map(Watchdog)
+}
+
 /// A database of the run's own on the server of `DATABASE_URL`, dropped when this is dropped.
 pub(crate) struct Database {
     pub(crate) url: String,
-    admin: String,
-    name: String,
+    pub(crate) admin: String,
+    pub(crate) name: String,
 }
 
 impl Database {
