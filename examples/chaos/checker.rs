@@ -1,8 +1,8 @@
 //! The checker: reads the whole history (every attempt and its answer, every fault) and the
 //! system of record afterwards, and decides whether the run kept the crate's promises.
 //!
-//! - **Once**: per key, at most one execution row. A rerun whose first holder was a worker
-//!   paused past its lease while it ran is what the README says a lease allows ("at most once
+//! - **Once**: per key, at most one execution row. A rerun whose holder was a worker paused
+//!   past its lease between the key's first attempt and its write is what the README says a lease allows ("at most once
 //!   per lease"): it is counted and shown apart, not hidden, and not a violation.
 //! - **The same answer**: every 2xx answer for a key carries the same receipt as the first, and
 //!   that receipt is an execution the database holds.
@@ -59,6 +59,10 @@ pub(crate) const SAME_ANSWER: &str =
 pub(crate) const ANSWERED: &str = "every client within its budget got an answer";
 pub(crate) const NO_PANIC: &str = "no panic in any log";
 
+/// The faults that lose records, which the nemesis injects in a `--lossy` run only.
+pub(crate) const LOSSY_FAULTS: &[&str] =
+    &["restart-redis", "kill-master", "pause-master-past-timeout"];
+
 impl Verdict {
     pub(crate) fn total(&self) -> usize {
         self.violations.values().map(Vec::len).sum()
@@ -94,26 +98,35 @@ pub(crate) fn check(
     for row in rows {
         rows_by_key.entry((&row.door, &row.key)).or_default().push(row);
     }
+    // When each key was first sent: its holder may have claimed it from then on.
+    let mut first_sent: BTreeMap<(&str, &str), i64> = BTreeMap::new();
+    for attempt in attempts {
+        let sent = first_sent.entry((&attempt.door, &attempt.key)).or_insert(attempt.start_ms);
+        *sent = (*sent).min(attempt.start_ms);
+    }
+    let since = |row: &Row| {
+        first_sent.get(&(row.door.as_str(), row.key.as_str())).copied().unwrap_or(row.started_ms)
+    };
+    // The holder that wrote `row` was stopped past its lease between the key's first attempt
+    // and its write: its lease lapsed, and a retry took the key over.
     let paused_past_lease = |row: &Row| {
         faults.iter().any(|f| {
             f.kind == "pause-worker"
                 && f.target == row.process
                 && f.end_ms - f.start_ms >= i64::try_from(LEASE.as_millis()).unwrap_or(i64::MAX)
                 && f.start_ms <= row.written_ms
-                && f.end_ms >= row.started_ms
+                && f.end_ms >= since(row)
         })
     };
-    // In a lossy run, a restart without AOF or a failover between two executions of a key
-    // may have lost its record.
+    // In a lossy run, a restart without AOF or a failover between a key's first attempt and
+    // its last execution may have lost its record.
     let lost_between = |runs: &[&Row]| {
-        let first = runs.iter().map(|r| r.written_ms).min().unwrap_or(0);
+        let first = runs.iter().map(|r| since(r)).min().unwrap_or(0);
         let last = runs.iter().map(|r| r.started_ms).max().unwrap_or(0);
         lossy
-            && faults.iter().any(|f| {
-                matches!(f.kind, "restart-redis" | "kill-master" | "pause-master")
-                    && f.start_ms <= last
-                    && f.end_ms >= first
-            })
+            && faults
+                .iter()
+                .any(|f| LOSSY_FAULTS.contains(&f.kind) && f.start_ms <= last && f.end_ms >= first)
     };
     let mut explained = BTreeSet::new();
     for (&(door, key), runs) in &rows_by_key {

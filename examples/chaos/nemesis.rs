@@ -16,7 +16,7 @@ use serde::Serialize;
 use crate::{
     proxy::{Proxy, Weather},
     service::{LEASE, now_ms},
-    system::{Proc, is_master, wait_for_cluster},
+    system::{Proc, is_master, redis_cli, wait_for_cluster},
 };
 
 /// One fault: what, on which process, from when to when.
@@ -149,37 +149,81 @@ impl Nemesis {
         }
     }
 
-    /// A Cluster: pause a master (past the node timeout, a failover), or kill one (a failover)
-    /// and start it again (it comes back as a replica).
+    /// A Cluster, without losing a write: pause a master within the node timeout (no
+    /// failover), hand a master's slots to its replica with `CLUSTER FAILOVER` (the replica
+    /// catches up first), or kill a replica and start it again. In a lossy run, failovers
+    /// that can lose writes instead: a master paused past the node timeout (it takes writes
+    /// after it resumes, until it learns of its demotion), or killed.
     pub(crate) fn cluster(&self) {
         while !self.stop.load(Ordering::SeqCst) {
             self.rest();
             let mut nodes = self.redis.lock().unwrap();
-            let masters: Vec<usize> =
-                (0..nodes.len()).filter(|&i| is_master(nodes[i].port)).collect();
-            let Some(&i) = masters.get(pick(masters.len().max(1))) else {
-                self.error("no master answered ROLE".to_owned());
+            let (masters, replicas): (Vec<usize>, Vec<usize>) =
+                (0..nodes.len()).partition(|&i| is_master(nodes[i].port));
+            if masters.is_empty() || replicas.is_empty() {
+                self.error(format!("masters {masters:?}, replicas {replicas:?}: waiting"));
+                drop(nodes);
+                std::thread::sleep(Duration::from_secs(1));
                 continue;
-            };
-            let node = &mut nodes[i];
+            }
+            let master = masters[pick(masters.len())];
+            let replica = replicas[pick(replicas.len())];
             let mut failed = None;
-            if rand::random::<bool>() {
-                self.fault("pause-master", &node.name.clone(), || {
-                    node.signal("-STOP");
-                    std::thread::sleep(between(300, 3000));
-                    node.signal("-CONT");
-                });
-            } else {
-                self.fault("kill-master", &node.name.clone(), || {
-                    node.kill();
-                    std::thread::sleep(between(2000, 4000));
-                    failed = node.start().err();
-                });
+            match (self.lossy, pick(3)) {
+                (false, 0) => {
+                    let node = &nodes[master];
+                    self.fault("pause-master", &node.name, || {
+                        node.signal("-STOP");
+                        // The node timeout is 1 s: no failover.
+                        std::thread::sleep(between(200, 700));
+                        node.signal("-CONT");
+                    });
+                }
+                (false, 1) => {
+                    let node = &nodes[replica];
+                    self.fault("manual-failover", &node.name, || {
+                        let answer = redis_cli(node.port, &["cluster", "failover"]);
+                        if !answer.starts_with("OK") {
+                            failed = Some(format!("CLUSTER FAILOVER: {answer}"));
+                        }
+                        // Promoted once it caught up; wait for it, within bounds.
+                        for _ in 0..50 {
+                            if is_master(node.port) {
+                                break;
+                            }
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                    });
+                }
+                (false, _) => {
+                    let node = &mut nodes[replica];
+                    self.fault("kill-replica", &node.name.clone(), || {
+                        node.kill();
+                        std::thread::sleep(between(500, 2000));
+                        failed = node.start().err().map(|e| e.to_string());
+                    });
+                }
+                (true, 0) => {
+                    let node = &nodes[master];
+                    self.fault("pause-master-past-timeout", &node.name, || {
+                        node.signal("-STOP");
+                        std::thread::sleep(between(1500, 3000));
+                        node.signal("-CONT");
+                    });
+                }
+                (true, _) => {
+                    let node = &mut nodes[master];
+                    self.fault("kill-master", &node.name.clone(), || {
+                        node.kill();
+                        std::thread::sleep(between(2000, 4000));
+                        failed = node.start().err().map(|e| e.to_string());
+                    });
+                }
             }
             if let Some(error) = failed {
-                self.error(format!("kill-master: {error}"));
+                self.error(error);
             }
-            // One shard down at a time: the next fault waits until every slot is served.
+            // One shard changing at a time: the next fault waits until every slot is served.
             if let Err(error) = wait_for_cluster(&nodes, Duration::from_secs(20)) {
                 self.error(error.to_string());
             }
