@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Hand mutants that cargo-mutants cannot make: the Lua scripts, and the MemoryStore fencing
-comparisons it only flips one way. Each mutant is applied to the working tree, the store
+"""Hand mutants that cargo-mutants cannot make: the Lua scripts, PostgresStore's SQL, and the
+MemoryStore fencing comparisons it only flips one way. Each mutant is applied to the working tree, the store
 contract suite (and the memory unit tests) run against it, and the file is restored. A
 mutant the tests do not catch is a promise no test holds: the script exits non-zero.
 
@@ -18,6 +18,10 @@ REDIS = ["--test", "store_contract", "--test", "store_lost_answers", "--", "redi
 MEMORY = ["--test", "store_contract", "--test", "store_lost_answers", "--", "memory::"]
 LOST = ["--test", "redis_lost_answers"]
 WAITING = ["--test", "waiting", "--test", "redis_waiting", "--test", "round_trips", "--", "--skip", "memory::"]
+PG = ["--test", "store_contract", "--test", "store_lost_answers", "--test", "conformance",
+      "--test", "postgres", "--", "postgres"]
+PG_WAITING = ["--test", "waiting", "--test", "postgres", "--", "postgres"]
+SQL = "sql/postgres.sql"
 MUTANTS = [
     ("complete.lua without the owner comparison", "lua/complete.lua",
      "\n      or string.sub(record, 35, 50) ~= ARGV[1] then", " then", REDIS),
@@ -119,6 +123,76 @@ MUTANTS = [
     ("the guard trying once", "src/engine/settle.rs",
      "            Err(error) if tokio::time::Instant::now() + delay >= give_up_at => {",
      "            Err(error) if true => {", LOST),
+    ("postgres complete without the owner comparison", SQL,
+     "        IF r.owner <> p_owner THEN\n            outcome := 0;\n            RETURN;\n        END IF;\n        UPDATE idempotency_records SET state = 'C'",
+     "        UPDATE idempotency_records SET state = 'C'", PG),
+    ("postgres complete over a completed record", SQL,
+     "        IF r.state = 'C' THEN\n            outcome := CASE", "        IF false THEN\n            outcome := CASE", PG),
+    ("postgres complete refusing its own response stored already", SQL,
+     "THEN 2 ELSE 0 END", "THEN 0 ELSE 0 END", PG),
+    ("postgres complete reading a marker as a record", SQL,
+     "IF NOT FOUND OR r.expires_at <= v_now OR r.state = 'X' THEN", "IF NOT FOUND OR r.expires_at <= v_now THEN", PG),
+    ("postgres release without the owner comparison", SQL,
+     "AND state = 'P' AND owner = p_owner\n        AND expires_at > clock_timestamp()",
+     "AND state = 'P'\n        AND expires_at > clock_timestamp()", PG),
+    ("postgres release of a completed record", SQL,
+     "AND state = 'P' AND owner = p_owner\n        AND expires_at > clock_timestamp()",
+     "AND owner = p_owner\n        AND expires_at > clock_timestamp()", PG),
+    ("postgres release of an expired record", SQL,
+     "AND state = 'P' AND owner = p_owner\n        AND expires_at > clock_timestamp()",
+     "AND state = 'P' AND owner = p_owner", PG),
+    ("postgres touch without the owner comparison", SQL,
+     "WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now;",
+     "WHERE key = p_key AND state = 'P' AND expires_at > v_now;", PG),
+    ("postgres touch of a completed record", SQL,
+     "WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now;",
+     "WHERE key = p_key AND owner = p_owner AND expires_at > v_now;", PG),
+    ("postgres touch keeping the old deadline", SQL,
+     "    UPDATE idempotency_records SET lease_until = v_lease_until,\n",
+     "    UPDATE idempotency_records SET lease_until = lease_until,\n", PG),
+    ("postgres touch without the recovery window", SQL,
+     "        expires_at = v_lease_until + p_window_ms * INTERVAL '1 millisecond'\n    WHERE",
+     "        expires_at = v_lease_until\n    WHERE", PG),
+    ("postgres claim taking over before the deadline", SQL,
+     "IF r.lease_until <= v_now THEN", "IF true THEN", PG),
+    ("postgres claim never taking over", SQL,
+     "IF r.lease_until <= v_now THEN", "IF false THEN", PG),
+    ("postgres claim answering a takeover as a plain claim", SQL,
+     "            outcome := 5;", "            outcome := 0;", PG),
+    ("postgres claim keeping records no longer than their lease", SQL,
+     "    v_expires_at TIMESTAMPTZ := v_lease_until + p_window_ms * INTERVAL '1 millisecond';",
+     "    v_expires_at TIMESTAMPTZ := v_lease_until;", PG),
+    ("postgres claim taking over for another fingerprint", SQL,
+     "        IF r.fingerprint <> p_fingerprint THEN\n            outcome := 2;\n            RETURN;\n        END IF;\n", "", PG),
+    ("postgres claim replaying an in-progress record", SQL,
+     "        IF r.state = 'C' THEN\n            outcome := 1;", "        IF true THEN\n            outcome := 1;", PG),
+    ("postgres claim ignoring its deadline", SQL,
+     "v_late BOOLEAN := p_not_after_ms > 0 AND", "v_late BOOLEAN := false AND", PG),
+    ("postgres claim letting the abandoned claim land", SQL,
+     "        IF r.state = 'X' THEN\n            -- This very claim", "        IF false THEN\n            -- This very claim", PG),
+    ("postgres claim reading another claim's marker as a record", SQL,
+     "IF NOT FOUND OR r.expires_at <= v_now OR (r.state = 'X' AND r.owner <> p_owner) THEN",
+     "IF NOT FOUND OR r.expires_at <= v_now THEN", PG),
+    ("postgres claim never marking a waited record", SQL,
+     "IF p_waiting AND NOT r.waited THEN", "IF false THEN", PG_WAITING),
+    ("postgres complete never notifying", SQL,
+     "        IF r.waited THEN\n            PERFORM pg_notify('idempotency_records_settled', p_key);\n        END IF;\n        outcome := 1;\n        RETURN;\n    END LOOP;\nEND $$;\n\n-- Deletes",
+     "        outcome := 1;\n        RETURN;\n    END LOOP;\nEND $$;\n\n-- Deletes", PG_WAITING),
+    ("postgres release never notifying", SQL,
+     "    IF v_waited THEN", "    IF false THEN", PG_WAITING),
+    ("postgres abandon leaving no marker on an absent key", SQL,
+     "                v_now + p_marker_ms * INTERVAL '1 millisecond', false)", "                v_now, false)", PG),
+    ("postgres abandon without the owner comparison", SQL,
+     "IF r.state <> 'P' OR r.owner <> p_owner THEN", "IF r.state <> 'P' THEN", PG),
+    ("postgres abandon of a completed record", SQL,
+     "IF r.state <> 'P' OR r.owner <> p_owner THEN", "IF r.owner <> p_owner THEN", PG),
+    ("postgres abandon deleting what a window should keep", SQL,
+     "IF p_window_ms > 0 THEN", "IF false THEN", PG),
+    ("postgres abandon keeping the lease running", SQL,
+     "            UPDATE idempotency_records SET lease_until = v_now,\n",
+     "            UPDATE idempotency_records SET lease_until = lease_until,\n", PG),
+    ("postgres sweep deleting live records", "src/store/postgres/schema.rs",
+     "WHERE expires_at <= clock_timestamp() LIMIT $1", "WHERE true LIMIT $1", ["--test", "postgres"]),
     ("MemoryStore sweep keeping only records expiring now", "src/store/memory.rs",
      "records.map.retain(|_, record| record.expires_at > now);",
      "records.map.retain(|_, record| record.expires_at == now);",
@@ -134,8 +208,9 @@ def run(mutant):
         sys.exit(f"{name}: the original text is not in {path} exactly once; update this script")
     file.write_text(source.replace(original, mutated))
     try:
+        targets = tests[:tests.index("--")] if "--" in tests else tests
         built = subprocess.run(
-            ["cargo", "test", "--all-features", "--no-run", "-q"],
+            ["cargo", "test", "--all-features", "--no-run", "-q", *targets],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if built.returncode != 0:
             sys.exit(f"{name}: the mutant does not build; fix this script")

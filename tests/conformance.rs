@@ -200,6 +200,19 @@ async fn redis_stores_pass_the_kit() {
     conformance::check_all(&axum_idempotency::store::CachingStore::new(server.store())).await;
 }
 
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_stores_pass_the_kit() {
+    use axum_idempotency::store::{CachingStore, PostgresStore};
+    let harness = <common::PostgresHarness as common::Harness>::start().await;
+    conformance::check_all(&common::Harness::store(&harness)).await;
+    conformance::check_all(&CachingStore::new(common::Harness::store(&harness))).await;
+    // A table of the app's choosing: its functions and channel follow its name.
+    let named = PostgresStore::with_table(harness.pool(), "payment_keys").unwrap();
+    named.migrate().await.unwrap();
+    conformance::check_all(&named).await;
+}
+
 #[cfg(feature = "cluster")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_cluster_passes_the_kit() {

@@ -10,87 +10,27 @@
 
 mod common;
 
-use std::{
-    path::PathBuf,
-    process::Stdio,
-    sync::{
-        OnceLock,
-        atomic::{AtomicUsize, Ordering},
-    },
-    time::Duration,
-};
+use std::{path::PathBuf, process::Stdio, sync::OnceLock, time::Duration};
 
 use axum::body::Body;
 use axum_idempotency::store::{RecordKey, deadpool_redis::redis::AsyncCommands};
-use common::RedisServer;
+use common::{RedisServer, postgres::TestDatabase as Database};
 use http::Request;
 use http_body_util::BodyExt;
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 /// The services' lease: short, so that a test waits past it.
 const LEASE_MS: u64 = 1000;
 const PAST_LEASE: Duration = Duration::from_millis(LEASE_MS + 400);
 
-/// A database of the test's own on the PostgreSQL server `DATABASE_URL` names; dropped (its
-/// connections with it) when the test ends, whether it passed or not.
-struct Database {
-    admin: tokio_postgres::Config,
-    name: String,
+/// What the outbox example wrote in a test's database.
+trait Outbox {
+    async fn payments(&self, key_hash: &str) -> i64;
+    async fn outbox(&self, key_hash: &str) -> Option<Value>;
 }
 
-impl Database {
-    async fn create() -> Self {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
-        let admin: tokio_postgres::Config = url.parse().expect("DATABASE_URL is a PostgreSQL URL");
-        let name = format!(
-            "axum_idempotency_recovery_{}_{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::SeqCst)
-        );
-        let client = connect(&admin).await.unwrap_or_else(|error| {
-            panic!(
-                "these tests need PostgreSQL at {url} (DATABASE_URL), a role that may create databases: {error}"
-            )
-        });
-        // Databases of earlier runs that were killed before they could drop theirs.
-        let sql =
-            "SELECT datname FROM pg_database WHERE datname LIKE 'axum_idempotency_recovery_%'";
-        for row in client.query(sql, &[]).await.unwrap() {
-            let stale: String = row.get(0);
-            let pid = stale.trim_start_matches("axum_idempotency_recovery_").split('_').next();
-            if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
-                let _ = client
-                    .batch_execute(&format!("DROP DATABASE IF EXISTS {stale} WITH (FORCE)"))
-                    .await;
-            }
-        }
-        client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
-        Self { admin, name }
-    }
-
-    /// The database's URL, for the service.
-    fn url(&self) -> String {
-        let host = match &self.admin.get_hosts()[0] {
-            tokio_postgres::config::Host::Tcp(host) => host.clone(),
-            #[cfg(unix)]
-            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
-        };
-        let port = self.admin.get_ports().first().copied().unwrap_or(5432);
-        let user = self.admin.get_user().unwrap_or("postgres");
-        let password = match self.admin.get_password() {
-            Some(password) => format!(" password='{}'", String::from_utf8_lossy(password)),
-            None => String::new(),
-        };
-        format!("host={host} port={port} user={user}{password} dbname={}", self.name)
-    }
-
-    async fn client(&self) -> tokio_postgres::Client {
-        connect(&self.url().parse().unwrap()).await.unwrap()
-    }
-
+impl Outbox for Database {
     /// The payment rows made for `key_hash`.
     async fn payments(&self, key_hash: &str) -> i64 {
         let sql = "SELECT count(*) FROM payments WHERE key_hash = $1";
@@ -103,35 +43,6 @@ impl Database {
         let row = self.client().await.query_opt(sql, &[&key_hash]).await.unwrap()?;
         Some(serde_json::from_slice(&row.get::<_, Vec<u8>>(0)).unwrap())
     }
-}
-
-impl Drop for Database {
-    fn drop(&mut self) {
-        let (admin, name) = (self.admin.clone(), self.name.clone());
-        // Drop runs inside the test's runtime: a thread with a runtime of its own does the I/O.
-        let dropped = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(
-                async move {
-                    let client = connect(&admin).await?;
-                    client
-                        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
-                        .await
-                },
-            )
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) && !std::thread::panicking() {
-            panic!("database {} was not dropped: {dropped:?}", self.name);
-        }
-    }
-}
-
-async fn connect(
-    config: &tokio_postgres::Config,
-) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
-    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
-    Ok(client)
 }
 
 /// The `outbox` example, built for this test binary's features and profile. `cargo test`
@@ -293,7 +204,7 @@ async fn send_until_paused(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_commit_before_complete_is_answered_from_the_outbox() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "after-commit")]).await;
     let second = Process::serve(&db, &redis, &[]).await;
     let request = send_until_paused(&mut first, "pay-1", "after-commit").await;
@@ -318,7 +229,7 @@ async fn a_crash_after_commit_before_complete_is_answered_from_the_outbox() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_complete_before_the_response_is_a_replay_without_asking() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "after-complete")]).await;
     // Recovery times out at once on the second instance: were it asked, the answer would be
     // 503. It is not asked: the record is completed, and the retry is its replay.
@@ -336,7 +247,7 @@ async fn a_crash_after_complete_before_the_response_is_a_replay_without_asking()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_before_commit_leaves_nothing_and_the_retry_runs_once() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "before-commit")]).await;
     let second = Process::serve(&db, &redis, &[]).await;
     let request = send_until_paused(&mut first, "pay-1", "before-commit").await;
@@ -357,7 +268,7 @@ async fn a_crash_before_commit_leaves_nothing_and_the_retry_runs_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_losing_the_record_is_answered_from_the_outbox_with_recovery_on_every_claim() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let service = Process::serve(&db, &redis, &[("OUTBOX_EVERY_CLAIM", "1")]).await;
     let first = pay(service.port, "pay-1").await.unwrap();
     assert_eq!((first.status, first.replayed), (201, false));
@@ -377,7 +288,7 @@ async fn redis_losing_the_record_is_answered_from_the_outbox_with_recovery_on_ev
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_paused_past_its_lease_is_fenced_out_and_the_database_keeps_one_payment() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     // The first instance stops before its insert for 2.5 s of its own time; SIGSTOP freezes it
     // there, past its lease.
     let pause = [("OUTBOX_PAUSE", "before-insert"), ("OUTBOX_PAUSE_MS", "2500")];
@@ -412,7 +323,7 @@ async fn a_holder_paused_past_its_lease_is_fenced_out_and_the_database_keeps_one
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_on_the_consumer_door_is_recovered_without_running_again() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let consume = ["consume", "--event", "evt_1", "--amount", "100"];
     let mut worker = Process::spawn(&consume, &db, &redis, &[("OUTBOX_PAUSE", "after-commit")]);
     worker.line_starting("paused after-commit").await;
@@ -439,7 +350,7 @@ async fn a_slow_worker_taken_over_on_the_consumer_door_leaves_the_event_done() {
     // redelivery takes over, the outbox knows nothing yet, and its insert waits on the slow
     // worker's row. The slow worker commits (its complete is fenced out: the key is the
     // redelivery's now), and the redelivery's insert meets the unique key hash.
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let consume = ["consume", "--event", "evt_1", "--amount", "100"];
     let pause = [("OUTBOX_PAUSE", "before-commit"), ("OUTBOX_PAUSE_MS", "1500")];
     let mut slow = Process::spawn(&consume, &db, &redis, &pause);
@@ -469,7 +380,7 @@ async fn a_slow_worker_taken_over_on_the_consumer_door_leaves_the_event_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recovery_hook_that_fails_or_times_out_answers_503_and_runs_nothing() {
-    let (redis, db) = (RedisServer::start(), Database::create().await);
+    let (redis, db) = (RedisServer::start(), Database::create("recovery").await);
     let mut first = Process::serve(&db, &redis, &[("OUTBOX_PAUSE", "before-commit")]).await;
     let second = Process::serve(&db, &redis, &[("OUTBOX_RECOVERY_TIMEOUT_MS", "500")]).await;
     let request = send_until_paused(&mut first, "pay-1", "before-commit").await;

@@ -17,7 +17,11 @@
 //! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
 
 mod caching;
+#[cfg(any(feature = "redis", feature = "postgres"))]
+mod clock;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 mod subscription;
@@ -29,6 +33,8 @@ use bytes::Bytes;
 pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PostgresStore, TableNameError};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
@@ -40,6 +46,9 @@ pub use crate::key::RecordKey;
 /// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
+/// The sqlx this crate builds on, for [`PostgresStore::new`]'s pool.
+#[cfg(feature = "postgres")]
+pub use sqlx;
 
 /// Storage for idempotency records.
 ///

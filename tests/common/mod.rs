@@ -26,7 +26,8 @@ use tower::ServiceExt;
 
 /// Runs each named test, a generic `async fn(H: Harness)`, once per store: `memory::*`,
 /// `redis::*` (a private redis-server per test), `cached::*` (`CachingStore` in front of
-/// such a server) and, with the `cluster` feature, `cluster::*`
+/// such a server), with the `postgres` feature `postgres::*` (a database per test, dropped
+/// at the end) and, with the `cluster` feature, `cluster::*`
 /// (one 3-master cluster shared by the test binary). Tests listed after `redis stores:` take a
 /// [`RawHarness`] and run on the Redis stores only.
 #[macro_export]
@@ -64,6 +65,15 @@ macro_rules! every_store {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
                     super::$test(<super::CachedHarness as super::Harness>::start().await).await;
+                }
+            )*
+        }
+        #[cfg(feature = "postgres")]
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test(<super::PostgresHarness as super::Harness>::start().await).await;
                 }
             )*
         }
@@ -457,9 +467,14 @@ pub async fn eventually_within<F: AsyncFn() -> bool>(limit: Duration, what: &str
     }
 }
 
+pub mod postgres;
+#[cfg(feature = "postgres")]
+#[allow(unused_imports)]
+pub use self::postgres::PostgresHarness;
 #[cfg(feature = "redis")]
 mod redis;
 #[cfg(feature = "redis")]
+#[allow(unused_imports)]
 pub use self::redis::*;
 #[cfg(feature = "cluster")]
 pub mod cluster;

@@ -18,10 +18,10 @@ use deadpool_redis::{
     },
 };
 
-use super::clock::ServerClock;
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
 use crate::store::StoreError;
+use crate::store::clock::ServerClock;
 
 impl From<RedisError> for StoreError {
     fn from(e: RedisError) -> Self {

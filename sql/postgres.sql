@@ -1,0 +1,231 @@
+-- axum-idempotency: the schema of PostgresStore. `idempotency_records` is the table's name
+-- (PostgresStore::with_table chooses another); every statement is safe to run again.
+--
+-- A row is one record:
+--   state 'P'  in progress: `owner` holds it until `lease_until`, and the row is kept until
+--              `expires_at` (the lease plus its recovery window) for a takeover
+--   state 'C'  completed: `response` is replayed until `expires_at` (the retention)
+--   state 'X'  the marker of an abandoned claim (see Store::abandon): `owner`'s claim, landing
+--              late, is refused; for every other claim the key is absent
+-- A row whose `expires_at` has passed is absent, whatever it holds; the sweeper deletes it.
+-- `waited`: a claim is waiting for this record to settle, so its settle sends a NOTIFY on
+-- the channel `idempotency_records_settled` with the key as the payload. Time is always the
+-- database's (clock_timestamp()), never the app's.
+
+CREATE TABLE IF NOT EXISTS idempotency_records (
+    key TEXT PRIMARY KEY,
+    state "char" NOT NULL CHECK (state IN ('P', 'C', 'X')),
+    fingerprint BYTEA NOT NULL,
+    owner BYTEA,
+    response BYTEA,
+    lease_until TIMESTAMPTZ,
+    expires_at TIMESTAMPTZ NOT NULL,
+    waited BOOLEAN NOT NULL DEFAULT false
+);
+
+CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records (expires_at);
+
+-- Claims `p_key` for `p_owner`, or reports what holds it. `p_not_after` is the latest time at
+-- which the claim may still be applied (0: none): a claim held up on the wire past it, whose
+-- caller gave up, writes nothing.
+-- outcome: 0 claimed; 1 replay (`response`, `remaining_ms` of retention); 2 mismatch;
+-- 3 in progress (`remaining_ms` of lease); 5 taken over; 6 refused (late, or abandoned).
+CREATE OR REPLACE FUNCTION idempotency_records_claim(
+    p_key TEXT, p_fingerprint BYTEA, p_owner BYTEA, p_lease_ms BIGINT, p_window_ms BIGINT,
+    p_waiting BOOLEAN, p_not_after_ms BIGINT,
+    OUT outcome INT, OUT response BYTEA, OUT remaining_ms BIGINT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r idempotency_records%ROWTYPE;
+    v_now TIMESTAMPTZ := clock_timestamp();
+    -- In milliseconds: a deadline as far as i64::MAX is no timestamp.
+    v_late BOOLEAN := p_not_after_ms > 0 AND extract(epoch FROM v_now) * 1000 > p_not_after_ms;
+    v_lease_until TIMESTAMPTZ := v_now + p_lease_ms * INTERVAL '1 millisecond';
+    v_expires_at TIMESTAMPTZ := v_lease_until + p_window_ms * INTERVAL '1 millisecond';
+BEGIN
+    LOOP
+        SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
+        IF NOT FOUND OR r.expires_at <= v_now OR (r.state = 'X' AND r.owner <> p_owner) THEN
+            IF v_late THEN
+                outcome := 6;
+                RETURN;
+            END IF;
+            INSERT INTO idempotency_records AS t
+                (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
+            VALUES (p_key, 'P', p_fingerprint, p_owner, NULL, v_lease_until, v_expires_at, false)
+            ON CONFLICT (key) DO UPDATE SET state = 'P', fingerprint = p_fingerprint,
+                owner = p_owner, response = NULL, lease_until = v_lease_until,
+                expires_at = v_expires_at, waited = false
+            WHERE t.expires_at <= v_now OR (t.state = 'X' AND t.owner <> p_owner);
+            IF FOUND THEN
+                outcome := 0;
+                RETURN;
+            END IF;
+            -- Another claim wrote the key since we looked: look again.
+            CONTINUE;
+        END IF;
+        IF r.state = 'X' THEN
+            -- This very claim was abandoned by its caller before it landed.
+            outcome := 6;
+            RETURN;
+        END IF;
+        IF r.fingerprint <> p_fingerprint THEN
+            outcome := 2;
+            RETURN;
+        END IF;
+        IF r.state = 'C' THEN
+            outcome := 1;
+            response := r.response;
+            remaining_ms := ceil(extract(epoch FROM r.expires_at - v_now) * 1000);
+            RETURN;
+        END IF;
+        IF r.lease_until <= v_now THEN
+            IF v_late THEN
+                outcome := 6;
+                RETURN;
+            END IF;
+            -- The lease lapsed within the recovery window: the caller takes over, and the
+            -- lapsed holder is fenced out by its token. `waited` stays: its settle notifies.
+            UPDATE idempotency_records SET owner = p_owner, lease_until = v_lease_until,
+                expires_at = v_expires_at WHERE key = p_key;
+            outcome := 5;
+            RETURN;
+        END IF;
+        IF p_waiting AND NOT r.waited THEN
+            UPDATE idempotency_records SET waited = true WHERE key = p_key;
+        END IF;
+        outcome := 3;
+        remaining_ms := ceil(extract(epoch FROM r.lease_until - v_now) * 1000);
+        RETURN;
+    END LOOP;
+END $$;
+
+-- Stores `p_response` if `p_owner` holds the key, or the key is absent (the lease lapsed and
+-- nobody took over). outcome: 1 written; 2 this very response is already stored (an earlier
+-- attempt landed); 0 another owner or another response holds the key.
+CREATE OR REPLACE FUNCTION idempotency_records_complete(
+    p_key TEXT, p_owner BYTEA, p_fingerprint BYTEA, p_response BYTEA, p_retention_ms BIGINT,
+    OUT outcome INT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r idempotency_records%ROWTYPE;
+    v_now TIMESTAMPTZ := clock_timestamp();
+    v_expires_at TIMESTAMPTZ := v_now + p_retention_ms * INTERVAL '1 millisecond';
+BEGIN
+    LOOP
+        SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
+        IF NOT FOUND OR r.expires_at <= v_now OR r.state = 'X' THEN
+            INSERT INTO idempotency_records AS t
+                (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
+            VALUES (p_key, 'C', p_fingerprint, NULL, p_response, NULL, v_expires_at, false)
+            ON CONFLICT (key) DO UPDATE SET state = 'C', fingerprint = p_fingerprint,
+                owner = NULL, response = p_response, lease_until = NULL,
+                expires_at = v_expires_at, waited = false
+            WHERE t.expires_at <= v_now OR t.state = 'X';
+            IF FOUND THEN
+                outcome := 1;
+                RETURN;
+            END IF;
+            CONTINUE;
+        END IF;
+        IF r.state = 'C' THEN
+            outcome := CASE WHEN r.response = p_response AND r.fingerprint = p_fingerprint
+                THEN 2 ELSE 0 END;
+            RETURN;
+        END IF;
+        IF r.owner <> p_owner THEN
+            outcome := 0;
+            RETURN;
+        END IF;
+        UPDATE idempotency_records SET state = 'C', fingerprint = p_fingerprint, owner = NULL,
+            response = p_response, lease_until = NULL, expires_at = v_expires_at, waited = false
+        WHERE key = p_key;
+        IF r.waited THEN
+            PERFORM pg_notify('idempotency_records_settled', p_key);
+        END IF;
+        outcome := 1;
+        RETURN;
+    END LOOP;
+END $$;
+
+-- Deletes the record if `p_owner` holds it. outcome: 1 deleted; 0 not the owner's.
+CREATE OR REPLACE FUNCTION idempotency_records_release(p_key TEXT, p_owner BYTEA,
+    OUT outcome INT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_waited BOOLEAN;
+BEGIN
+    DELETE FROM idempotency_records WHERE key = p_key AND state = 'P' AND owner = p_owner
+        AND expires_at > clock_timestamp()
+    RETURNING waited INTO v_waited;
+    IF NOT FOUND THEN
+        outcome := 0;
+        RETURN;
+    END IF;
+    IF v_waited THEN
+        PERFORM pg_notify('idempotency_records_settled', p_key);
+    END IF;
+    outcome := 1;
+END $$;
+
+-- Renews the lease of `p_owner`'s record: it now ends in `p_lease_ms` (0: now), and the
+-- record is kept `p_window_ms` after. outcome: 1 renewed; 0 not the owner's.
+CREATE OR REPLACE FUNCTION idempotency_records_touch(p_key TEXT, p_owner BYTEA,
+    p_lease_ms BIGINT, p_window_ms BIGINT, OUT outcome INT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_now TIMESTAMPTZ := clock_timestamp();
+    v_lease_until TIMESTAMPTZ := v_now + p_lease_ms * INTERVAL '1 millisecond';
+BEGIN
+    UPDATE idempotency_records SET lease_until = v_lease_until,
+        expires_at = v_lease_until + p_window_ms * INTERVAL '1 millisecond'
+    WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now;
+    outcome := CASE WHEN FOUND THEN 1 ELSE 0 END;
+END $$;
+
+-- Settles a claim whose answer its caller never saw. If `p_owner` holds the key, its lease
+-- ends now (kept `p_window_ms` for a takeover; deleted without a window): outcome 1. If the
+-- key is absent, a marker refuses `p_owner`'s claim for `p_marker_ms`, should it land late:
+-- outcome 2. Otherwise 0.
+CREATE OR REPLACE FUNCTION idempotency_records_abandon(p_key TEXT, p_owner BYTEA,
+    p_fingerprint BYTEA, p_marker_ms BIGINT, p_window_ms BIGINT, OUT outcome INT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    r idempotency_records%ROWTYPE;
+    v_now TIMESTAMPTZ := clock_timestamp();
+BEGIN
+    LOOP
+        SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
+        IF NOT FOUND OR r.expires_at <= v_now THEN
+            INSERT INTO idempotency_records AS t
+                (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
+            VALUES (p_key, 'X', p_fingerprint, p_owner, NULL, NULL,
+                v_now + p_marker_ms * INTERVAL '1 millisecond', false)
+            ON CONFLICT (key) DO UPDATE SET state = 'X', fingerprint = p_fingerprint,
+                owner = p_owner, response = NULL, lease_until = NULL,
+                expires_at = v_now + p_marker_ms * INTERVAL '1 millisecond', waited = false
+            WHERE t.expires_at <= v_now;
+            IF FOUND THEN
+                outcome := 2;
+                RETURN;
+            END IF;
+            CONTINUE;
+        END IF;
+        IF r.state <> 'P' OR r.owner <> p_owner THEN
+            outcome := 0;
+            RETURN;
+        END IF;
+        IF p_window_ms > 0 THEN
+            UPDATE idempotency_records SET lease_until = v_now,
+                expires_at = v_now + p_window_ms * INTERVAL '1 millisecond'
+            WHERE key = p_key;
+        ELSE
+            DELETE FROM idempotency_records WHERE key = p_key;
+        END IF;
+        IF r.waited THEN
+            PERFORM pg_notify('idempotency_records_settled', p_key);
+        END IF;
+        outcome := 1;
+        RETURN;
+    END LOOP;
+END $$;

@@ -1,0 +1,382 @@
+//! [`PostgresStore`]: records in PostgreSQL, the durable authority.
+
+mod listener;
+mod schema;
+mod sweeper;
+
+use std::{
+    fmt,
+    sync::{Arc, OnceLock},
+    time::{Duration, Instant},
+};
+
+use bytes::Bytes;
+use sqlx::{PgPool, Row as _, postgres::PgRow};
+
+pub use self::schema::TableNameError;
+use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
+use super::{
+    Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, clock::ServerClock,
+};
+use crate::{fingerprint::Fingerprint, key::RecordKey};
+
+/// The default for [`PostgresStore::command_timeout`].
+const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The longest duration written to the database: 30 years, in milliseconds. A configured
+/// duration as long as `Duration::MAX` means "keep it", never an overflow.
+const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
+
+/// Records in PostgreSQL, through the app's own [`sqlx::PgPool`].
+///
+/// Each record is a row of one table (`idempotency_records` unless
+/// [`with_table`](Self::with_table) names another), and each transition is one statement, a
+/// call of a PL/pgSQL function that [`migrate`](Self::migrate) installs with the table: one
+/// round trip, atomic for its key (the row is locked `FOR UPDATE`), decided by the database's
+/// clock (`clock_timestamp()`), never the app's. `complete`, `release`, `touch` and `abandon` are
+/// fenced by the owner token in the function. The SQL is [`PostgresStore::SCHEMA`].
+///
+/// Waiters are woken by `LISTEN`/`NOTIFY` on one listener connection per store; a settle
+/// notifies only when a claim marked its record as waited for, so a request without duplicates
+/// pays nothing. A lost listener connection strands no waiter (its deadline and a last claim
+/// decide), and the listener reconnects.
+///
+/// Expired rows are deleted in bounded batches by a task the store starts on its first claim
+/// (every minute by default, see [`sweep_every`](Self::sweep_every)); an app that prefers to
+/// run it itself turns it off and calls [`sweep_expired`](Self::sweep_expired).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use axum::{Router, routing::post};
+/// use axum_idempotency::{IdempotencyLayer, store::{PostgresStore, sqlx::postgres::PgPoolOptions}};
+///
+/// // No ping before each checkout (sqlx's default): it would cost a round trip a statement.
+/// let pool = PgPoolOptions::new()
+///     .test_before_acquire(false)
+///     .connect("postgres://postgres@127.0.0.1/app")
+///     .await?;
+/// let store = PostgresStore::new(pool);
+/// store.migrate().await?; // safe on every start
+/// let app: Router = Router::new()
+///     .route("/payments", post(|| async { "paid" }))
+///     .layer(IdempotencyLayer::new(store));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+    command_timeout: Duration,
+    sweep_every: Option<Duration>,
+}
+
+struct Inner {
+    pool: PgPool,
+    statements: Statements,
+    clock: ServerClock,
+    listener: Listener,
+    /// The sweeper, started on the first claim (inside the runtime) and stopped when the last
+    /// clone of the store is dropped.
+    sweeper: OnceLock<Sweeper>,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.inner.statements.table)
+            .field("pool_size", &self.inner.pool.size())
+            .field("command_timeout", &self.command_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// The schema: the table, its index and the transition functions, for the default table
+    /// name. [`migrate`](Self::migrate) runs it; a team that runs its own migrations can run
+    /// [`schema`](Self::schema) instead.
+    pub const SCHEMA: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/sql/postgres.sql"));
+
+    /// A store over `pool`, in the table `idempotency_records`.
+    #[must_use]
+    pub fn new(pool: PgPool) -> Self {
+        Self::build(pool, Statements::new(schema::DEFAULT_TABLE))
+    }
+
+    /// A store over `pool`, in the table `table`: a lowercase SQL identifier (letters, digits
+    /// and `_`, starting with a letter or `_`, at most 48 characters), so that the functions,
+    /// the index and the notification channel named after it are identifiers too.
+    ///
+    /// # Errors
+    ///
+    /// When `table` is not such a name.
+    pub fn with_table(pool: PgPool, table: &str) -> Result<Self, TableNameError> {
+        Ok(Self::build(pool, Statements::new(schema::table_name(table)?)))
+    }
+
+    fn build(pool: PgPool, statements: Statements) -> Self {
+        let listener = Listener::new(pool.clone(), statements.channel.clone());
+        let inner = Inner {
+            pool,
+            statements,
+            clock: ServerClock::default(),
+            listener,
+            sweeper: OnceLock::new(),
+        };
+        Self {
+            inner: Arc::new(inner),
+            command_timeout: DEFAULT_COMMAND_TIMEOUT,
+            sweep_every: Some(sweeper::DEFAULT_EVERY),
+        }
+    }
+
+    /// Bounds every store operation, a pool checkout included: past it the request is
+    /// answered 503 (or passes through under `fail_open`). Defaults to 1 second.
+    #[must_use]
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// How often the store's own task deletes expired rows (in batches of 1,000, until none
+    /// is left); `None` starts no task, for an app that calls
+    /// [`sweep_expired`](Self::sweep_expired) itself. Defaults to every minute.
+    #[must_use]
+    pub fn sweep_every(mut self, every: Option<Duration>) -> Self {
+        self.sweep_every = every;
+        self
+    }
+
+    /// The schema of this store's table: [`SCHEMA`](Self::SCHEMA) with its name.
+    #[must_use]
+    pub fn schema(&self) -> &str {
+        &self.inner.statements.schema
+    }
+
+    /// Creates the table, its index and its functions where missing (and replaces the
+    /// functions with this version's), in one transaction under an advisory lock, so that
+    /// instances starting side by side do not collide. Safe to run on every start.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached or refuses the schema.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let mut tx = self.inner.pool.begin().await.map_err(StoreError::unavailable)?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("axum-idempotency:{}", self.inner.statements.table))
+            .execute(&mut *tx)
+            .await
+            .map_err(StoreError::unavailable)?;
+        sqlx::raw_sql(&self.inner.statements.schema)
+            .execute(&mut *tx)
+            .await
+            .map_err(StoreError::unavailable)?;
+        tx.commit().await.map_err(StoreError::unavailable)
+    }
+
+    /// Deletes expired rows, at most `batch` at a time until none is left, and returns how
+    /// many. Rows locked by a claim meanwhile are skipped, never waited for, so a sweep holds
+    /// no claim back.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached.
+    pub async fn sweep_expired(&self, batch: u32) -> Result<u64, StoreError> {
+        sweeper::sweep(&self.inner.pool, &self.inner.statements.sweep, batch).await
+    }
+
+    /// Runs `query` within the command timeout.
+    async fn fetch(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<PgRow, StoreError> {
+        let timeout = self.command_timeout;
+        match tokio::time::timeout(timeout, query.fetch_one(&self.inner.pool)).await {
+            Ok(Ok(row)) => Ok(row),
+            Ok(Err(error)) => Err(StoreError::unavailable(error)),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        }
+    }
+
+    /// Runs a fenced function: 1 (or 2) when applied, 0 when another owner holds the key.
+    async fn fenced(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<Fenced, StoreError> {
+        let outcome: i32 = self.fetch(query).await?.try_get(0).map_err(corrupt)?;
+        Ok(if outcome == 0 { Fenced::Rejected } else { Fenced::Applied })
+    }
+
+    /// Samples the database's clock, for the claims' deadlines.
+    async fn sample_clock(&self) -> Result<(), StoreError> {
+        let sent = Instant::now();
+        let query = sqlx::query("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8");
+        let server_ms: i64 = self.fetch(query).await?.try_get(0).map_err(corrupt)?;
+        self.inner.clock.record(u64::try_from(server_ms).unwrap_or(0), sent);
+        Ok(())
+    }
+
+    async fn claim_marking(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+        waiting: bool,
+    ) -> Result<Claim, StoreError> {
+        self.start_sweeping();
+        if self.inner.clock.now().is_none() {
+            self.sample_clock().await?;
+        }
+        let claim = self.claim_once(key, fingerprint, owner, lease, waiting).await;
+        if let Err(StoreError::ClaimAbandoned) = claim {
+            // Refused although its answer came in time: the sample is off (the database's
+            // clock stepped). Sample it again, and claim again with the new deadline.
+            tracing::warn!(
+                "idempotency: a claim landed after its deadline while answered in time; sampling the database's clock again"
+            );
+            self.sample_clock().await?;
+            return self.claim_once(key, fingerprint, owner, lease, waiting).await;
+        }
+        claim
+    }
+
+    /// One call of the claim function, with the latest database time at which it may be
+    /// applied: the command timeout and half a lease of slack (a claim applied within it is
+    /// still met by its guard, which abandons it for a whole lease after the timeout).
+    async fn claim_once(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+        waiting: bool,
+    ) -> Result<Claim, StoreError> {
+        let deadline = self.inner.clock.claim_deadline(self.command_timeout, lease.duration / 2);
+        let query = sqlx::query(&self.inner.statements.claim)
+            .bind(key.as_str())
+            .bind(fingerprint.as_bytes())
+            .bind(owner.as_bytes())
+            .bind(millis(lease.duration))
+            .bind(millis(lease.recovery_window))
+            .bind(waiting)
+            .bind(i64::try_from(deadline).unwrap_or(i64::MAX));
+        let row = self.fetch(query).await?;
+        let outcome: i32 = row.try_get(0).map_err(corrupt)?;
+        let remaining = || {
+            let ms: Option<i64> = row.try_get(2).ok().flatten();
+            Duration::from_millis(ms.map_or(0, |ms| u64::try_from(ms).unwrap_or(0)))
+        };
+        Ok(match outcome {
+            0 => Claim::Claimed,
+            1 => {
+                let response: Option<Vec<u8>> = row.try_get(1).map_err(corrupt)?;
+                let response = response.ok_or_else(|| {
+                    StoreError::CorruptRecord("a completed row without a response".to_owned())
+                })?;
+                Claim::Replay { response: Bytes::from(response), remaining: remaining() }
+            }
+            2 => Claim::Mismatch,
+            3 => Claim::InProgress { remaining: remaining() },
+            5 => Claim::TakenOver,
+            6 => return Err(StoreError::ClaimAbandoned),
+            other => {
+                return Err(StoreError::CorruptRecord(format!("unknown claim outcome {other}")));
+            }
+        })
+    }
+
+    fn start_sweeping(&self) {
+        if let Some(every) = self.sweep_every {
+            self.inner.sweeper.get_or_init(|| {
+                Sweeper::start(self.inner.pool.clone(), self.inner.statements.sweep.clone(), every)
+            });
+        }
+    }
+}
+
+/// `duration` in whole milliseconds, at most 30 years.
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(LONGEST_MS).min(LONGEST_MS)
+}
+
+fn corrupt(error: sqlx::Error) -> StoreError {
+    StoreError::CorruptRecord(format!("an answer of another shape: {error}"))
+}
+
+impl Store for PostgresStore {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.claim_marking(key, fingerprint, owner, lease, false).await
+    }
+
+    async fn claim_waiting(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.claim_marking(key, fingerprint, owner, lease, true).await
+    }
+
+    async fn subscribe(&self, key: &RecordKey) -> Subscription {
+        self.inner.listener.subscribe(key.as_str(), self.command_timeout).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let query = sqlx::query(&self.inner.statements.complete)
+            .bind(key.as_str())
+            .bind(owner.as_bytes())
+            .bind(fingerprint.as_bytes())
+            .bind(&response[..])
+            .bind(millis(retention));
+        self.fenced(query).await
+    }
+
+    async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        let query =
+            sqlx::query(&self.inner.statements.release).bind(key.as_str()).bind(owner.as_bytes());
+        self.fenced(query).await
+    }
+
+    async fn abandon(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        let query = sqlx::query(&self.inner.statements.abandon)
+            .bind(key.as_str())
+            .bind(owner.as_bytes())
+            .bind(fingerprint.as_bytes())
+            .bind(millis(lease.duration))
+            .bind(millis(lease.recovery_window));
+        self.fenced(query).await
+    }
+
+    async fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        let query = sqlx::query(&self.inner.statements.touch)
+            .bind(key.as_str())
+            .bind(owner.as_bytes())
+            .bind(millis(lease.duration))
+            .bind(millis(lease.recovery_window));
+        self.fenced(query).await
+    }
+}

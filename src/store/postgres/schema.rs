@@ -1,0 +1,111 @@
+//! The store's SQL, for its table name: the schema [`migrate`](super::PostgresStore::migrate)
+//! runs, and the one statement of each transition.
+
+use std::fmt;
+
+/// The table of [`PostgresStore::new`](super::PostgresStore::new).
+pub(super) const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// The statements of one table, its name written in.
+#[derive(Debug, Clone)]
+pub(super) struct Statements {
+    pub(super) table: String,
+    pub(super) schema: String,
+    pub(super) channel: String,
+    pub(super) claim: String,
+    pub(super) complete: String,
+    pub(super) release: String,
+    pub(super) touch: String,
+    pub(super) abandon: String,
+    pub(super) sweep: String,
+}
+
+impl Statements {
+    /// `table` must be a valid name (see [`table_name`]).
+    pub(super) fn new(table: &str) -> Self {
+        let call = |function: &str, arguments: usize| {
+            let placeholders: Vec<String> = (1..=arguments).map(|i| format!("${i}")).collect();
+            format!("SELECT * FROM {table}_{function}({})", placeholders.join(", "))
+        };
+        Self {
+            table: table.to_owned(),
+            schema: super::PostgresStore::SCHEMA.replace(DEFAULT_TABLE, table),
+            channel: format!("{table}_settled"),
+            claim: call("claim", 7),
+            complete: call("complete", 5),
+            release: call("release", 2),
+            touch: call("touch", 4),
+            abandon: call("abandon", 5),
+            // Rows a claim holds locked are skipped, never waited for.
+            sweep: format!(
+                "DELETE FROM {table} WHERE key IN (SELECT key FROM {table} \
+                 WHERE expires_at <= clock_timestamp() LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+        }
+    }
+}
+
+/// A table name [`PostgresStore::with_table`](super::PostgresStore::with_table) refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableNameError(String);
+
+impl fmt::Display for TableNameError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{:?} is not a table name the store takes: lowercase letters, digits and '_', \
+             starting with a letter or '_', at most 48 characters",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for TableNameError {}
+
+/// `name`, if it is a lowercase SQL identifier short enough that `{name}_complete` and
+/// `{name}_expires_at` are identifiers too (PostgreSQL keeps 63 bytes of a name).
+pub(super) fn table_name(name: &str) -> Result<&str, TableNameError> {
+    let mut chars = name.chars();
+    let starts_well = chars.next().is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_well = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if starts_well && rest_well && name.len() <= 48 {
+        Ok(name)
+    } else {
+        Err(TableNameError(name.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_table_name_is_a_short_lowercase_identifier() {
+        for good in ["idempotency_records", "_x", "payments_keys_2"] {
+            assert_eq!(table_name(good), Ok(good));
+        }
+        let long = "a".repeat(49);
+        for bad in ["", "2keys", "Keys", "keys; DROP TABLE x", "a-b", "\"q\"", "k.v", long.as_str()]
+        {
+            assert!(table_name(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(table_name(&"a".repeat(48)).map(str::len), Ok(48));
+        assert!(TableNameError("K".into()).to_string().contains("lowercase letters"));
+    }
+
+    #[test]
+    fn every_name_in_the_schema_follows_the_table() {
+        let statements = Statements::new("pay_keys");
+        assert!(!statements.schema.contains(DEFAULT_TABLE));
+        for name in [
+            "pay_keys_claim(",
+            "pay_keys_settled",
+            "pay_keys_expires_at",
+            "TABLE IF NOT EXISTS pay_keys (",
+        ] {
+            assert!(statements.schema.contains(name), "{name}");
+        }
+        assert_eq!(statements.claim, "SELECT * FROM pay_keys_claim($1, $2, $3, $4, $5, $6, $7)");
+        assert_eq!(statements.channel, "pay_keys_settled");
+    }
+}

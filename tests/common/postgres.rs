@@ -1,0 +1,194 @@
+//! PostgreSQL for the tests: a database of each test's own on the server `DATABASE_URL` names
+//! (default `postgres://postgres@127.0.0.1:5432/postgres`, a role that may create databases),
+//! dropped when the test ends, and the harness that runs the suites on `PostgresStore`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// A database of the test's own; dropped (its connections with it) when the test ends,
+/// whether it passed or not. Fails loudly when no server answers.
+pub struct TestDatabase {
+    pub admin: tokio_postgres::Config,
+    pub name: String,
+}
+
+impl TestDatabase {
+    /// A new database named `axum_idempotency_{purpose}_{pid}_{n}`; databases of earlier runs
+    /// of `purpose` whose process is gone are dropped first.
+    pub async fn create(purpose: &str) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+        let admin: tokio_postgres::Config = url.parse().expect("DATABASE_URL is a PostgreSQL URL");
+        let prefix = format!("axum_idempotency_{purpose}_");
+        let name =
+            format!("{prefix}{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::SeqCst));
+        let client = connect(&admin).await.unwrap_or_else(|error| {
+            panic!(
+                "these tests need PostgreSQL at {url} (DATABASE_URL), a role that may create databases: {error}"
+            )
+        });
+        // Databases of earlier runs that were killed before they could drop theirs.
+        let sql = "SELECT datname FROM pg_database WHERE starts_with(datname, $1)";
+        for row in client.query(sql, &[&prefix]).await.unwrap() {
+            let stale: String = row.get(0);
+            let pid = stale.trim_start_matches(&prefix).split('_').next();
+            if pid.is_some_and(|pid| !std::path::Path::new(&format!("/proc/{pid}")).exists()) {
+                let _ = client
+                    .batch_execute(&format!("DROP DATABASE IF EXISTS {stale} WITH (FORCE)"))
+                    .await;
+            }
+        }
+        client.batch_execute(&format!("CREATE DATABASE {name}")).await.unwrap();
+        Self { admin, name }
+    }
+
+    /// The database's connection string (key=value), for a process or a client.
+    pub fn url(&self) -> String {
+        let password = match self.admin.get_password() {
+            Some(password) => format!(" password='{}'", String::from_utf8_lossy(password)),
+            None => String::new(),
+        };
+        format!(
+            "host={} port={} user={}{password} dbname={}",
+            self.host(),
+            self.port(),
+            self.user(),
+            self.name
+        )
+    }
+
+    pub fn host(&self) -> String {
+        match &self.admin.get_hosts()[0] {
+            tokio_postgres::config::Host::Tcp(host) => host.clone(),
+            #[cfg(unix)]
+            tokio_postgres::config::Host::Unix(path) => path.display().to_string(),
+        }
+    }
+
+    pub fn port(&self) -> u16 {
+        self.admin.get_ports().first().copied().unwrap_or(5432)
+    }
+
+    pub fn user(&self) -> &str {
+        self.admin.get_user().unwrap_or("postgres")
+    }
+
+    pub async fn client(&self) -> tokio_postgres::Client {
+        connect(&self.url().parse().unwrap()).await.unwrap()
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        let (admin, name) = (self.admin.clone(), self.name.clone());
+        // Drop runs inside the test's runtime: a thread with a runtime of its own does the I/O.
+        let dropped = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(
+                async move {
+                    let client = connect(&admin).await?;
+                    client
+                        .batch_execute(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+                        .await
+                },
+            )
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) && !std::thread::panicking() {
+            panic!("database {} was not dropped: {dropped:?}", self.name);
+        }
+    }
+}
+
+pub async fn connect(
+    config: &tokio_postgres::Config,
+) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = config.connect(tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
+#[cfg(feature = "postgres")]
+pub use self::store::*;
+
+#[cfg(feature = "postgres")]
+mod store {
+    use axum_idempotency::store::{
+        PostgresStore, RecordKey,
+        sqlx::{
+            PgPool,
+            postgres::{PgConnectOptions, PgPoolOptions},
+        },
+    };
+
+    use super::TestDatabase;
+    use crate::common::{Harness, Held};
+
+    /// `PostgresStore` in a database of the test's own, migrated.
+    pub struct PostgresHarness {
+        pub database: TestDatabase,
+        pub store: PostgresStore,
+    }
+
+    impl PostgresHarness {
+        /// A pool of its own over the test's database: another instance's.
+        pub fn pool(&self) -> PgPool {
+            pool_for(&self.database)
+        }
+    }
+
+    /// A pool over `d` (connections are made when first used).
+    pub fn pool_for(d: &TestDatabase) -> PgPool {
+        {
+            let mut options = PgConnectOptions::new()
+                .host(&d.host())
+                .port(d.port())
+                .username(d.user())
+                .database(&d.name);
+            if let Some(password) = d.admin.get_password() {
+                options = options.password(&String::from_utf8_lossy(password));
+            }
+            // No ping before each checkout: one round trip a statement, as the README advises.
+            PgPoolOptions::new().test_before_acquire(false).connect_lazy_with(options)
+        }
+    }
+
+    impl Harness for PostgresHarness {
+        type Store = PostgresStore;
+
+        async fn start() -> Self {
+            let database = TestDatabase::create("pgstore").await;
+            let store = PostgresStore::new(pool_for(&database));
+            store.migrate().await.expect("the schema migrates");
+            Self { database, store }
+        }
+
+        fn store(&self) -> PostgresStore {
+            self.store.clone()
+        }
+
+        fn second_store(&self) -> PostgresStore {
+            PostgresStore::new(self.pool())
+        }
+
+        async fn held(&self, key: &RecordKey) -> Option<Held> {
+            let sql = "SELECT state::text FROM idempotency_records \
+                       WHERE key = $1 AND expires_at > clock_timestamp()";
+            let row =
+                self.database.client().await.query_opt(sql, &[&key.as_str()]).await.unwrap()?;
+            Some(match row.get::<_, String>(0).as_str() {
+                "P" => Held::InProgress,
+                "C" => Held::Completed,
+                "X" => Held::Abandoned,
+                other => panic!("unknown state {other:?}"),
+            })
+        }
+
+        async fn record_count(&self) -> usize {
+            let sql =
+                "SELECT count(*) FROM idempotency_records WHERE expires_at > clock_timestamp()";
+            let count: i64 = self.database.client().await.query_one(sql, &[]).await.unwrap().get(0);
+            usize::try_from(count).unwrap()
+        }
+    }
+}

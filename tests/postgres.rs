@@ -1,0 +1,256 @@
+//! `PostgresStore` beyond the shared suites: the sweep of expired rows, the schema and its
+//! names, waiting through `LISTEN`/`NOTIFY` (and a listener connection killed), and a database
+//! that cannot be reached or drops the store's connections. Each test has a database of its
+//! own on the server `DATABASE_URL` names, dropped at the end.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use axum_idempotency::{
+    Fingerprint, IdempotencyLayer,
+    store::{
+        Claim, Lease, OwnerToken, PostgresStore, RecordKey, Store,
+        sqlx::{PgPool, postgres::PgPoolOptions},
+    },
+};
+use common::*;
+
+async fn harness() -> PostgresHarness {
+    <PostgresHarness as Harness>::start().await
+}
+
+fn key(name: &str) -> RecordKey {
+    RecordKey::new("idempotency", b"", name.as_bytes())
+}
+
+/// The backends of the test's database other than `ours`, whose query starts with `like`.
+async fn backends(h: &PostgresHarness, like: &str) -> Vec<i32> {
+    let sql = "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid() \
+               AND query LIKE $2";
+    let client = h.database.client().await;
+    let rows = client.query(sql, &[&h.database.name, &format!("{like}%")]).await.unwrap();
+    rows.iter().map(|row| row.get(0)).collect()
+}
+
+async fn terminate(h: &PostgresHarness, pids: &[i32]) {
+    let client = h.database.client().await;
+    for pid in pids {
+        client.execute("SELECT pg_terminate_backend($1)", &[pid]).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expired_rows_are_swept_in_batches_and_live_ones_kept() {
+    let h = harness().await;
+    let store = h.store().sweep_every(None);
+    let fingerprint = Fingerprint::of_payload(b"f");
+    let short = Lease::new(Duration::from_millis(1));
+    for i in 0..7 {
+        let claim = store
+            .claim(&key(&format!("gone-{i}")), &fingerprint, &OwnerToken::random(), short)
+            .await;
+        assert_eq!(claim.unwrap(), Claim::Claimed);
+    }
+    let long = Lease::new(Duration::from_secs(60));
+    for i in 0..3 {
+        store
+            .claim(&key(&format!("live-{i}")), &fingerprint, &OwnerToken::random(), long)
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let rows = "SELECT count(*) FROM idempotency_records";
+    let client = h.database.client().await;
+    assert_eq!(client.query_one(rows, &[]).await.unwrap().get::<_, i64>(0), 10);
+    // Batches of 3: 3 + 3 + 1.
+    assert_eq!(store.sweep_expired(3).await.unwrap(), 7);
+    assert_eq!(client.query_one(rows, &[]).await.unwrap().get::<_, i64>(0), 3);
+    assert_eq!(h.record_count().await, 3);
+    assert_eq!(store.sweep_expired(3).await.unwrap(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_sweeps_by_itself() {
+    let h = harness().await;
+    let store = h.store().sweep_every(Some(Duration::from_millis(100)));
+    let fingerprint = Fingerprint::of_payload(b"f");
+    let short = Lease::new(Duration::from_millis(1));
+    store.claim(&key("gone"), &fingerprint, &OwnerToken::random(), short).await.unwrap();
+    let client = h.database.client().await;
+    eventually("the expired row is swept by the store's own task", async || {
+        let rows = client.query_one("SELECT count(*) FROM idempotency_records", &[]).await.unwrap();
+        rows.get::<_, i64>(0) == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_is_safe_on_every_start_and_side_by_side() {
+    let h = harness().await;
+    let stores: Vec<PostgresStore> = (0..4).map(|_| PostgresStore::new(h.pool())).collect();
+    let migrations =
+        futures_util::future::join_all(stores.iter().map(PostgresStore::migrate)).await;
+    assert!(migrations.iter().all(Result::is_ok), "{migrations:?}");
+    h.store().migrate().await.unwrap();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(stores[0].clone()));
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(calls.get(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_name_that_is_not_a_plain_identifier_is_refused() {
+    let h = harness().await;
+    for bad in ["keys; DROP TABLE x", "Keys", "", "a-b", "1keys"] {
+        let refused = PostgresStore::with_table(h.pool(), bad).unwrap_err();
+        assert!(refused.to_string().contains("lowercase letters"), "{refused}");
+    }
+    let store = PostgresStore::with_table(h.pool(), "payment_keys").unwrap();
+    assert!(store.schema().contains("CREATE TABLE IF NOT EXISTS payment_keys ("));
+    store.migrate().await.unwrap();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store));
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    let client = h.database.client().await;
+    let rows = client.query_one("SELECT count(*) FROM payment_keys", &[]).await.unwrap();
+    assert_eq!(rows.get::<_, i64>(0), 1);
+    let rows = client.query_one("SELECT count(*) FROM idempotency_records", &[]).await.unwrap();
+    assert_eq!(rows.get::<_, i64>(0), 0);
+}
+
+/// Counts the notifications on the store's channel, heard by a connection of the test's own.
+async fn notifications(h: &PostgresHarness) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    let mut listener =
+        axum_idempotency::store::sqlx::postgres::PgListener::connect_with(&h.pool()).await.unwrap();
+    listener.listen("idempotency_records_settled").await.unwrap();
+    let (heard, received) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok(notification) = listener.recv().await {
+            let _ = heard.send(notification.payload().to_owned());
+        }
+    });
+    received
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_is_woken_by_the_settle_and_only_waited_records_notify() {
+    let h = harness().await;
+    let mut heard = notifications(&h).await;
+    let calls = Calls::default();
+    let a = app(&calls)
+        .layer(IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::from_secs(8)));
+    let b = app(&calls).layer(
+        IdempotencyLayer::new(h.second_store()).wait_for_in_progress(Duration::from_secs(8)),
+    );
+    // Nobody waits: no notification.
+    assert_eq!(send(&a, keyed("POST", "/payments", "alone", "{}")).await.status, 201);
+    let original = send_in_background(&a, delayed("/slow", "k1", 700, "{}"));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let started = Instant::now();
+    let waiter = send(&b, delayed("/slow", "k1", 700, "{}")).await;
+    let waited = started.elapsed();
+    let original = original.await.unwrap();
+    assert_eq!(original.status, 201);
+    assert!(waiter.replayed(), "{waiter:?}");
+    assert_eq!(waiter.body, original.body);
+    assert_eq!(calls.get(), 2);
+    assert!(waited < Duration::from_secs(2), "woken by its deadline, not the settle: {waited:?}");
+    let payload = tokio::time::timeout(Duration::from_secs(2), heard.recv()).await.unwrap();
+    assert_eq!(payload.as_deref(), Some(global("k1").as_str()));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(heard.try_recv().is_err(), "a record nobody waited for notified");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_listener_connection_strands_no_waiter_and_waiting_works_again() {
+    let h = harness().await;
+    let calls = Calls::default();
+    let wait = Duration::from_secs(3);
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).wait_for_in_progress(wait));
+    // A first waiter starts the listener.
+    let original = send_in_background(&app, delayed("/slow", "k0", 300, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(send(&app, delayed("/slow", "k0", 300, "{}")).await.replayed());
+    original.await.unwrap();
+
+    let original = send_in_background(&app, delayed("/slow", "k1", 1500, "{}"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiter = send_in_background(&app, delayed("/slow", "k1", 1500, "{}"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let listeners = backends(&h, "LISTEN").await;
+    assert_eq!(listeners.len(), 1, "one listener connection per store");
+    terminate(&h, &listeners).await;
+    // Woken by the loss or its deadline, it answers with the original's response.
+    let started = Instant::now();
+    let waiter = waiter.await.unwrap();
+    assert!(started.elapsed() < wait + Duration::from_secs(1));
+    let original = original.await.unwrap();
+    assert!(waiter.replayed(), "{waiter:?}");
+    assert_eq!(waiter.body, original.body);
+
+    // After the reconnect, a settle wakes a waiter again.
+    eventually("the listener is back", async || backends(&h, "LISTEN").await.len() == 1).await;
+    let original = send_in_background(&app, delayed("/slow", "k2", 700, "{}"));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let started = Instant::now();
+    assert!(send(&app, delayed("/slow", "k2", 700, "{}")).await.replayed());
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    original.await.unwrap();
+    assert_eq!(calls.get(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_postgres_is_503_and_the_handler_does_not_run() {
+    let port = free_port();
+    let pool: PgPool = PgPoolOptions::new()
+        .test_before_acquire(false)
+        .connect_lazy(&format!("postgres://postgres@127.0.0.1:{port}/nothing"))
+        .unwrap();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(PostgresStore::new(pool)));
+    let started = Instant::now();
+    let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    seen.assert_problem(503, "store-unavailable");
+    assert!(seen.header("retry-after").is_some());
+    assert_eq!(calls.get(), 0);
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_store_connections_run_no_key_twice_and_requests_succeed_again() {
+    let h = harness().await;
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()));
+    for i in 0..20 {
+        assert_eq!(
+            send(&app, keyed("POST", "/payments", &format!("warm-{i}"), "{}")).await.status,
+            201
+        );
+    }
+    let load = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            for i in 0..200 {
+                let key: &'static str = Box::leak(format!("k{}", i % 50).into_boxed_str());
+                statuses.push(send(&app, keyed("POST", "/payments", key, "{}")).await.status);
+            }
+            statuses
+        })
+    };
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        let pids = backends(&h, "").await;
+        terminate(&h, &pids).await;
+    }
+    let statuses = load.await.unwrap();
+    assert!(statuses.iter().all(|s| matches!(s.as_u16(), 201 | 503)), "{statuses:?}");
+    // 20 warm-up keys and 50 keys under load: each ran at most once.
+    assert!(calls.get() <= 70, "{} runs for 70 keys", calls.get());
+    eventually("requests succeed again", async || {
+        send(&app, keyed("POST", "/payments", "after", "{}")).await.status == 201
+    })
+    .await;
+}
