@@ -2,14 +2,16 @@
 //! checker that reads the whole history afterwards.
 //!
 //! ```sh
-//! cargo run --release --example chaos --features cluster                      # 60 s, one Redis (AOF)
-//! cargo run --release --example chaos --features cluster -- --store cluster   # 60 s, a 3-master Cluster
-//! cargo run --release --example chaos --features cluster -- --seconds 600     # the 10-minute run
+//! cargo run --example chaos --features cluster,postgres                         # 60 s, one Redis (AOF)
+//! cargo run --example chaos --features cluster,postgres -- --store cluster      # 60 s, a 3-master Cluster
+//! cargo run --example chaos --features cluster,postgres -- --store postgres     # 60 s, PostgresStore
+//! cargo run --example chaos --features cluster,postgres -- --seconds 600        # the 10-minute run
 //! ```
 //!
 //! It starts everything on free loopback ports and stops it by pid: Redis (one server with
 //! `appendonly yes`, `appendfsync always`, behind a TCP proxy the nemesis controls; or a Cluster
-//! of three masters with a replica each), three instances of a payments service behind
+//! of three masters with a replica each; or `PostgresStore`, its connections behind that proxy),
+//! three instances of a payments service behind
 //! `IdempotencyLayer`, two workers behind `Idempotent`, and a PostgreSQL database of its own on
 //! the server at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`), dropped
 //! at the end. The side effect is a row per execution there, with no unique constraint: a double
@@ -73,8 +75,8 @@ impl Options {
     fn parse(args: &[String]) -> Result<Self, BoxError> {
         let value = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
         let store = value("--store").cloned().unwrap_or_else(|| "redis".to_owned());
-        if !matches!(store.as_str(), "redis" | "cluster") {
-            return Err(format!("--store {store}: redis or cluster").into());
+        if !matches!(store.as_str(), "redis" | "cluster" | "postgres") {
+            return Err(format!("--store {store}: redis, cluster or postgres").into());
         }
         Ok(Self {
             store,
@@ -139,6 +141,20 @@ async fn run_in(
         // system of record, as the README advises for stores that lose records (not when the
         // run is to count what such losses cost).
         (nodes, None, format!("cluster:{}", urls.join(",")), !options.lossy)
+    } else if options.store == "postgres" {
+        // The store's connections go through the proxy; the system of record's do not.
+        let target: tokio_postgres::Config = database.url.parse()?;
+        let port = target.get_ports().first().copied().unwrap_or(5432);
+        let proxy = proxy::Proxy::start(port).await?;
+        let user = target.get_user().unwrap_or("postgres");
+        let password = target.get_password().map(|p| format!(":{}", String::from_utf8_lossy(p)));
+        let spec = format!(
+            "postgres://{user}{}@127.0.0.1:{}/{}?application_name=chaos-store",
+            password.unwrap_or_default(),
+            proxy.port,
+            database.name
+        );
+        (Vec::new(), Some(proxy), spec, false)
     } else {
         let mut server = system::redis("redis", free_port(), dir, !options.lossy, &[]);
         server.start()?;
@@ -184,6 +200,7 @@ async fn run_in(
         proxy,
         stop: stop.clone(),
         lossy: options.lossy,
+        database: (database.admin.clone(), database.name.clone()),
         faults: Mutex::default(),
         errors: Mutex::default(),
     });
@@ -213,8 +230,12 @@ async fn run_in(
         }),
         std::thread::spawn({
             let nemesis = nemesis.clone();
-            let cluster = options.store == "cluster";
-            move || if cluster { nemesis.cluster() } else { nemesis.single_redis() }
+            let store = options.store.clone();
+            move || match store.as_str() {
+                "cluster" => nemesis.cluster(),
+                "postgres" => nemesis.postgres(),
+                _ => nemesis.single_redis(),
+            }
         }),
     ];
     tokio::time::sleep(Duration::from_secs(options.seconds)).await;
@@ -248,6 +269,9 @@ async fn run_in(
             }
             ("cluster", true) => {
                 "a Redis Cluster (3 masters, 3 replicas); only takeovers ask the database (lossy)"
+            }
+            ("postgres", _) => {
+                "PostgresStore behind a faulty proxy, its connections terminated; takeovers ask the database"
             }
             (_, false) => {
                 "one Redis (AOF, appendfsync always) behind a faulty proxy; takeovers ask the database"

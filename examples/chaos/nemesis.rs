@@ -37,6 +37,8 @@ pub(crate) struct Nemesis {
     pub(crate) stop: Arc<AtomicBool>,
     /// A run that counts what losses cost: restarts (without AOF) come more often.
     pub(crate) lossy: bool,
+    /// The server's admin URL and the run's database: where `PostgresStore`'s connections are.
+    pub(crate) database: (String, String),
     pub(crate) faults: Mutex<Vec<Fault>>,
     pub(crate) errors: Mutex<Vec<String>>,
 }
@@ -226,6 +228,49 @@ impl Nemesis {
             // One shard changing at a time: the next fault waits until every slot is served.
             if let Err(error) = wait_for_cluster(&nodes, Duration::from_secs(20)) {
                 self.error(error.to_string());
+            }
+        }
+    }
+
+    /// `PostgresStore`: its network slow, silent or reset (the proxy), or its connections
+    /// terminated by the server (`pg_terminate_backend`). The database itself is the machine's
+    /// own server, shared with the system of record: it is neither paused nor restarted.
+    pub(crate) fn postgres(&self) {
+        let proxy = self.proxy.as_ref().expect("PostgresStore runs behind the proxy");
+        let (admin, database) = &self.database;
+        while !self.stop.load(Ordering::SeqCst) {
+            self.rest();
+            match pick(4) {
+                0 => self.fault("slow-network", "proxy", || {
+                    proxy.set(Weather::Slow(between(50, 500)));
+                    std::thread::sleep(between(1000, 4000));
+                    proxy.set(Weather::Clear);
+                }),
+                1 => self.fault("silent-network", "proxy", || {
+                    proxy.set(Weather::Silent);
+                    std::thread::sleep(between(300, 3000));
+                    proxy.set(Weather::Clear);
+                }),
+                2 => self.fault("reset-connections", "proxy", || proxy.reset_all()),
+                _ => {
+                    let mut failed = None;
+                    self.fault("terminate-backends", database, || {
+                        let sql = format!(
+                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                             WHERE datname = '{database}' AND application_name = 'chaos-store'"
+                        );
+                        let done = std::process::Command::new("psql")
+                            .args([admin.as_str(), "-qAtc", &sql])
+                            .stdout(std::process::Stdio::null())
+                            .status();
+                        if !done.as_ref().is_ok_and(std::process::ExitStatus::success) {
+                            failed = Some(format!("psql could not terminate backends: {done:?}"));
+                        }
+                    });
+                    if let Some(error) = failed {
+                        self.error(error);
+                    }
+                }
             }
         }
     }

@@ -19,6 +19,7 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
     consumer::{Error, Outcome},
     recovery::{BoxError, Lookup, Recovered},
+    store::{PostgresStore, Store, sqlx::postgres::PgPoolOptions},
 };
 use bytes::Bytes;
 use deadpool_postgres::{Manager, Pool};
@@ -126,18 +127,25 @@ fn receipt_response(receipt: &Receipt) -> Response<Bytes> {
     response
 }
 
-/// The store the runner names: `redis://…`, or `cluster:url,url,…`.
-fn store(spec: &str) -> Result<RedisStore, BoxError> {
-    Ok(match spec.strip_prefix("cluster:") {
-        Some(urls) => RedisStore::cluster_from_urls(urls.split(','))?,
-        None => RedisStore::from_url(spec)?,
-    })
+/// Serves `door` (`http` or `consumer`) on `port` until killed, over the store the runner
+/// names in `CHAOS_STORE`: `redis://…`, `cluster:url,url,…`, or `postgres://…`.
+pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
+    let spec = std::env::var("CHAOS_STORE").map_err(|_| "CHAOS_STORE is not set")?;
+    if spec.starts_with("postgres://") {
+        let pool = PgPoolOptions::new().test_before_acquire(false).connect_lazy(&spec)?;
+        let store = PostgresStore::new(pool);
+        // Every instance migrates as it starts, side by side.
+        store.migrate().await?;
+        serve_over(store, door, port).await
+    } else if let Some(urls) = spec.strip_prefix("cluster:") {
+        serve_over(RedisStore::cluster_from_urls(urls.split(','))?, door, port).await
+    } else {
+        serve_over(RedisStore::from_url(&spec)?, door, port).await
+    }
 }
 
-/// Serves `door` (`http` or `consumer`) on `port` until killed.
-pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
+async fn serve_over<St: Store>(store: St, door: &str, port: u16) -> Result<(), BoxError> {
     let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is not set"));
-    let store = store(&var("CHAOS_STORE")?)?;
     let config: tokio_postgres::Config = var("CHAOS_DATABASE_URL")?.parse()?;
     let db = Pool::builder(Manager::new(config, NoTls))
         .max_size(16)
@@ -210,9 +218,12 @@ async fn create_payment(
     }
 }
 
-type Worker<H> = (App, Idempotent<RedisStore, H>);
+type Worker<St, H> = (App, Idempotent<St, H>);
 
-async fn deliver<H>(State((app, idempotent)): State<Worker<H>>, body: Bytes) -> Response<Body>
+async fn deliver<St: Store, H>(
+    State((app, idempotent)): State<Worker<St, H>>,
+    body: Bytes,
+) -> Response<Body>
 where
     H: axum_idempotency::recovery::Recover<Bytes, Receipt> + Clone,
 {
