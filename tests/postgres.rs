@@ -86,6 +86,38 @@ async fn the_store_sweeps_by_itself() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lapsed_claims_are_counted_with_the_age_of_the_oldest() {
+    let h = harness().await;
+    let store = h.store().sweep_every(None);
+    let none = store.lapsed_claims().await.unwrap();
+    assert_eq!((none.count, none.oldest), (0, None));
+    let fingerprint = Fingerprint::of_payload(b"f");
+    let lapsing = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(60));
+    for name in ["dead-1", "dead-2"] {
+        store.claim(&key(name), &fingerprint, &OwnerToken::random(), lapsing).await.unwrap();
+    }
+    // Still held, completed, and expired past its window: none of them counts.
+    let held = Lease::new(Duration::from_secs(60));
+    store.claim(&key("held"), &fingerprint, &OwnerToken::random(), held).await.unwrap();
+    let owner = OwnerToken::random();
+    store.claim(&key("done"), &fingerprint, &owner, lapsing).await.unwrap();
+    store
+        .complete(&key("done"), &owner, &fingerprint, "ok".into(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let gone = Lease::new(Duration::from_millis(1));
+    store.claim(&key("gone"), &fingerprint, &OwnerToken::random(), gone).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let lapsed = store.lapsed_claims().await.unwrap();
+    assert_eq!(lapsed.count, 2);
+    let oldest = lapsed.oldest.unwrap();
+    assert!((Duration::from_millis(300)..Duration::from_secs(3)).contains(&oldest), "{oldest:?}");
+    // A takeover holds its key again: it no longer counts.
+    store.claim(&key("dead-1"), &fingerprint, &OwnerToken::random(), held).await.unwrap();
+    assert_eq!(store.lapsed_claims().await.unwrap().count, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_safe_on_every_start_and_side_by_side() {
     let h = harness().await;
     let stores: Vec<PostgresStore> = (0..4).map(|_| PostgresStore::new(h.pool())).collect();

@@ -34,7 +34,7 @@ pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
 #[cfg(feature = "postgres")]
-pub use self::postgres::{PostgresStore, TableNameError};
+pub use self::postgres::{LapsedClaims, PostgresStore, TableNameError};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]

@@ -20,6 +20,16 @@ use super::{
 };
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
+/// What [`PostgresStore::lapsed_claims`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LapsedClaims {
+    /// How many in-progress records have a lapsed lease.
+    pub count: u64,
+    /// How long ago the oldest of them lapsed; `None` when there is none.
+    pub oldest: Option<Duration>,
+}
+
 /// The default for [`PostgresStore::command_timeout`].
 const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -183,6 +193,22 @@ impl PostgresStore {
         sweeper::sweep(&self.inner.pool, &self.inner.statements.sweep, batch).await
     }
 
+    /// The in-progress records whose lease lapsed and that no claim took over since: holders
+    /// that died or stalled, whose clients have not come back. Each is taken over by its next
+    /// retry (within its recovery window); an operator looks at the old ones. With the
+    /// `metrics` feature, the store's sweep publishes the same as the gauges
+    /// `idempotency_lapsed_claims{table}` and `idempotency_oldest_lapsed_claim_seconds{table}`.
+    ///
+    /// One statement, which reads every in-progress row: for an operator's dashboard, not a
+    /// request path.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached.
+    pub async fn lapsed_claims(&self) -> Result<LapsedClaims, StoreError> {
+        sweeper::lapsed(&self.inner.pool, &self.inner.statements.lapsed).await
+    }
+
     /// Runs `query` within the command timeout.
     async fn fetch(
         &self,
@@ -287,7 +313,7 @@ impl PostgresStore {
     fn start_sweeping(&self) {
         if let Some(every) = self.sweep_every {
             self.inner.sweeper.get_or_init(|| {
-                Sweeper::start(self.inner.pool.clone(), self.inner.statements.sweep.clone(), every)
+                Sweeper::start(self.inner.pool.clone(), self.inner.statements.clone(), every)
             });
         }
     }

@@ -18,6 +18,7 @@ pub(super) struct Statements {
     pub(super) touch: String,
     pub(super) abandon: String,
     pub(super) sweep: String,
+    pub(super) lapsed: String,
 }
 
 impl Statements {
@@ -40,6 +41,12 @@ impl Statements {
             sweep: format!(
                 "DELETE FROM {table} WHERE key IN (SELECT key FROM {table} \
                  WHERE expires_at <= clock_timestamp() LIMIT $1 FOR UPDATE SKIP LOCKED)"
+            ),
+            lapsed: format!(
+                "SELECT count(*), \
+                 (extract(epoch FROM clock_timestamp() - min(lease_until)) * 1000)::int8 \
+                 FROM {table} WHERE state = 'P' AND lease_until <= clock_timestamp() \
+                 AND expires_at > clock_timestamp()"
             ),
         }
     }

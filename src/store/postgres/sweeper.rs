@@ -1,11 +1,13 @@
 //! Deletes expired rows in bounded batches, so that no sweep holds a claim back: each batch
-//! is one short statement, and rows a claim holds locked are skipped.
+//! is one short statement, and rows a claim holds locked are skipped. Each round also counts
+//! the claims whose lease lapsed, for the `metrics` feature's gauges.
 
 use std::time::Duration;
 
 use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
+use super::{LapsedClaims, schema::Statements};
 use crate::store::StoreError;
 
 /// The default for [`PostgresStore::sweep_every`](super::PostgresStore::sweep_every).
@@ -20,7 +22,7 @@ pub(super) struct Sweeper {
 }
 
 impl Sweeper {
-    pub(super) fn start(pool: PgPool, statement: String, every: Duration) -> Self {
+    pub(super) fn start(pool: PgPool, statements: Statements, every: Duration) -> Self {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         drop(tokio::spawn(async move {
@@ -29,8 +31,17 @@ impl Sweeper {
                     () = stopped.cancelled() => return,
                     () = tokio::time::sleep(every) => {}
                 }
-                if let Err(error) = sweep(&pool, &statement, BATCH).await {
+                if let Err(error) = sweep(&pool, &statements.sweep, BATCH).await {
                     tracing::warn!(%error, "idempotency: sweeping expired records failed; retrying later");
+                }
+                #[cfg(feature = "metrics")]
+                if let Ok(lapsed) = lapsed(&pool, &statements.lapsed).await {
+                    let table = statements.table.clone();
+                    #[allow(clippy::cast_precision_loss)] // a count far below 2^52
+                    metrics::gauge!("idempotency_lapsed_claims", "table" => table.clone())
+                        .set(lapsed.count as f64);
+                    metrics::gauge!("idempotency_oldest_lapsed_claim_seconds", "table" => table)
+                        .set(lapsed.oldest.map_or(0.0, |age| age.as_secs_f64()));
                 }
             }
         }));
@@ -55,4 +66,14 @@ pub(super) async fn sweep(pool: &PgPool, statement: &str, batch: u32) -> Result<
         // Between batches, let the claims waiting for a connection have one.
         tokio::task::yield_now().await;
     }
+}
+
+/// The in-progress records whose lease lapsed, and the age of the oldest lapse.
+pub(super) async fn lapsed(pool: &PgPool, statement: &str) -> Result<LapsedClaims, StoreError> {
+    let (count, oldest_ms): (i64, Option<i64>) =
+        sqlx::query_as(statement).fetch_one(pool).await.map_err(StoreError::unavailable)?;
+    Ok(LapsedClaims {
+        count: u64::try_from(count).unwrap_or(0),
+        oldest: oldest_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+    })
 }
