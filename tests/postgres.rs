@@ -286,3 +286,53 @@ async fn terminated_store_connections_run_no_key_twice_and_requests_succeed_agai
     })
     .await;
 }
+
+/// How many times each of the store's functions ran, from the server's own counters
+/// (`track_functions`): one call is one statement, one round trip. A backend publishes its
+/// counters within its idle interval (10 s), so this waits that long first.
+async fn calls_of_functions(h: &PostgresHarness) -> std::collections::BTreeMap<String, i64> {
+    tokio::time::sleep(Duration::from_millis(11_000)).await;
+    let sql = "SELECT funcname::text, calls FROM pg_stat_user_functions";
+    let rows = h.database.client().await.query(sql, &[]).await.unwrap();
+    rows.iter()
+        .map(|row| (row.get::<_, String>(0).replace("idempotency_records_", ""), row.get(1)))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_fresh_2_replay_1_in_progress_1_pass_through_0() {
+    let h = harness().await;
+    let admin = postgres::connect(&h.database.admin).await.unwrap();
+    let track = format!("ALTER DATABASE {} SET track_functions = 'pl'", h.database.name);
+    admin.batch_execute(&track).await.unwrap();
+    // A pool of its own, whose sessions start after the setting.
+    let calls = Calls::default();
+    let store = PostgresStore::new(h.pool()).sweep_every(None);
+    let app = app(&calls).layer(IdempotencyLayer::new(store).wait_for_in_progress(Duration::ZERO));
+    let before = calls_of_functions(&h).await;
+    assert!(before.values().all(|calls| *calls == 0), "{before:?}");
+
+    // Fresh: a claim and a complete.
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    // Replay: a claim.
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    // In progress: the retry's claim (the original is a fresh request).
+    let original = send_in_background(&app, delayed("/slow", "k2", 500, "{}"));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(send(&app, delayed("/slow", "k2", 500, "{}")).await.status, 202);
+    assert_eq!(original.await.unwrap().status, 201);
+    // Pass-through: nothing.
+    assert_eq!(send(&app, keyed("GET", "/payments", "k3", "")).await.status, 201);
+    let mut unkeyed = keyed("POST", "/payments", "k4", "{}");
+    unkeyed.headers_mut().remove("idempotency-key");
+    assert_eq!(send(&app, unkeyed).await.status, 201);
+    assert_eq!(calls.get(), 4);
+
+    let after = calls_of_functions(&h).await;
+    // 1 + 1 + (1 + 1): fresh, replay, and the in-progress retry beside its fresh original.
+    assert_eq!(after.get("claim"), Some(&4), "{after:?}");
+    assert_eq!(after.get("complete"), Some(&2), "{after:?}");
+    for other in ["release", "touch", "abandon"] {
+        assert_eq!(after.get(other).copied().unwrap_or(0), 0, "{other}: {after:?}");
+    }
+}
