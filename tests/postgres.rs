@@ -336,3 +336,89 @@ async fn round_trips_fresh_2_replay_1_in_progress_1_pass_through_0() {
         assert_eq!(after.get(other).copied().unwrap_or(0), 0, "{other}: {after:?}");
     }
 }
+
+/// A store over a private server, migrated, with a short command timeout.
+async fn private_store(server: &postgres::PrivatePostgres) -> PostgresStore {
+    let pool = PgPoolOptions::new()
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy(&server.url())
+        .unwrap();
+    let store = PostgresStore::new(pool).command_timeout(Duration::from_millis(500));
+    store.migrate().await.unwrap();
+    store
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_paused_past_the_command_timeout_answers_503_and_locks_no_key() {
+    let server = postgres::PrivatePostgres::start();
+    let calls = Calls::default();
+    let app = app(&calls)
+        .layer(IdempotencyLayer::new(private_store(&server).await).lease(Duration::from_secs(2)));
+    assert_eq!(send(&app, keyed("POST", "/payments", "before", "{}")).await.status, 201);
+
+    server.signal("-STOP");
+    let started = Instant::now();
+    let paused = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    paused.assert_problem(503, "store-unavailable");
+    assert!(paused.header("retry-after").is_some());
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    // Past every timeout: the claim sits in the server's socket, and lands when it resumes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    server.signal("-CONT");
+
+    // It landed after its deadline and wrote nothing, or its guard abandoned it: either way
+    // the retry runs at once, not after a lease, and the handler runs once.
+    eventually_within(Duration::from_secs(5), "the key is free after the resume", async || {
+        send(&app, keyed("POST", "/payments", "k1", "{}")).await.status == 201
+    })
+    .await;
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(calls.get(), 2, "the handler ran once for k1, once for the warm-up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_and_restarted_database_keeps_completed_records() {
+    let mut server = postgres::PrivatePostgres::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(private_store(&server).await));
+    let first = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!(first.status, 201);
+
+    server.crash();
+    let down = send(&app, keyed("POST", "/payments", "k2", "{}")).await;
+    down.assert_problem(503, "store-unavailable");
+    server.run();
+
+    // Committed is durable: the record is replayed after the crash, and new keys run.
+    eventually("requests succeed again after the restart", async || {
+        send(&app, keyed("POST", "/payments", "k2", "{}")).await.status == 201
+    })
+    .await;
+    let replay = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    assert_eq!(calls.get(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_pool_answers_503_within_the_command_timeout() {
+    let h = harness().await;
+    // A pool of one connection, which the app itself holds.
+    let small = PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_lazy_with(h.pool().connect_options().as_ref().clone());
+    let store = PostgresStore::new(small.clone()).command_timeout(Duration::from_millis(300));
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store));
+    let held = small.acquire().await.unwrap();
+    let started = Instant::now();
+    let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    seen.assert_problem(503, "store-unavailable");
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    assert_eq!(calls.get(), 0);
+    drop(held);
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    assert_eq!(calls.get(), 1);
+}

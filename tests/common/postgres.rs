@@ -192,3 +192,152 @@ mod store {
         }
     }
 }
+
+/// A PostgreSQL server of the test's own (`initdb` into a temporary folder, `postgres` on a
+/// free loopback port), for the faults that must not touch the shared server: a pause
+/// (SIGSTOP to every process of the server) and a crash (SIGKILL, then a start that recovers
+/// from the WAL). Run as the `postgres` user when the tests run as root (PostgreSQL refuses
+/// root). Stopped by its process group when dropped. Fails loudly when the binaries are
+/// missing (`apt-get install postgresql`).
+pub struct PrivatePostgres {
+    pub port: u16,
+    dir: std::path::PathBuf,
+    bin: std::path::PathBuf,
+    server: Option<std::process::Child>,
+}
+
+impl PrivatePostgres {
+    pub fn start() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .ok()
+            .and_then(|versions| versions.filter_map(Result::ok).map(|v| v.path()).max())
+            .map(|version| version.join("bin"))
+            .expect("a private PostgreSQL needs its binaries in /usr/lib/postgresql/*/bin (apt-get install postgresql)");
+        let dir = std::env::temp_dir().join(format!(
+            "axum-idempotency-pg-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let root = std::process::Command::new("id").arg("-u").output().map(|o| o.stdout == b"0\n");
+        let server = Self { port: crate::common::free_port(), dir, bin, server: None };
+        if root.unwrap_or(false) {
+            let owned = std::process::Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&server.dir)
+                .status();
+            assert!(
+                owned.is_ok_and(|s| s.success()),
+                "chown of the private PostgreSQL folder failed"
+            );
+        }
+        let initdb = server
+            .command("initdb")
+            .args(["--auth=trust", "--username=postgres", "--no-sync", "-D"])
+            .arg(server.dir.join("data"))
+            .stdout(std::process::Stdio::null())
+            .status()
+            .expect("initdb runs");
+        assert!(initdb.success(), "initdb failed");
+        let mut server = server;
+        server.run();
+        server
+    }
+
+    /// `program` of the server's binaries, as the `postgres` user when this process is root.
+    fn command(&self, program: &str) -> std::process::Command {
+        let root =
+            std::process::Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout == b"0\n");
+        let mut command = if root {
+            let mut command = std::process::Command::new("runuser");
+            command.args(["-u", "postgres", "--"]).arg(self.bin.join(program));
+            command
+        } else {
+            std::process::Command::new(self.bin.join(program))
+        };
+        // A group of its own: a signal to the group reaches every backend.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
+        command
+    }
+
+    /// Starts the server (after a crash, it recovers from its WAL) and waits until it answers.
+    pub fn run(&mut self) {
+        let child = self
+            .command("postgres")
+            .arg("-D")
+            .arg(self.dir.join("data"))
+            .args(["-p", &self.port.to_string(), "-c", "listen_addresses=127.0.0.1", "-k"])
+            .arg(&self.dir)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("postgres starts");
+        self.server = Some(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let ready = std::process::Command::new(self.bin.join("pg_isready"))
+                .args(["-q", "-h", "127.0.0.1", "-p", &self.port.to_string()])
+                .status();
+            if ready.is_ok_and(|s| s.success()) {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "the private PostgreSQL did not start");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Sends `signal` (`-STOP`, `-CONT`, `-KILL`) to every process of the server: the
+    /// postmaster (its pid from `postmaster.pid`), each of its children (not a process group:
+    /// every backend calls `setsid()`), and `runuser`, which stops itself when its child stops.
+    pub fn signal(&self, signal: &str) {
+        let pid_file =
+            std::fs::read_to_string(self.dir.join("data/postmaster.pid")).unwrap_or_default();
+        let mut pids: Vec<String> = Vec::new();
+        if let Some(postmaster) = pid_file.lines().next().filter(|pid| !pid.is_empty()) {
+            // The children first, listed while they are still the postmaster's.
+            let children = std::process::Command::new("pgrep").args(["-P", postmaster]).output();
+            let children = children.map(|o| String::from_utf8_lossy(&o.stdout).into_owned());
+            pids.extend(children.unwrap_or_default().split_whitespace().map(str::to_owned));
+            pids.push(postmaster.to_owned());
+        }
+        if let Some(server) = &self.server {
+            pids.push(server.id().to_string());
+        }
+        if !pids.is_empty() {
+            // A backend may exit between the listing and the signal.
+            let _ = std::process::Command::new("kill")
+                .arg(signal)
+                .args(&pids)
+                .stderr(std::process::Stdio::null())
+                .status();
+        }
+    }
+
+    /// SIGKILL to every process of the server: a crash.
+    pub fn crash(&mut self) {
+        self.signal("-CONT");
+        self.signal("-KILL");
+        if let Some(mut server) = self.server.take() {
+            let _ = server.wait();
+        }
+        // The backends die with their group; wait until the port is free for the restart.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        self.crash();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
