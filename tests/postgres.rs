@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer,
     store::{
-        Claim, Lease, OwnerToken, PostgresStore, RecordKey, Store,
+        Claim, Fenced, Lease, OwnerToken, PostgresStore, RecordKey, Store, StoreError,
         sqlx::{PgPool, postgres::PgPoolOptions},
     },
 };
@@ -421,4 +421,110 @@ async fn an_exhausted_pool_answers_503_within_the_command_timeout() {
     drop(held);
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
     assert_eq!(calls.get(), 1);
+}
+
+/// What the table holds under `key`, live or not: state, and the time it has left in ms.
+async fn row(h: &PostgresHarness, key: &RecordKey) -> Option<(String, i64)> {
+    let sql = "SELECT state::text, (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::int8 \
+               FROM idempotency_records WHERE key = $1";
+    let row = h.database.client().await.query_opt(sql, &[&key.as_str()]).await.unwrap()?;
+    Some((row.get(0), row.get(1)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_landing_after_its_abandon_is_refused_and_blocks_nobody_else() {
+    // The claim sat in a paused server's socket; its caller timed out, and its guard's abandon
+    // reached the server first.
+    let h = harness().await;
+    let store = h.store();
+    let fingerprint = Fingerprint::of_payload(b"1");
+    let long = Lease::new(Duration::from_secs(30));
+    let (k, late) = (key("a"), OwnerToken::random());
+    assert_eq!(store.abandon(&k, &late, &fingerprint, long).await.unwrap(), Fenced::Applied);
+    let (state, left) = row(&h, &k).await.expect("a marker");
+    assert_eq!(state, "X");
+    assert!((28_000..=30_000).contains(&left), "the marker lives one lease: {left} ms");
+    assert_eq!(h.held(&k).await, Some(Held::Abandoned));
+    // The late claim lands: refused, and nothing written.
+    assert!(matches!(
+        store.claim(&k, &fingerprint, &late, long).await,
+        Err(StoreError::ClaimAbandoned)
+    ));
+    assert_eq!(row(&h, &k).await.map(|(state, _)| state).as_deref(), Some("X"));
+    assert_eq!(store.touch(&k, &late, long).await.unwrap(), Fenced::Rejected);
+    assert_eq!(store.release(&k, &late).await.unwrap(), Fenced::Rejected);
+    // Anyone else sees an absent key: a holder whose lease lapsed with nobody taking over may
+    // still store its response, and a claim (any fingerprint) takes it.
+    let lapsed = OwnerToken::random();
+    let written =
+        store.complete(&k, &lapsed, &fingerprint, "r".into(), Duration::from_secs(30)).await;
+    assert_eq!(written.unwrap(), Fenced::Applied);
+    assert_eq!(h.held(&k).await, Some(Held::Completed));
+    let k = key("b");
+    assert_eq!(store.abandon(&k, &late, &fingerprint, long).await.unwrap(), Fenced::Applied);
+    let next = OwnerToken::random();
+    let other = Fingerprint::of_payload(b"2");
+    assert_eq!(store.claim(&k, &other, &next, long).await.unwrap(), Claim::Claimed);
+    assert_eq!(h.held(&k).await, Some(Held::InProgress));
+    // And the late claim, landing now, finds another's claim: it takes nothing.
+    assert_eq!(store.claim(&k, &fingerprint, &late, long).await.unwrap(), Claim::Mismatch);
+    assert_eq!(store.release(&k, &next).await.unwrap(), Fenced::Applied);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_arriving_after_its_deadline_writes_nothing() {
+    // The claim function called as the store calls it, with a deadline already past: a claim
+    // held up on the wire while its caller gave up on it.
+    let h = harness().await;
+    let client = h.database.client().await;
+    let claim =
+        "SELECT outcome FROM idempotency_records_claim($1, $2, $3, 30000, 60000, false, $4)";
+    let past: i64 = client
+        .query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8 - 1000", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let fingerprint = Fingerprint::of_payload(b"1");
+    let (k, owner) = (key("late"), OwnerToken::random());
+    let args = |deadline: i64| {
+        (
+            k.as_str().to_owned(),
+            fingerprint.as_bytes().to_vec(),
+            owner.as_bytes().to_vec(),
+            deadline,
+        )
+    };
+    let (a, b, c, d) = args(past);
+    let outcome: i32 = client.query_one(claim, &[&a, &b, &c, &d]).await.unwrap().get(0);
+    assert_eq!(outcome, 6, "refused");
+    assert_eq!(row(&h, &k).await, None, "nothing written");
+    // A lapsed claim is not taken over by a late one either.
+    let store = h.store();
+    let short = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(60));
+    store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let outcome: i32 = client.query_one(claim, &[&a, &b, &c, &d]).await.unwrap().get(0);
+    assert_eq!(outcome, 6, "refused");
+    assert_eq!(store.lapsed_claims().await.unwrap().count, 1, "the lapsed claim is still lapsed");
+    // In time, the same call claims (no deadline: 0).
+    let (a, b, c, d) = args(0);
+    let outcome: i32 = client.query_one(claim, &[&a, &b, &c, &d]).await.unwrap().get(0);
+    assert_eq!(outcome, 5, "taken over");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_the_record_expired_is_fenced_out() {
+    let h = harness().await;
+    let store = h.store();
+    let (k, owner) = (key("expired"), OwnerToken::random());
+    let fingerprint = Fingerprint::of_payload(b"1");
+    store.claim(&k, &fingerprint, &owner, Lease::new(Duration::from_millis(50))).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(h.held(&k).await, None);
+    // Gone, though its row is not swept yet: the holder released nothing.
+    assert_eq!(store.release(&k, &owner).await.unwrap(), Fenced::Rejected);
+    assert_eq!(
+        store.touch(&k, &owner, Lease::new(Duration::from_secs(30))).await.unwrap(),
+        Fenced::Rejected
+    );
 }
