@@ -228,13 +228,15 @@ impl Drop for Watchdog {
 }
 
 pub(crate) fn watchdog(ports: &[u16], admin: &str, database: &str) -> std::io::Result<Watchdog> {
-    let shutdowns: Vec<String> =
-        ports.iter().map(|p| format!("redis-cli -p {p} shutdown nosave >/dev/null 2>&1")).collect();
+    // Each command ends with its own `;`: with no Redis (a PostgreSQL run) there is none.
+    let shutdowns: String = ports
+        .iter()
+        .map(|p| format!("redis-cli -p {p} shutdown nosave >/dev/null 2>&1; "))
+        .collect();
     let script = format!(
-        "while kill -0 {} 2>/dev/null; do sleep 1; done; {}; \
+        "while kill -0 {} 2>/dev/null; do sleep 1; done; {shutdowns}\
          psql '{admin}' -qc 'DROP DATABASE IF EXISTS {database} WITH (FORCE)' >/dev/null 2>&1",
         std::process::id(),
-        shutdowns.join("; "),
     );
     Command::new("sh").args(["-c", &script]).stdin(Stdio::null()).spawn().map(Watchdog)
 }
