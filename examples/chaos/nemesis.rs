@@ -110,6 +110,23 @@ impl Nemesis {
         }
     }
 
+    /// A fault of the store's network, through the proxy: 0 slow, 1 silent, else reset.
+    fn network(&self, proxy: &Proxy, which: usize) {
+        match which {
+            0 => self.fault("slow-network", "proxy", || {
+                proxy.set(Weather::Slow(between(50, 500)));
+                std::thread::sleep(between(1000, 4000));
+                proxy.set(Weather::Clear);
+            }),
+            1 => self.fault("silent-network", "proxy", || {
+                proxy.set(Weather::Silent);
+                std::thread::sleep(between(300, 3000));
+                proxy.set(Weather::Clear);
+            }),
+            _ => self.fault("reset-connections", "proxy", || proxy.reset_all()),
+        }
+    }
+
     /// A single Redis: pause it, restart it (AOF keeps its data), or make its network slow,
     /// silent or reset.
     pub(crate) fn single_redis(&self) {
@@ -136,17 +153,7 @@ impl Nemesis {
                         self.error(format!("restart-redis: {error}"));
                     }
                 }
-                2 => self.fault("slow-network", "proxy", || {
-                    proxy.set(Weather::Slow(between(50, 500)));
-                    std::thread::sleep(between(1000, 4000));
-                    proxy.set(Weather::Clear);
-                }),
-                3 => self.fault("silent-network", "proxy", || {
-                    proxy.set(Weather::Silent);
-                    std::thread::sleep(between(300, 3000));
-                    proxy.set(Weather::Clear);
-                }),
-                _ => self.fault("reset-connections", "proxy", || proxy.reset_all()),
+                network => self.network(proxy, network - 2),
             }
         }
     }
@@ -241,17 +248,7 @@ impl Nemesis {
         while !self.stop.load(Ordering::SeqCst) {
             self.rest();
             match pick(4) {
-                0 => self.fault("slow-network", "proxy", || {
-                    proxy.set(Weather::Slow(between(50, 500)));
-                    std::thread::sleep(between(1000, 4000));
-                    proxy.set(Weather::Clear);
-                }),
-                1 => self.fault("silent-network", "proxy", || {
-                    proxy.set(Weather::Silent);
-                    std::thread::sleep(between(300, 3000));
-                    proxy.set(Weather::Clear);
-                }),
-                2 => self.fault("reset-connections", "proxy", || proxy.reset_all()),
+                network @ 0..=2 => self.network(proxy, network),
                 _ => {
                     let mut failed = None;
                     self.fault("terminate-backends", database, || {
