@@ -270,7 +270,7 @@ impl PrivatePostgres {
             .args(["-p", &self.port.to_string(), "-c", "listen_addresses=127.0.0.1", "-k"])
             .arg(&self.dir)
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
+            .stderr(self.log())
             .spawn()
             .expect("postgres starts");
         self.server = Some(child);
@@ -282,9 +282,22 @@ impl PrivatePostgres {
             if ready.is_ok_and(|s| s.success()) {
                 return;
             }
-            assert!(std::time::Instant::now() < deadline, "the private PostgreSQL did not start");
+            if std::time::Instant::now() > deadline {
+                let log = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(15).collect();
+                panic!("the private PostgreSQL did not start; its log ends:\n{}", tail.join("\n"));
+            }
             std::thread::sleep(std::time::Duration::from_millis(100));
         }
+    }
+
+    /// The server's log, appended to across restarts.
+    fn log(&self) -> std::fs::File {
+        std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.log"))
+            .expect("the private PostgreSQL's log")
     }
 
     pub fn url(&self) -> String {
@@ -305,7 +318,9 @@ impl PrivatePostgres {
             pids.extend(children.unwrap_or_default().split_whitespace().map(str::to_owned));
             pids.push(postmaster.to_owned());
         }
-        if let Some(server) = &self.server {
+        // Not killed: `runuser` reaps the postmaster it started, and so leaves no zombie
+        // whose pid would keep `postmaster.pid` alive for the restart.
+        if let Some(server) = self.server.as_ref().filter(|_| signal != "-KILL") {
             pids.push(server.id().to_string());
         }
         if !pids.is_empty() {
@@ -323,6 +338,12 @@ impl PrivatePostgres {
         self.signal("-CONT");
         self.signal("-KILL");
         if let Some(mut server) = self.server.take() {
+            // `runuser` exits once it reaped the postmaster; past a bound, it goes too.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while matches!(server.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            let _ = server.kill();
             let _ = server.wait();
         }
         // The backends die with their group; wait until the port is free for the restart.
@@ -332,6 +353,8 @@ impl PrivatePostgres {
         {
             std::thread::sleep(std::time::Duration::from_millis(50));
         }
+        // The postmaster is dead: its lock file must not stop the restart.
+        let _ = std::fs::remove_file(self.dir.join("data/postmaster.pid"));
     }
 }
 
