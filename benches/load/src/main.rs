@@ -34,6 +34,7 @@ const SIZES: [usize; 3] = [256, 16 * 1024, 256 * 1024];
 const MAX_REQUESTS_PER_LOAD: usize = 5_000_000;
 
 mod matrix;
+mod postgres;
 mod storm;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -58,8 +59,9 @@ fn main() -> Result<(), Error> {
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
         ["storm"] => runtime.block_on(storm::storm()),
+        ["postgres"] => runtime.block_on(postgres::run()),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load serve TARGET PORT REDIS_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load postgres | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 
@@ -106,6 +108,7 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
                 idempotent::store::valkey::ValkeyStore::with_url(redis_url).try_build().await?;
             bare().layer(idempotent::middleware::IdempotencyLayer::new(store))
         }
+        "postgres" | "pg-floor" => postgres::app(target, redis_url).await?,
         other => return Err(format!("unknown target {other}").into()),
     })
 }
