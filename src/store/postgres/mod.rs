@@ -42,7 +42,8 @@ const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
 /// Each record is a row of one table (`idempotency_records` unless
 /// [`with_table`](Self::with_table) names another), and each transition is one statement, a
 /// call of a PL/pgSQL function that [`migrate`](Self::migrate) installs with the table: one
-/// round trip, atomic for its key (the row is locked `FOR UPDATE`), decided by the database's
+/// round trip, atomic for its key (the row is locked `FOR UPDATE`; a replay reads a completed
+/// row, which never changes until it expires, without a lock), decided by the database's
 /// clock (`clock_timestamp()`), never the app's. `complete`, `release`, `touch` and `abandon` are
 /// fenced by the owner token in the function. The SQL is [`PostgresStore::SCHEMA`].
 ///
