@@ -13,22 +13,12 @@ use std::{
 use bytes::Bytes;
 use sqlx::{PgPool, Row as _, postgres::PgRow};
 
-pub use self::schema::TableNameError;
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
+pub use self::{schema::TableNameError, sweeper::LapsedClaims};
 use super::{
     Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, clock::ServerClock,
 };
 use crate::{fingerprint::Fingerprint, key::RecordKey};
-
-/// What [`PostgresStore::lapsed_claims`] found.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct LapsedClaims {
-    /// How many in-progress records have a lapsed lease.
-    pub count: u64,
-    /// How long ago the oldest of them lapsed; `None` when there is none.
-    pub oldest: Option<Duration>,
-}
 
 /// The default for [`PostgresStore::command_timeout`].
 const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);

@@ -7,8 +7,18 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::{LapsedClaims, schema::Statements};
+use super::schema::Statements;
 use crate::store::StoreError;
+
+/// What [`PostgresStore::lapsed_claims`](super::PostgresStore::lapsed_claims) found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LapsedClaims {
+    /// How many in-progress records have a lapsed lease.
+    pub count: u64,
+    /// How long ago the oldest of them lapsed; `None` when there is none.
+    pub oldest: Option<Duration>,
+}
 
 /// The default for [`PostgresStore::sweep_every`](super::PostgresStore::sweep_every).
 pub(super) const DEFAULT_EVERY: Duration = Duration::from_secs(60);
