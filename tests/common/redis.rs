@@ -199,6 +199,9 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         // A stopped server ignores SIGTERM until continued; SIGKILL works either way.
         self.kill();
+        // And its directory goes with it: nothing left behind in the temporary folder.
+        let dir = std::env::temp_dir().join(format!("axum-idempotency-redis-{}", self.port));
+        let _ = std::fs::remove_dir_all(dir);
     }
 }
 
