@@ -68,6 +68,11 @@ async fn expired_rows_are_swept_in_batches_and_live_ones_kept() {
     assert_eq!(client.query_one(rows, &[]).await.unwrap().get::<_, i64>(0), 3);
     assert_eq!(h.record_count().await, 3);
     assert_eq!(store.sweep_expired(3).await.unwrap(), 0);
+    // A batch of 0 is a batch of 1, never a loop that does not end.
+    store.claim(&key("gone-again"), &fingerprint, &OwnerToken::random(), short).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let zero = tokio::time::timeout(Duration::from_secs(5), store.sweep_expired(0)).await;
+    assert_eq!(zero.expect("a batch of 0 returns").unwrap(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -173,9 +173,10 @@ impl PostgresStore {
         tx.commit().await.map_err(StoreError::unavailable)
     }
 
-    /// Deletes expired rows, at most `batch` at a time until none is left, and returns how
-    /// many. Rows locked by a claim meanwhile are skipped, never waited for, so a sweep holds
-    /// no claim back.
+    /// Deletes expired rows, at most `batch` (at least 1) at a time until none is left, and
+    /// returns how many. Rows locked by a claim meanwhile are skipped, never waited for: no
+    /// claim waits for a sweep's lock, though a large sweep competes with claims for the
+    /// database (BENCHMARKS.md: a sweep of a million rows slowed claims to two thirds).
     ///
     /// # Errors
     ///

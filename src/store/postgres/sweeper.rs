@@ -59,8 +59,10 @@ impl Sweeper {
     }
 }
 
-/// Deletes expired rows, `batch` at a time, until a batch finds fewer.
+/// Deletes expired rows, `batch` at a time (at least one), until a batch finds fewer.
 pub(super) async fn sweep(pool: &PgPool, statement: &str, batch: u32) -> Result<u64, StoreError> {
+    // A batch of 0 would never find fewer than itself: the loop would not end.
+    let batch = batch.max(1);
     let mut deleted = 0;
     loop {
         let done = sqlx::query(statement)
