@@ -9,8 +9,9 @@
 --              late, is refused; for every other claim the key is absent
 -- A row whose `expires_at` has passed is absent, whatever it holds; the sweeper deletes it.
 -- `waited`: a claim is waiting for this record to settle, so its settle sends a NOTIFY on
--- the channel `idempotency_records_settled` with the key as the payload. Time is always the
--- database's (clock_timestamp()), never the app's.
+-- the channel `idempotency_records_settled` with the key as the payload (on a completed row it
+-- means nothing, and is left as it was). Time is always the database's (clock_timestamp()),
+-- never the app's.
 
 CREATE TABLE IF NOT EXISTS idempotency_records (
     key TEXT PRIMARY KEY,
@@ -37,16 +38,17 @@ CREATE OR REPLACE FUNCTION idempotency_records_claim(
 LANGUAGE plpgsql AS $$
 DECLARE
     r idempotency_records%ROWTYPE;
+    v_absent BOOLEAN;
     v_now TIMESTAMPTZ := clock_timestamp();
-    -- In milliseconds: a deadline as far as i64::MAX is no timestamp.
-    v_late BOOLEAN := p_not_after_ms > 0 AND extract(epoch FROM v_now) * 1000 > p_not_after_ms;
-    v_lease_until TIMESTAMPTZ := v_now + p_lease_ms * INTERVAL '1 millisecond';
-    v_expires_at TIMESTAMPTZ := v_lease_until + p_window_ms * INTERVAL '1 millisecond';
+    v_late BOOLEAN;
+    v_lease_until TIMESTAMPTZ;
+    v_expires_at TIMESTAMPTZ;
 BEGIN
     -- A completed record never changes until it expires: answer it from a plain read, so that
     -- the replays of one key do not queue on its row lock.
     SELECT * INTO r FROM idempotency_records WHERE key = p_key;
-    IF FOUND AND r.state = 'C' AND r.expires_at > v_now THEN
+    v_absent := NOT FOUND;
+    IF NOT v_absent AND r.state = 'C' AND r.expires_at > v_now THEN
         IF r.fingerprint <> p_fingerprint THEN
             outcome := 2;
         ELSE
@@ -55,6 +57,22 @@ BEGIN
             remaining_ms := ceil(extract(epoch FROM r.expires_at - v_now) * 1000);
         END IF;
         RETURN;
+    END IF;
+    -- In milliseconds: a deadline as far as i64::MAX is no timestamp.
+    v_late := p_not_after_ms > 0 AND extract(epoch FROM v_now) * 1000 > p_not_after_ms;
+    v_lease_until := v_now + p_lease_ms * INTERVAL '1 millisecond';
+    v_expires_at := v_lease_until + p_window_ms * INTERVAL '1 millisecond';
+    -- A new key (every first attempt): an insert that finds no row claims it, with no row
+    -- lock taken to look first. A row written since the read above goes the long way.
+    IF v_absent AND NOT v_late THEN
+        INSERT INTO idempotency_records
+            (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
+        VALUES (p_key, 'P', p_fingerprint, p_owner, NULL, v_lease_until, v_expires_at, false)
+        ON CONFLICT (key) DO NOTHING;
+        IF FOUND THEN
+            outcome := 0;
+            RETURN;
+        END IF;
     END IF;
     LOOP
         SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
@@ -122,9 +140,24 @@ CREATE OR REPLACE FUNCTION idempotency_records_complete(
 LANGUAGE plpgsql AS $$
 DECLARE
     r idempotency_records%ROWTYPE;
+    v_waited BOOLEAN;
     v_now TIMESTAMPTZ := clock_timestamp();
     v_expires_at TIMESTAMPTZ := v_now + p_retention_ms * INTERVAL '1 millisecond';
 BEGIN
+    -- The owner's live claim (every completion but a late one): one update, fenced by the
+    -- token. `waited` is left as it is, so that RETURNING reads whether to notify; nothing
+    -- reads it on a completed row.
+    UPDATE idempotency_records SET state = 'C', fingerprint = p_fingerprint, owner = NULL,
+        response = p_response, lease_until = NULL, expires_at = v_expires_at
+    WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now
+    RETURNING waited INTO v_waited;
+    IF FOUND THEN
+        IF v_waited THEN
+            PERFORM pg_notify('idempotency_records_settled', p_key);
+        END IF;
+        outcome := 1;
+        RETURN;
+    END IF;
     LOOP
         SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
         IF NOT FOUND OR r.expires_at <= v_now OR r.state = 'X' THEN
@@ -141,22 +174,10 @@ BEGIN
             END IF;
             CONTINUE;
         END IF;
-        IF r.state = 'C' THEN
-            outcome := CASE WHEN r.response = p_response AND r.fingerprint = p_fingerprint
-                THEN 2 ELSE 0 END;
-            RETURN;
-        END IF;
-        IF r.owner <> p_owner THEN
-            outcome := 0;
-            RETURN;
-        END IF;
-        UPDATE idempotency_records SET state = 'C', fingerprint = p_fingerprint, owner = NULL,
-            response = p_response, lease_until = NULL, expires_at = v_expires_at, waited = false
-        WHERE key = p_key;
-        IF r.waited THEN
-            PERFORM pg_notify('idempotency_records_settled', p_key);
-        END IF;
-        outcome := 1;
+        -- Completed (by an earlier attempt of this very call, whose answer was lost, or by
+        -- another owner), or another owner's claim: the update above took p_owner's own.
+        outcome := CASE WHEN r.state = 'C' AND r.response = p_response
+            AND r.fingerprint = p_fingerprint THEN 2 ELSE 0 END;
         RETURN;
     END LOOP;
 END $$;

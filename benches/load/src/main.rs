@@ -59,9 +59,10 @@ fn main() -> Result<(), Error> {
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
         ["storm"] => runtime.block_on(storm::storm()),
-        ["postgres"] => runtime.block_on(postgres::run()),
+        ["postgres"] => runtime.block_on(postgres::run(true)),
+        ["postgres", "ratios"] => runtime.block_on(postgres::run(false)),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load postgres | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load postgres [ratios] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 

@@ -135,16 +135,18 @@ async fn drive(exe: &std::path::Path, port: u16, scenario: &str, connections: us
     Ok(((requests - errors) / secs, p99 as u64))
 }
 
-pub(crate) async fn run() -> Result<(), Error> {
+/// `everything`: the ratios, then the bytes per row and the sweep (`load postgres ratios`: the
+/// ratios alone).
+pub(crate) async fn run(everything: bool) -> Result<(), Error> {
     let seconds: u64 = std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
     let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
     let database = Database::create().await?;
-    let outcome = run_in(&database, seconds, rounds).await;
+    let outcome = run_in(&database, seconds, rounds, everything).await;
     database.drop_now().await?;
     outcome
 }
 
-async fn run_in(database: &Database, seconds: u64, rounds: usize) -> Result<(), Error> {
+async fn run_in(database: &Database, seconds: u64, rounds: usize, everything: bool) -> Result<(), Error> {
     let exe = std::env::current_exe()?;
     let mut servers = Vec::new();
     for target in ["pg-floor", "postgres"] {
@@ -184,6 +186,9 @@ async fn run_in(database: &Database, seconds: u64, rounds: usize) -> Result<(), 
         }
     }
     drop(servers);
+    if !everything {
+        return Ok(());
+    }
     bytes_per_row(&database.url).await?;
     sweep_beside_claims(&database.url, &exe, seconds.max(5)).await
 }
