@@ -122,6 +122,62 @@ async fn lapsed_claims_are_counted_with_the_age_of_the_oldest() {
     assert_eq!(store.lapsed_claims().await.unwrap().count, 1);
 }
 
+/// With `metrics`, each round of the store's sweep sets two gauges, labelled by table: the
+/// claims whose lease lapsed, and how long ago the oldest lapsed.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_sets_the_lapsed_claims_gauges() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().expect("the only recorder of this test binary");
+    // One snapshot (reading a gauge resets it to 0): each gauge's labels and value.
+    let gauges = || {
+        let snapshot = snapshotter.snapshot().into_vec().into_iter();
+        let gauges = snapshot.filter_map(|(key, .., value)| {
+            let DebugValue::Gauge(value) = value else { return None };
+            let key = key.key();
+            let labels: Vec<String> =
+                key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+            Some((key.name().to_owned(), (labels, value.into_inner())))
+        });
+        gauges.collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let h = harness().await;
+    let store = h.store().sweep_every(Some(Duration::from_millis(100)));
+    let fingerprint = Fingerprint::of_payload(b"f");
+    let lapsing = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(60));
+    let owners = [OwnerToken::random(), OwnerToken::random()];
+    let first_claimed = Instant::now();
+    store.claim(&key("dead-1"), &fingerprint, &owners[0], lapsing).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let second_claimed = Instant::now();
+    store.claim(&key("dead-2"), &fingerprint, &owners[1], lapsing).await.unwrap();
+    let held = Lease::new(Duration::from_secs(60));
+    store.claim(&key("held"), &fingerprint, &OwnerToken::random(), held).await.unwrap();
+    let table = vec!["table=idempotency_records".to_owned()];
+    // The oldest lapse of the claims made at `since`, as a sweep round within the last 0.4 s
+    // measured it.
+    let counted = async |count: f64, since: Instant| {
+        eventually_within(Duration::from_secs(3), &format!("{count} lapsed claims"), async || {
+            let lapsed_for = since.elapsed().as_secs_f64() - 0.05;
+            let gauges = gauges();
+            let (labels, counted) = &gauges["idempotency_lapsed_claims"];
+            let (_, age) = &gauges["idempotency_oldest_lapsed_claim_seconds"];
+            assert_eq!(labels, &table);
+            *counted == count && (lapsed_for - 0.4..lapsed_for + 0.05).contains(age)
+        })
+        .await;
+    };
+    counted(2.0, first_claimed).await;
+    // The first holder finishes after all (nobody took over): the second is the oldest.
+    let first = key("dead-1");
+    let done = store.complete(&first, &owners[0], &fingerprint, "ok".into(), held.duration);
+    assert_eq!(done.await.unwrap(), Fenced::Applied);
+    counted(1.0, second_claimed).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_is_safe_on_every_start_and_side_by_side() {
     let h = harness().await;

@@ -14,6 +14,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::{Claim, StoreError};
+
 /// The latest sample: the server's time in milliseconds since the Unix epoch, and when it was
 /// read by the local monotonic clock (the middle of the round trip).
 #[derive(Debug, Default)]
@@ -44,6 +46,28 @@ impl ServerClock {
     }
 }
 
+/// Runs `claim`; when the store refuses it as landed past its deadline although it was
+/// answered in time, the sample is off (the server's clock stepped): `resample`, and claim
+/// once more with the new deadline.
+pub(crate) async fn claim_resampling<C, R>(
+    claim: impl Fn() -> C,
+    resample: impl FnOnce() -> R,
+) -> Result<Claim, StoreError>
+where
+    C: Future<Output = Result<Claim, StoreError>>,
+    R: Future<Output = Result<(), StoreError>>,
+{
+    let first = claim().await;
+    if let Err(StoreError::ClaimAbandoned) = first {
+        tracing::warn!(
+            "idempotency: a claim landed after its deadline while answered in time; sampling the store server's clock again"
+        );
+        resample().await?;
+        return claim().await;
+    }
+    first
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -59,5 +83,47 @@ mod tests {
         assert!((1_000_250..1_001_250).contains(&now), "{now}");
         let deadline = clock.claim_deadline(Duration::from_secs(1), Duration::from_secs(15));
         assert!((1_016_250..1_017_250).contains(&deadline), "{deadline}");
+    }
+
+    /// Claims as `answers` say, counting the claims and the samples.
+    async fn claims(
+        answers: [Result<Claim, StoreError>; 2],
+    ) -> (Result<Claim, StoreError>, usize, usize) {
+        let answers = Mutex::new(Vec::from(answers));
+        let (claimed, sampled) = (Mutex::new(0), Mutex::new(0));
+        let claim = || async {
+            *claimed.lock().unwrap() += 1;
+            answers.lock().unwrap().remove(0)
+        };
+        let resample = || async {
+            *sampled.lock().unwrap() += 1;
+            Ok(())
+        };
+        let outcome = claim_resampling(claim, resample).await;
+        (outcome, claimed.into_inner().unwrap(), sampled.into_inner().unwrap())
+    }
+
+    #[tokio::test]
+    async fn a_claim_refused_as_late_though_answered_in_time_samples_again_and_claims_once_more() {
+        let refused = || Err(StoreError::ClaimAbandoned);
+        assert!(matches!(
+            claims([refused(), Ok(Claim::Claimed)]).await,
+            (Ok(Claim::Claimed), 2, 1)
+        ));
+        // Refused again: the second answer is the answer, and nothing is tried a third time.
+        assert!(matches!(
+            claims([refused(), refused()]).await,
+            (Err(StoreError::ClaimAbandoned), 2, 1)
+        ));
+        // Any other answer is the answer.
+        assert!(matches!(
+            claims([Ok(Claim::Mismatch), refused()]).await,
+            (Ok(Claim::Mismatch), 1, 0)
+        ));
+        let timeout = || Err(StoreError::Timeout(Duration::from_secs(1)));
+        assert!(matches!(
+            claims([timeout(), refused()]).await,
+            (Err(StoreError::Timeout(_)), 1, 0)
+        ));
     }
 }

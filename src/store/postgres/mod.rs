@@ -16,7 +16,8 @@ use sqlx::{PgPool, Row as _, postgres::PgRow};
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
 pub use self::{schema::TableNameError, sweeper::LapsedClaims};
 use super::{
-    Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, clock::ServerClock,
+    Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription,
+    clock::{ServerClock, claim_resampling},
 };
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
@@ -244,17 +245,11 @@ impl PostgresStore {
         if self.inner.clock.now().is_none() {
             self.sample_clock().await?;
         }
-        let claim = self.claim_once(key, fingerprint, owner, lease, waiting).await;
-        if let Err(StoreError::ClaimAbandoned) = claim {
-            // Refused although its answer came in time: the sample is off (the database's
-            // clock stepped). Sample it again, and claim again with the new deadline.
-            tracing::warn!(
-                "idempotency: a claim landed after its deadline while answered in time; sampling the database's clock again"
-            );
-            self.sample_clock().await?;
-            return self.claim_once(key, fingerprint, owner, lease, waiting).await;
-        }
-        claim
+        claim_resampling(
+            || self.claim_once(key, fingerprint, owner, lease, waiting),
+            || self.sample_clock(),
+        )
+        .await
     }
 
     /// One call of the claim function, with the latest database time at which it may be

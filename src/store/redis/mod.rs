@@ -25,7 +25,9 @@ use self::{
     },
     subscriber::{Listen, Subscriber},
 };
-use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription};
+use super::{
+    Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription, clock::claim_resampling,
+};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// Format version written with every record. A record of another version is reported as
@@ -172,21 +174,18 @@ impl RedisStore {
         lease: Lease,
         waiting: bool,
     ) -> Result<Claim, StoreError> {
-        let claim = parse_claim(self.claim_once(key, fingerprint, owner, lease, waiting).await?);
-        if let Err(StoreError::ClaimAbandoned) = claim {
-            // Refused although its answer came in time: the clock sample is off (the server's
-            // clock stepped). Sample it again, and claim again with the new deadline.
-            tracing::warn!(
-                "idempotency: a claim landed after its deadline while answered in time; sampling the server's clock again"
-            );
-            let timeout = self.command_timeout;
+        let claim = || async {
+            parse_claim(self.claim_once(key, fingerprint, owner, lease, waiting).await?)
+        };
+        let resample = || async {
             let clock = &self.connections.clock;
             self.connections
-                .run(timeout, |mut connection| async move { clock.sample(&mut connection).await })
-                .await?;
-            return parse_claim(self.claim_once(key, fingerprint, owner, lease, waiting).await?);
-        }
-        claim
+                .run(self.command_timeout, |mut connection| async move {
+                    clock.sample(&mut connection).await
+                })
+                .await
+        };
+        claim_resampling(claim, resample).await
     }
 
     /// One run of the claim script. The claim names the latest server time at which it may
