@@ -473,6 +473,16 @@ async fn a_crashed_and_restarted_database_keeps_completed_records() {
     assert_eq!(calls.get(), 2);
 }
 
+/// What one client saw of one request.
+struct Answer {
+    key: String,
+    status: u16,
+    retry_after: bool,
+    replayed: bool,
+    sent: Instant,
+    done: Instant,
+}
+
 /// PostgreSQL crashed (SIGKILL to every process) and restarted while eight clients send
 /// requests: every answer is 201, 202 or 503 with `Retry-After`, none hangs, nothing
 /// panics, no key runs twice, requests succeed again within seconds of the restart, and the
@@ -503,7 +513,7 @@ async fn a_database_crashed_and_restarted_under_load_runs_no_key_twice() {
 
     let start = Instant::now();
     let load_for = Duration::from_millis(4000);
-    let answers: Arc<Mutex<Vec<(String, u16, bool, bool, Instant, Instant)>>> = Arc::default();
+    let answers: Arc<Mutex<Vec<Answer>>> = Arc::default();
     let workers: Vec<_> = (0..8)
         .map(|worker| {
             let (app, answers) = (app.clone(), answers.clone());
@@ -525,17 +535,14 @@ async fn a_database_crashed_and_restarted_under_load_runs_no_key_twice() {
                     )
                     .await
                     .unwrap_or_else(|_| panic!("request for {key} hung"));
-                    let retry_after = seen.header("retry-after").is_some();
-                    let answer = (key, seen.status.as_u16(), retry_after, seen.replayed());
-                    let (key, status, retry_after, replayed) = answer;
-                    answers.lock().unwrap().push((
+                    answers.lock().unwrap().push(Answer {
+                        status: seen.status.as_u16(),
+                        retry_after: seen.header("retry-after").is_some(),
+                        replayed: seen.replayed(),
                         key,
-                        status,
-                        retry_after,
-                        replayed,
                         sent,
-                        Instant::now(),
-                    ));
+                        done: Instant::now(),
+                    });
                     tokio::time::sleep(Duration::from_millis(2)).await;
                 }
             })
@@ -562,12 +569,12 @@ async fn a_database_crashed_and_restarted_under_load_runs_no_key_twice() {
     let answers = answers.lock().unwrap();
     let executions = executions.lock().unwrap();
     let mut tally: HashMap<u16, usize> = HashMap::new();
-    for (key, status, retry_after, ..) in answers.iter() {
-        *tally.entry(*status).or_default() += 1;
-        match status {
+    for answer in answers.iter() {
+        *tally.entry(answer.status).or_default() += 1;
+        match answer.status {
             201 | 202 => {}
-            503 => assert!(retry_after, "503 without Retry-After for {key}"),
-            other => panic!("status {other} for {key}"),
+            503 => assert!(answer.retry_after, "503 without Retry-After for {}", answer.key),
+            other => panic!("status {other} for {}", answer.key),
         }
     }
     for (key, ran) in executions.iter() {
@@ -576,16 +583,12 @@ async fn a_database_crashed_and_restarted_under_load_runs_no_key_twice() {
     // Completed before the crash, replayed after the restart: the records outlived it.
     let completed_before: std::collections::HashSet<&str> = answers
         .iter()
-        .filter(|(_, status, _, replayed, _, done)| {
-            *status == 201 && !replayed && *done < crashed_at
-        })
-        .map(|(key, ..)| key.as_str())
+        .filter(|a| a.status == 201 && !a.replayed && a.done < crashed_at)
+        .map(|a| a.key.as_str())
         .collect();
     let replayed_after = answers
         .iter()
-        .filter(|(key, _, _, replayed, sent, _)| {
-            *replayed && *sent > restarted_at && completed_before.contains(key.as_str())
-        })
+        .filter(|a| a.replayed && a.sent > restarted_at && completed_before.contains(&*a.key))
         .count();
     assert_eq!(PANICS.load(std::sync::atomic::Ordering::SeqCst), 0, "something panicked");
     assert!(tally.get(&201).copied().unwrap_or(0) > 100, "too little load got through: {tally:?}");
