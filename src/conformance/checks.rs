@@ -21,6 +21,28 @@ pub async fn claim_on_absent_claims_for_the_lease<St: Store>(store: &St) {
     assert_in_progress(store, &k, &fp("1"), "a second claim of a claimed key").await;
 }
 
+/// Claims of one absent key sent at once: exactly one takes it, and every other sees it in
+/// progress (the claim is one atomic step, however the store finds the key absent).
+pub async fn concurrent_claims_of_an_absent_key_take_it_once<St: Store>(store: &St) {
+    let keys = Keys::new();
+    for round in 0..20 {
+        let k = keys.key(&format!("k{round}"));
+        let owners: Vec<OwnerToken> = (0..8).map(|_| OwnerToken::random()).collect();
+        let fingerprint = fp("1");
+        let claims = owners.iter().map(|owner| store.claim(&k, &fingerprint, owner, LONG.into()));
+        let answers = futures_util::future::join_all(claims).await;
+        let mut taken = 0;
+        for answer in answers {
+            match ok(answer, "a claim among concurrent ones") {
+                Claim::Claimed => taken += 1,
+                Claim::InProgress { .. } => {}
+                other => panic!("a claim among concurrent ones of an absent key: {other:?}"),
+            }
+        }
+        assert_eq!(taken, 1, "concurrent claims of an absent key: {taken} took it, not one");
+    }
+}
+
 /// A claim in progress answers a duplicate with the time left of its lease, and another
 /// request with a mismatch; neither takes the key.
 pub async fn claim_while_in_progress_reports_the_remaining_lease_or_mismatch<St: Store>(

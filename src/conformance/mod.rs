@@ -53,6 +53,7 @@ macro_rules! __conformance_checks {
     ($($mode:tt)*) => {
         $crate::__conformance_each!(($($mode)*)
             claim_on_absent_claims_for_the_lease,
+            concurrent_claims_of_an_absent_key_take_it_once,
             claim_while_in_progress_reports_the_remaining_lease_or_mismatch,
             a_completed_record_replays_its_exact_bytes_for_its_retention,
             a_stored_response_is_never_overwritten,
