@@ -272,6 +272,7 @@ async fn run<St: Store>(
     }
     let deliveries: usize = rows.values().map(|row| row.deliveries.len()).sum();
     let side_effects: usize = rows.values().map(|row| row.side_effects).sum();
+    println!("(B): delivered to worker B, which took over what A left pending; the rest: worker A");
     println!();
     println!(
         "events: {}, deliveries: {deliveries}, side effects: {side_effects}, dead-lettered: {dead_lettered}",
