@@ -9,6 +9,7 @@
 #
 # It creates the database `axum_idempotency_pgbench` on that server and drops it at the end.
 set -euo pipefail
+export PGOPTIONS="-c client_min_messages=warning"
 admin=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 seconds=${1:-8}
 db=axum_idempotency_pgbench
