@@ -14,8 +14,10 @@
 //! another: the retry is answered from the outbox, and the payment exists once. Then the same
 //! with a kill before the commit: nothing happened, and the retry runs.
 //!
-//! - `DATABASE_URL`: PostgreSQL (default `postgres://postgres@127.0.0.1:5432/postgres`); the
-//!   tables `payments` and `idempotency_outbox` are created when missing.
+//! - `DATABASE_URL`: PostgreSQL (default `postgres://postgres@127.0.0.1:5432/postgres`);
+//!   `serve` and `consume` create the tables `payments` and `idempotency_outbox` there when
+//!   missing. The demo creates a database of its own on that server instead (its name ends
+//!   in the demo's pid), and drops it at the end.
 //! - `REDIS_URL`: records in Redis: a retry after the lease takes the dead claim over, and only
 //!   a takeover asks the outbox. Without it, records are in memory, which a restart loses: the
 //!   outbox is then asked on every claim.
@@ -127,7 +129,12 @@ impl Settings {
 
 /// A pool over `DATABASE_URL`, with the tables created.
 async fn database() -> Result<Pool, BoxError> {
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+    database_at(&std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into()))
+        .await
+}
+
+/// A pool over `url`, with the tables created.
+async fn database_at(url: &str) -> Result<Pool, BoxError> {
     let config: tokio_postgres::Config = url.parse()?;
     let pool = Pool::builder(Manager::new(config, NoTls)).max_size(8).build()?;
     let mut client =
@@ -358,8 +365,25 @@ async fn consume(records: Records, event: String, amount: i64) -> Result<(), Box
 mod demo {
     use super::*;
 
+    /// Runs the demo in a database of its own on the server `DATABASE_URL` names, dropped at
+    /// the end: it leaves nothing behind.
     pub(super) async fn run() -> Result<(), BoxError> {
-        let db = database().await?;
+        let admin = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+        let name = format!("axum_idempotency_outbox_demo_{}", std::process::id());
+        let (client, connection) = tokio_postgres::connect(&admin, NoTls)
+            .await
+            .map_err(|e| format!("cannot use PostgreSQL at {admin}: {e}"))?;
+        tokio::spawn(connection);
+        client.batch_execute(&format!("CREATE DATABASE {name}")).await?;
+        let (server, _) = admin.rsplit_once('/').ok_or("DATABASE_URL names no database")?;
+        let outcome = show(&format!("{server}/{name}")).await;
+        let dropped = client.batch_execute(&format!("DROP DATABASE {name} WITH (FORCE)")).await;
+        outcome?;
+        Ok(dropped?)
+    }
+
+    async fn show(url: &str) -> Result<(), BoxError> {
+        let db = database_at(url).await?;
         let records = match std::env::var("REDIS_URL") {
             Ok(url) => {
                 format!("Redis at {url} (a retry takes the dead claim over and asks the outbox)")
@@ -367,15 +391,15 @@ mod demo {
             Err(_) => "in memory, lost with the process (every claim asks the outbox)".to_owned(),
         };
         println!(
-            "records: {records}\ndatabase: PostgreSQL, tables payments and idempotency_outbox\n"
+            "records: {records}\ndatabase: PostgreSQL, tables payments and idempotency_outbox in a database of the demo's own, dropped at the end\n"
         );
         let run = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis();
         let (committed, uncommitted) = (format!("demo-{run}-a"), format!("demo-{run}-b"));
         let mut rows = Vec::new();
 
-        let survivor = Instance::start(None).await?;
+        let survivor = Instance::start(None, url).await?;
         for (key, point) in [(&committed, "after-commit"), (&uncommitted, "before-commit")] {
-            let mut doomed = Instance::start(Some(point)).await?;
+            let mut doomed = Instance::start(Some(point), url).await?;
             let port = doomed.port;
             let request = tokio::spawn({
                 let key = key.clone();
@@ -438,12 +462,13 @@ mod demo {
     }
 
     impl Instance {
-        async fn start(pause: Option<&str>) -> Result<Self, BoxError> {
+        async fn start(pause: Option<&str>, database_url: &str) -> Result<Self, BoxError> {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
             let mut command = tokio::process::Command::new(std::env::current_exe()?);
             command
                 .args(["serve", "--port", &port.to_string()])
                 .env("OUTBOX_LEASE_MS", "1000")
+                .env("DATABASE_URL", database_url)
                 .env_remove("OUTBOX_PAUSE")
                 .stdout(Stdio::piped())
                 .kill_on_drop(true);
