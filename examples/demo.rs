@@ -113,7 +113,7 @@ async fn run<St: Store>(store: St) -> Result<(), Box<dyn std::error::Error + Sen
         "409 problem+json",
     ));
     let malformed = post_payment(&client, &base, Some("bad key with spaces"), 100).await?;
-    rows.push(row("4. malformed key", "\"bad key with spaces\"", &malformed, "400 problem+json"));
+    rows.push(row("4. malformed key", "unquoted, with spaces", &malformed, "400 problem+json"));
     let keyless = post_payment(&client, &base, None, 100).await?;
     rows.push(row("5. no key", "no header", &keyless, "201, passes through"));
 
