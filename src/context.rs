@@ -1,9 +1,16 @@
 //! [`IdempotencyContext`]: who a claimed operation is, as its handler, its consumer operation
 //! and its recovery hook see it.
 
-use std::{fmt, sync::Arc};
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
-use crate::{fingerprint::Fingerprint, key::RecordKey};
+use crate::{fingerprint::Fingerprint, key::RecordKey, store::OwnerToken};
 
 /// Who a claimed operation is, for the operation itself and for its recovery: the scope, the
 /// record key's hash and the fingerprint.
@@ -25,6 +32,18 @@ struct Context {
     key_hash: String,
     fingerprint: Fingerprint,
     taken_over: bool,
+    /// What an outcome written in the operation's own transaction needs (the consumer door
+    /// gives it; see `consumer::seal`).
+    completion: Option<Completion>,
+}
+
+/// The claim an outcome written in the operation's transaction settles.
+pub(crate) struct Completion {
+    pub(crate) key: RecordKey,
+    pub(crate) owner: OwnerToken,
+    pub(crate) retention: Duration,
+    /// Set once a store wrote the outcome in the operation's transaction.
+    pub(crate) written: Arc<AtomicBool>,
 }
 
 impl IdempotencyContext {
@@ -35,7 +54,25 @@ impl IdempotencyContext {
         taken_over: bool,
     ) -> Self {
         let key_hash = key.hash().to_owned();
-        Self { inner: Arc::new(Context { scope, key_hash, fingerprint, taken_over }) }
+        let context = Context { scope, key_hash, fingerprint, taken_over, completion: None };
+        Self { inner: Arc::new(context) }
+    }
+
+    /// This context, for an operation that may write its outcome in its own transaction.
+    pub(crate) fn with_completion(mut self, completion: Completion) -> Self {
+        if let Some(context) = Arc::get_mut(&mut self.inner) {
+            context.completion = Some(completion);
+        }
+        self
+    }
+
+    pub(crate) fn completion(&self) -> Option<&Completion> {
+        self.inner.completion.as_ref()
+    }
+
+    /// Whether a store wrote the operation's outcome in the operation's own transaction.
+    pub(crate) fn written_in_transaction(&self) -> bool {
+        self.completion().is_some_and(|c| c.written.load(Ordering::SeqCst))
     }
 
     /// The scope the key was claimed in (a tenant, a user, a consumer's name); empty for the

@@ -64,13 +64,72 @@ use serde::{Serialize, de::DeserializeOwned};
 pub use self::outcome::{Error, Outcome};
 use self::record::{Unstorable, decode, encode, not_stored};
 use crate::{
-    context::IdempotencyContext,
+    context::{Completion, IdempotencyContext},
     engine::{Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, Settings, engine_setters},
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     key::RecordKey,
     recovery::{Lookup, NoRecovery, Recover},
-    store::Store,
+    store::{SealedOutcome, Store},
 };
+
+/// `value` as the consumer door stores it, for the operation to write in its own transaction,
+/// beside its side effect, so that both commit or neither does: with `PostgresStore`,
+/// [`complete_in`](crate::store::PostgresStore::complete_in) the operation's transaction,
+/// then commit, then return `Ok(value)`.
+///
+/// The door then writes nothing more: the committed row is the record, and every redelivery
+/// is answered from it, even when the process dies between the commit and the door's answer.
+/// Return what you sealed: a redelivery gets the sealed value, whatever the first caller got.
+/// If the transaction rolls back, return `Err` (the key is released, and the redelivery runs
+/// the operation); an `Ok` after a rollback leaves the key to lapse with its lease, and the
+/// delivery after it runs the operation again.
+///
+/// # Errors
+///
+/// [`SealError::Unencodable`] when serde cannot encode `value`, or it holds NaN or an infinity;
+/// [`SealError::NotClaimed`] for a context the consumer door did not give.
+pub fn seal<T: Serialize>(
+    context: &IdempotencyContext,
+    value: &T,
+) -> Result<SealedOutcome, SealError> {
+    let completion = context.completion().ok_or(SealError::NotClaimed)?;
+    let outcome = match encode(value, usize::MAX) {
+        Ok(outcome) => outcome,
+        Err(Unstorable::Unencodable(reason)) => return Err(SealError::Unencodable(reason)),
+        // No result is over a limit of usize::MAX.
+        Err(Unstorable::OverLimit) => return Err(SealError::Unencodable("too large".into())),
+    };
+    Ok(SealedOutcome {
+        key: completion.key.clone(),
+        owner: completion.owner.clone(),
+        fingerprint: context.fingerprint().clone(),
+        outcome,
+        retention: completion.retention,
+        written: completion.written.clone(),
+    })
+}
+
+/// Why [`seal`] made no outcome.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SealError {
+    /// serde could not encode the value, or it holds NaN or an infinity (which JSON would
+    /// store as `null`): the reason.
+    Unencodable(String),
+    /// The context is not one the consumer door gave to an operation it runs.
+    NotClaimed,
+}
+
+impl fmt::Display for SealError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unencodable(reason) => write!(f, "the result cannot be stored: {reason}"),
+            Self::NotClaimed => f.write_str("the context is not one of the consumer door's"),
+        }
+    }
+}
+
+impl std::error::Error for SealError {}
 
 /// Runs operations once per key and scope, and replays their results: the consumer door.
 ///
@@ -274,7 +333,13 @@ impl<St: Store, H> Idempotent<St, H> {
             holder.key(),
             holder.fingerprint().clone(),
             holder.taken_over(),
-        );
+        )
+        .with_completion(Completion {
+            key: holder.key().clone(),
+            owner: holder.owner().clone(),
+            retention: holder.retention(),
+            written: Arc::default(),
+        });
         let recovery = match &self.hook {
             Some(hook) if holder.needs_recovery() => {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));
@@ -291,8 +356,18 @@ impl<St: Store, H> Idempotent<St, H> {
         let stored_limit = self.stored_limit;
         // Called inside the guarded future: a closure that panics before it returns its
         // future releases the key like any other panic of the operation.
+        let settled = context.clone();
         let operation = async move { operation(context).await };
-        let settle = move |holder, value, answer| settle_ran(holder, value, stored_limit, answer);
+        let settle = move |holder: Holder<St>, value, answer: Answer<Outcome<T>, E>| async move {
+            if settled.written_in_transaction() {
+                // The operation wrote its outcome in its own transaction (`seal`): it
+                // committed with the side effect, and is not written again.
+                return holder
+                    .settled_in_transaction(move || answer.send(Outcome::Ran(value)))
+                    .await;
+            }
+            settle_ran(holder, value, stored_limit, answer).await;
+        };
         match engine.run_claimed(holder, recovery, operation, settle).await {
             Ended::Answered(outcome) => Ok(outcome),
             Ended::Failed(error) => Err(Error::Operation(error)),

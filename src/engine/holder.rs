@@ -99,6 +99,14 @@ impl<St: Store> Holder<St> {
         &self.key
     }
 
+    pub(crate) fn owner(&self) -> &OwnerToken {
+        &self.owner
+    }
+
+    pub(crate) fn retention(&self) -> Duration {
+        self.settings.retention
+    }
+
     pub(crate) fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
     }
@@ -194,6 +202,14 @@ impl<St: Store> Holder<St> {
                 Err(panic)
             }
         }
+    }
+
+    /// Leaves the key as the operation's own transaction settled it (its outcome was
+    /// written there): stops the renewal, and writes nothing.
+    pub(crate) async fn settled_in_transaction(mut self, answered: impl FnOnce()) {
+        self.stop_renewal().await;
+        observe::settle(&self.route, "stored_in_transaction");
+        answered();
     }
 
     /// Deletes the claim, so that a retry runs the operation again.

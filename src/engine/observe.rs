@@ -24,7 +24,8 @@ pub(crate) fn recovery(route: &str, result: &'static str) {
     let _ = (route, result);
 }
 
-/// `idempotency_settles_total{route, result}`: stored, released, fenced_out, failed.
+/// `idempotency_settles_total{route, result}`: stored, stored_in_transaction (by the
+/// operation, with its side effect), released, fenced_out, failed.
 pub(crate) fn settle(route: &str, result: &'static str) {
     #[cfg(feature = "metrics")]
     metrics::counter!("idempotency_settles_total", "route" => route.to_owned(), "result" => result)

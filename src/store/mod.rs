@@ -24,6 +24,7 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+mod sealed;
 mod subscription;
 
 use std::{fmt, future::Future, time::Duration};
@@ -39,6 +40,7 @@ pub use self::postgres::{LapsedClaims, PostgresStore, TableNameError};
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
+pub use self::sealed::SealedOutcome;
 pub use self::subscription::Subscription;
 pub use self::subscription::{OnLastLeave, Waiters};
 use crate::fingerprint::Fingerprint;
@@ -305,6 +307,11 @@ pub enum StoreError {
     /// what is needed. Nothing is written to it; the layer answers 503 (and logs the message),
     /// as for a server it cannot reach.
     UnsupportedServer(String),
+    /// Another claim holds the key now (this holder's lease lapsed and a duplicate took it
+    /// over): an outcome written in the caller's transaction
+    /// (`PostgresStore::complete_in`) was not written. Roll the transaction back: the
+    /// other holder runs the operation.
+    FencedOut,
 }
 
 impl StoreError {
@@ -319,7 +326,7 @@ impl StoreError {
     /// through when it fails open.
     #[must_use]
     pub fn is_unavailable(&self) -> bool {
-        !matches!(self, Self::CorruptRecord(_))
+        !matches!(self, Self::CorruptRecord(_) | Self::FencedOut)
     }
 }
 
@@ -334,6 +341,7 @@ impl fmt::Display for StoreError {
             }
             Self::ClaimAbandoned => f.write_str("the claim was abandoned by its caller"),
             Self::UnsupportedServer(why) => write!(f, "unsupported server: {why}"),
+            Self::FencedOut => f.write_str("another claim holds the key: nothing was written"),
         }
     }
 }
@@ -346,7 +354,8 @@ impl std::error::Error for StoreError {
             | Self::CorruptRecord(_)
             | Self::CapacityReached(_)
             | Self::ClaimAbandoned
-            | Self::UnsupportedServer(_) => None,
+            | Self::UnsupportedServer(_)
+            | Self::FencedOut => None,
         }
     }
 }

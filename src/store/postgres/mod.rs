@@ -3,6 +3,7 @@
 mod listener;
 mod schema;
 mod sweeper;
+mod transaction;
 
 use std::{
     fmt,

@@ -1,0 +1,276 @@
+//! The consumer door's outcome written in the operation's own PostgreSQL transaction
+//! (`consumer::seal`, `PostgresStore::complete_in`): it commits with the side effect, or
+//! neither does; a holder whose lease was taken over cannot commit one; and a worker killed
+//! with SIGKILL (a real process: this test binary, run again as a worker) at each point of
+//! its operation leaves either the committed outcome, which the redelivery replays, or
+//! nothing, which the redelivery runs once. Each test has a database of its own, dropped at
+//! the end.
+
+mod common;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use axum_idempotency::{
+    Idempotent, consumer,
+    consumer::{Error, Outcome},
+    store::{
+        PostgresStore, StoreError,
+        sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions},
+    },
+};
+use common::postgres::TestDatabase;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The side effect: a payment row per run of the operation, with no unique constraint, so
+/// that a second run shows as a second row.
+const PAYMENTS: &str = "CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, event TEXT NOT NULL)";
+
+fn pool(host: &str, port: u16, user: &str, database: &str) -> PgPool {
+    let options = PgConnectOptions::new().host(host).port(port).username(user).database(database);
+    PgPoolOptions::new().test_before_acquire(false).connect_lazy_with(options)
+}
+
+fn pool_of(d: &TestDatabase) -> PgPool {
+    pool(&d.host(), d.port(), d.user(), &d.name)
+}
+
+async fn setup(d: &TestDatabase) -> (PgPool, PostgresStore) {
+    let pool = pool_of(d);
+    let store = PostgresStore::new(pool.clone()).sweep_every(None);
+    store.migrate().await.unwrap();
+    sqlx::raw_sql(PAYMENTS).execute(&pool).await.unwrap();
+    (pool, store)
+}
+
+async fn payments(pool: &PgPool, event: &str) -> i64 {
+    let sql = "SELECT count(*) FROM payments WHERE event = $1";
+    sqlx::query_scalar(sql).bind(event).fetch_one(pool).await.unwrap()
+}
+
+/// The record's state: `Some('P')` in progress, `Some('C')` completed, `None` absent.
+async fn record_state(pool: &PgPool) -> Option<String> {
+    let sql = "SELECT state::text FROM idempotency_records";
+    sqlx::query_scalar(sql).fetch_optional(pool).await.unwrap()
+}
+
+/// Where the operation stops, for a test to look or to kill.
+#[derive(Clone, Copy, PartialEq)]
+enum Stop {
+    Nowhere,
+    /// After the payment row and the sealed outcome, before the commit.
+    BeforeCommit,
+    /// After the commit, before the operation returns to the door.
+    AfterCommit,
+}
+
+/// The operation: a payment row and its outcome in one transaction; `Err` to roll back.
+async fn pay(
+    pool: PgPool,
+    store: PostgresStore,
+    event: &'static str,
+    context: axum_idempotency::IdempotencyContext,
+    stop: Stop,
+    roll_back: bool,
+) -> Result<i64, BoxError> {
+    let mut tx = pool.begin().await?;
+    let sql = "INSERT INTO payments (event) VALUES ($1) RETURNING id";
+    let id: i64 = sqlx::query_scalar(sql).bind(event).fetch_one(&mut *tx).await?;
+    store.complete_in(&mut tx, &consumer::seal(&context, &id)?).await?;
+    if stop == Stop::BeforeCommit {
+        println!("stopped before-commit");
+        std::future::pending::<()>().await;
+    }
+    if roll_back {
+        return Err("rolled back".into());
+    }
+    tx.commit().await?;
+    if stop == Stop::AfterCommit {
+        println!("stopped after-commit");
+        std::future::pending::<()>().await;
+    }
+    Ok(id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outcome_commits_with_the_side_effect_and_every_redelivery_replays_it() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    let idem = Idempotent::new(store.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let deliver = || {
+        let (pool, store, runs) = (pool.clone(), store.clone(), runs.clone());
+        idem.run("payments", "evt_1", b"{}", move |context| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            pay(pool, store, "evt_1", context, Stop::Nowhere, false).await
+        })
+    };
+    let Ok(Outcome::Ran(id)) = deliver().await else { panic!("the first delivery did not run") };
+    assert_eq!(record_state(&pool).await.as_deref(), Some("C"));
+    for _ in 0..3 {
+        assert!(matches!(deliver().await, Ok(Outcome::Replayed(again)) if again == id));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_transaction_stores_nothing_and_the_redelivery_runs_once() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    let idem = Idempotent::new(store.clone());
+    let deliver = |roll_back: bool| {
+        let (pool, store) = (pool.clone(), store.clone());
+        idem.run("payments", "evt_1", b"{}", move |context| async move {
+            pay(pool, store, "evt_1", context, Stop::Nowhere, roll_back).await
+        })
+    };
+    assert!(matches!(deliver(true).await, Err(Error::Operation(_))));
+    assert_eq!(record_state(&pool).await, None, "the failed run's key is released");
+    assert_eq!(payments(&pool, "evt_1").await, 0);
+    let Ok(Outcome::Ran(id)) = deliver(false).await else { panic!("the redelivery did not run") };
+    assert!(matches!(deliver(false).await, Ok(Outcome::Replayed(again)) if again == id));
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    // No renewal: the first holder's lease lapses while it is held up.
+    let idem = Idempotent::new(store.clone()).lease(Duration::from_millis(300)).keep_alive(None);
+    let (first_pool, first_store) = (pool.clone(), store.clone());
+    let first_idem = idem.clone();
+    let first = tokio::spawn(async move {
+        let operation = move |context| async move {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            pay(first_pool, first_store, "evt_1", context, Stop::Nowhere, false).await
+        };
+        first_idem.run("payments", "evt_1", b"{}", operation).await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let (second_pool, second_store) = (pool.clone(), store.clone());
+    let second = idem
+        .run("payments", "evt_1", b"{}", move |context| async move {
+            pay(second_pool, second_store, "evt_1", context, Stop::Nowhere, false).await
+        })
+        .await;
+    let Ok(Outcome::Ran(id)) = second else { panic!("the takeover did not run: {second:?}") };
+    // The first holder wrote its payment, then was fenced out of the outcome: its whole
+    // transaction rolled back.
+    let Err(Error::Operation(error)) = first.await.unwrap() else { panic!("the first committed") };
+    let fenced = error.downcast_ref::<StoreError>();
+    assert!(matches!(fenced, Some(StoreError::FencedOut)), "{error}");
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+    let replay = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(0) }).await;
+    assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
+}
+
+/// This test binary, run again as a worker: one delivery of `evt_1` that stops at `stop` and
+/// says so on stdout, for the test to kill it there.
+struct Worker(tokio::process::Child);
+
+impl Worker {
+    async fn start(d: &TestDatabase, stop: &str) -> Self {
+        let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
+            .args(["worker_process", "--exact", "--nocapture", "--test-threads=1"])
+            .env("TRANSACTIONAL_WORKER", stop)
+            .env("TRANSACTIONAL_HOST", d.host())
+            .env("TRANSACTIONAL_PORT", d.port().to_string())
+            .env("TRANSACTIONAL_USER", d.user())
+            .env("TRANSACTIONAL_DATABASE", &d.name)
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = tokio::io::AsyncBufReadExt::lines(tokio::io::BufReader::new(stdout));
+        let wanted = format!("stopped {stop}");
+        let seen = tokio::time::timeout(Duration::from_secs(60), async {
+            while let Some(line) = lines.next_line().await.unwrap() {
+                if line.contains(&wanted) {
+                    return;
+                }
+            }
+            panic!("the worker exited before it said {wanted:?}");
+        });
+        seen.await.unwrap_or_else(|_| panic!("no {wanted:?} from the worker within 60 s"));
+        Self(child)
+    }
+
+    async fn sigkill(mut self) {
+        self.0.kill().await.unwrap();
+    }
+}
+
+/// The worker's side of [`Worker`]: does nothing unless this process is one.
+#[test]
+fn worker_process() {
+    let Ok(stop) = std::env::var("TRANSACTIONAL_WORKER") else { return };
+    let stop = match stop.as_str() {
+        "before-commit" => Stop::BeforeCommit,
+        "after-commit" => Stop::AfterCommit,
+        other => panic!("unknown stop {other}"),
+    };
+    let var = |name: &str| std::env::var(name).unwrap();
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let port = var("TRANSACTIONAL_PORT").parse().unwrap();
+        let db = var("TRANSACTIONAL_DATABASE");
+        let pool = pool(&var("TRANSACTIONAL_HOST"), port, &var("TRANSACTIONAL_USER"), &db);
+        let store = PostgresStore::new(pool.clone()).sweep_every(None);
+        let idem = Idempotent::new(store.clone()).lease(LEASE).keep_alive(None);
+        let outcome = idem
+            .run("payments", "evt_1", b"{}", move |context| async move {
+                pay(pool, store, "evt_1", context, stop, false).await
+            })
+            .await;
+        panic!("the worker was not killed: {outcome:?}");
+    });
+}
+
+/// The workers' lease: a redelivery after a killed worker waits past it.
+const LEASE: Duration = Duration::from_millis(1000);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_its_commit_is_replayed_without_a_hook_or_a_wait() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    Worker::start(&d, "after-commit").await.sigkill().await;
+    // The outcome committed with the payment: the redelivery is answered from it at once,
+    // within the dead worker's lease, and the operation does not run again.
+    let idem = Idempotent::new(store).lease(LEASE);
+    let again = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(-1) }).await;
+    let Ok(Outcome::Replayed(id)) = again else { panic!("not a replay: {again:?}") };
+    assert!(id > 0, "{id}");
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_before_its_commit_leaves_nothing_and_the_redelivery_runs_once() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    Worker::start(&d, "before-commit").await.sigkill().await;
+    // The payment row and the outcome went with the transaction; the claim stays until its
+    // lease lapses, then the redelivery takes it over and runs once.
+    assert_eq!(payments(&pool, "evt_1").await, 0);
+    assert_eq!(record_state(&pool).await.as_deref(), Some("P"));
+    tokio::time::sleep(LEASE + Duration::from_millis(300)).await;
+    let idem = Idempotent::new(store.clone()).lease(LEASE);
+    let (run_pool, run_store) = (pool.clone(), store.clone());
+    let again = idem
+        .run("payments", "evt_1", b"{}", move |context| async move {
+            pay(run_pool, run_store, "evt_1", context, Stop::Nowhere, false).await
+        })
+        .await;
+    let Ok(Outcome::Ran(id)) = again else { panic!("the redelivery did not run: {again:?}") };
+    let replay = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(-1) }).await;
+    assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+}
