@@ -9,7 +9,7 @@ use crate::store::{SealedOutcome, StoreError};
 impl PostgresStore {
     /// Writes `sealed` in the caller's transaction (or on any connection of the caller's): the
     /// record completes if and only if the transaction commits, with the side effect written
-    /// in it. Fenced by the claim's owner token, as [`Store::complete`] is.
+    /// in it. Fenced by the claim's owner token, as [`Store::complete`](crate::store::Store::complete) is.
     ///
     /// ```no_run
     /// # #[cfg(feature = "postgres")] async fn run(
