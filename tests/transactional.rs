@@ -172,6 +172,45 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
     assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
 }
 
+/// After a sealed outcome the door writes nothing: the settle is counted as
+/// `stored_in_transaction`, never as a write of its own fenced out by the committed record.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_writes_nothing_after_a_sealed_outcome() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().expect("the only recorder of this test binary");
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    let idem = Idempotent::new(store.clone());
+    let (run_pool, run_store) = (pool.clone(), store.clone());
+    let ran = idem
+        .run("metered", "evt_1", b"{}", move |context| async move {
+            pay(run_pool, run_store, "evt_1", context, Stop::Nowhere, false).await
+        })
+        .await;
+    assert!(matches!(ran, Ok(Outcome::Ran(_))), "{ran:?}");
+    // Other tests of this binary count too: only this test's scope is read.
+    let settles: Vec<(String, u64)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, .., value)| {
+            let key = key.key();
+            let label =
+                |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value().to_owned());
+            let DebugValue::Counter(count) = value else { return None };
+            if key.name() != "idempotency_settles_total" || label("route")? != "metered" {
+                return None;
+            }
+            Some((label("result")?, count))
+        })
+        .collect();
+    assert_eq!(settles, [("stored_in_transaction".to_owned(), 1)]);
+}
+
 /// This test binary, run again as a worker: one delivery of `evt_1` that stops at `stop` and
 /// says so on stdout, for the test to kill it there.
 struct Worker(tokio::process::Child);
