@@ -147,9 +147,11 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
     let idem = Idempotent::new(store.clone()).lease(Duration::from_millis(300)).keep_alive(None);
     let (first_pool, first_store) = (pool.clone(), store.clone());
     let first_idem = idem.clone();
+    // The first holder goes on only once the second has run, however slow the machine.
+    let (go_on, resumed) = tokio::sync::oneshot::channel::<()>();
     let first = tokio::spawn(async move {
         let operation = move |context| async move {
-            tokio::time::sleep(Duration::from_millis(600)).await;
+            let _ = resumed.await;
             pay(first_pool, first_store, "evt_1", context, Stop::Nowhere, false).await
         };
         first_idem.run("payments", "evt_1", b"{}", operation).await
@@ -162,6 +164,7 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
         })
         .await;
     let Ok(Outcome::Ran(id)) = second else { panic!("the takeover did not run: {second:?}") };
+    go_on.send(()).unwrap();
     // The first holder wrote its payment, then was fenced out of the outcome: its whole
     // transaction rolled back.
     let Err(Error::Operation(error)) = first.await.unwrap() else { panic!("the first committed") };
