@@ -2,10 +2,7 @@
 //! transaction, beside its side effect.
 
 use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, atomic::AtomicBool},
     time::Duration,
 };
 
@@ -28,7 +25,9 @@ pub struct SealedOutcome {
     pub(crate) outcome: Bytes,
     pub(crate) retention: Duration,
     /// Shared with the operation's context: set once a store wrote the outcome in a
-    /// transaction, so that the front door does not write it again.
+    /// transaction, so that the front door does not write it again. (Only a store that
+    /// shares the caller's database writes one: without such a store, nothing sets it.)
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) written: Arc<AtomicBool>,
 }
 
@@ -64,7 +63,8 @@ impl SealedOutcome {
     }
 
     /// Tells the front door that the outcome was written in the operation's transaction.
+    #[cfg(feature = "postgres")]
     pub(crate) fn mark_written(&self) {
-        self.written.store(true, Ordering::SeqCst);
+        self.written.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }
