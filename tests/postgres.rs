@@ -473,16 +473,6 @@ async fn a_crashed_and_restarted_database_keeps_completed_records() {
     assert_eq!(calls.get(), 2);
 }
 
-/// What one client saw of one request.
-struct Answer {
-    key: String,
-    status: u16,
-    retry_after: bool,
-    replayed: bool,
-    sent: Instant,
-    done: Instant,
-}
-
 /// PostgreSQL crashed (SIGKILL to every process) and restarted while eight clients send
 /// requests: every answer is 201, 202 or 503 with `Retry-After`, none hangs, nothing
 /// panics, no key runs twice, requests succeed again within seconds of the restart, and the
@@ -511,43 +501,9 @@ async fn a_database_crashed_and_restarted_under_load_runs_no_key_twice() {
     let layer = IdempotencyLayer::new(private_store(&server).await).lease(Duration::from_secs(2));
     let app = Router::new().route("/pay", post(handler)).layer(layer);
 
-    let start = Instant::now();
-    let load_for = Duration::from_millis(4000);
-    let answers: Arc<Mutex<Vec<Answer>>> = Arc::default();
-    let workers: Vec<_> = (0..8)
-        .map(|worker| {
-            let (app, answers) = (app.clone(), answers.clone());
-            tokio::spawn(async move {
-                let mut n = 0u32;
-                while start.elapsed() < load_for {
-                    n += 1;
-                    // Half the requests share five hot keys per 1 s window; half are fresh.
-                    let window = start.elapsed().as_millis() / 1000;
-                    let key = if n.is_multiple_of(2) {
-                        format!("hot-{window}-{}", n % 5)
-                    } else {
-                        format!("fresh-{worker}-{n}")
-                    };
-                    let sent = Instant::now();
-                    let seen = tokio::time::timeout(
-                        Duration::from_secs(3),
-                        send(&app, keyed("POST", "/pay", &key, "{}")),
-                    )
-                    .await
-                    .unwrap_or_else(|_| panic!("request for {key} hung"));
-                    answers.lock().unwrap().push(Answer {
-                        status: seen.status.as_u16(),
-                        retry_after: seen.header("retry-after").is_some(),
-                        replayed: seen.replayed(),
-                        key,
-                        sent,
-                        done: Instant::now(),
-                    });
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            })
-        })
-        .collect();
+    let (load_for, window) = (Duration::from_millis(4000), Duration::from_secs(1));
+    let load = load::Load::start(&app, load_for, window, Duration::from_secs(3));
+    let start = load.start;
 
     tokio::time::sleep_until((start + Duration::from_millis(1300)).into()).await;
     let crashed_at = Instant::now();
@@ -562,14 +518,10 @@ async fn a_database_crashed_and_restarted_under_load_runs_no_key_twice() {
     })
     .await;
     let recovered_in = restarted_at.elapsed();
-    for worker in workers {
-        worker.await.unwrap();
-    }
-
-    let answers = answers.lock().unwrap();
+    let answers = load.finish().await;
     let executions = executions.lock().unwrap();
     let mut tally: HashMap<u16, usize> = HashMap::new();
-    for answer in answers.iter() {
+    for answer in &answers {
         *tally.entry(answer.status).or_default() += 1;
         match answer.status {
             201 | 202 => {}

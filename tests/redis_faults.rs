@@ -174,14 +174,6 @@ async fn eviction_policy_other_than_noeviction_is_warned_about_once() {
 }
 
 /// One answer seen by the load.
-struct Answer {
-    key: String,
-    status: StatusCode,
-    retry_after: bool,
-    sent: Instant,
-    done: Instant,
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
     observe();
@@ -199,42 +191,10 @@ async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
     let layer = IdempotencyLayer::new(store(&server, 300)).lease(Duration::from_secs(2));
     let app = Router::new().route("/pay", post(handler)).layer(layer);
 
-    let start = Instant::now();
-    let load_for = Duration::from_millis(4000);
-    let answers: Arc<Mutex<Vec<Answer>>> = Arc::default();
-    let workers: Vec<_> = (0..8)
-        .map(|worker| {
-            let (app, answers) = (app.clone(), answers.clone());
-            tokio::spawn(async move {
-                let mut n = 0u32;
-                while start.elapsed() < load_for {
-                    n += 1;
-                    let window = start.elapsed().as_millis() / 400;
-                    // Half the requests share five hot keys per 400 ms window; half are fresh.
-                    let key = if n.is_multiple_of(2) {
-                        format!("hot-{window}-{}", n % 5)
-                    } else {
-                        format!("fresh-{worker}-{n}")
-                    };
-                    let sent = Instant::now();
-                    let seen = tokio::time::timeout(
-                        Duration::from_secs(2),
-                        send(&app, keyed("POST", "/pay", &key, "{}")),
-                    )
-                    .await
-                    .unwrap_or_else(|_| panic!("request for {key} hung"));
-                    answers.lock().unwrap().push(Answer {
-                        key,
-                        status: seen.status,
-                        retry_after: seen.header("retry-after").is_some(),
-                        sent,
-                        done: Instant::now(),
-                    });
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-            })
-        })
-        .collect();
+    // Half the requests share five hot keys per 400 ms window; half are fresh.
+    let (load_for, window) = (Duration::from_millis(4000), Duration::from_millis(400));
+    let load = load::Load::start(&app, load_for, window, Duration::from_secs(2));
+    let start = load.start;
 
     let at = |ms: u64| tokio::time::sleep_until((start + Duration::from_millis(ms)).into());
     at(400).await;
@@ -264,16 +224,12 @@ async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let recovered_in = restarted_at.elapsed();
-    for worker in workers {
-        worker.await.unwrap();
-    }
-
-    let answers = answers.lock().unwrap();
+    let answers = load.finish().await;
     let executions = executions.lock().unwrap();
     let mut tally: HashMap<u16, usize> = HashMap::new();
-    for answer in answers.iter() {
-        *tally.entry(answer.status.as_u16()).or_default() += 1;
-        match answer.status.as_u16() {
+    for answer in &answers {
+        *tally.entry(answer.status).or_default() += 1;
+        match answer.status {
             201 | 202 => {}
             503 => assert!(answer.retry_after, "503 without Retry-After"),
             other => panic!("status {other} for {}", answer.key),
@@ -282,7 +238,7 @@ async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
     // Keys whose every request ran while Redis kept its data (before the kill, or after the
     // restart) ran at most once.
     let mut span: HashMap<&str, (Instant, Instant)> = HashMap::new();
-    for answer in answers.iter() {
+    for answer in &answers {
         let entry = span.entry(&answer.key).or_insert((answer.sent, answer.done));
         entry.0 = entry.0.min(answer.sent);
         entry.1 = entry.1.max(answer.done);
