@@ -2,15 +2,17 @@
 //! and its recovery hook see it.
 
 use std::{
+    any::Any,
     fmt,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::{Arc, OnceLock},
     time::Duration,
 };
 
-use crate::{fingerprint::Fingerprint, key::RecordKey, store::OwnerToken};
+use crate::{
+    fingerprint::Fingerprint,
+    key::RecordKey,
+    store::{Commit, OwnerToken},
+};
 
 /// Who a claimed operation is, for the operation itself and for its recovery: the scope, the
 /// record key's hash and the fingerprint.
@@ -32,18 +34,33 @@ struct Context {
     key_hash: String,
     fingerprint: Fingerprint,
     taken_over: bool,
-    /// What an outcome written in the operation's own transaction needs (the consumer door
-    /// gives it; see `consumer::seal`).
+    /// What an outcome committed in the operation's own transaction needs (both doors give
+    /// it to the operations they run; see `consumer::seal` and `http::seal`).
     completion: Option<Completion>,
 }
 
-/// The claim an outcome written in the operation's transaction settles.
+/// The claim an outcome committed in the operation's transaction settles.
 pub(crate) struct Completion {
     pub(crate) key: RecordKey,
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
-    /// Set once a store wrote the outcome in the operation's transaction.
-    pub(crate) written: Arc<AtomicBool>,
+    /// What became of the commit, once a store committed (or failed to commit) the outcome.
+    pub(crate) commit: Arc<OnceLock<Commit>>,
+    /// The front door's own rules for encoding an outcome (the HTTP door: its configuration).
+    /// Opaque here, so that the context depends on no door; the door's `seal` reads it back.
+    pub(crate) rules: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl Completion {
+    /// The completion of a claim, with a fresh commit slot.
+    pub(crate) fn new(
+        key: RecordKey,
+        owner: OwnerToken,
+        retention: Duration,
+        rules: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Self {
+        Self { key, owner, retention, commit: Arc::default(), rules }
+    }
 }
 
 impl IdempotencyContext {
@@ -52,27 +69,20 @@ impl IdempotencyContext {
         key: &RecordKey,
         fingerprint: Fingerprint,
         taken_over: bool,
+        completion: Option<Completion>,
     ) -> Self {
         let key_hash = key.hash().to_owned();
-        let context = Context { scope, key_hash, fingerprint, taken_over, completion: None };
+        let context = Context { scope, key_hash, fingerprint, taken_over, completion };
         Self { inner: Arc::new(context) }
-    }
-
-    /// This context, for an operation that may write its outcome in its own transaction.
-    pub(crate) fn with_completion(mut self, completion: Completion) -> Self {
-        if let Some(context) = Arc::get_mut(&mut self.inner) {
-            context.completion = Some(completion);
-        }
-        self
     }
 
     pub(crate) fn completion(&self) -> Option<&Completion> {
         self.inner.completion.as_ref()
     }
 
-    /// Whether a store wrote the operation's outcome in the operation's own transaction.
-    pub(crate) fn written_in_transaction(&self) -> bool {
-        self.completion().is_some_and(|c| c.written.load(Ordering::SeqCst))
+    /// What became of an outcome the operation committed in its own transaction, if it tried.
+    pub(crate) fn commit(&self) -> Option<&Commit> {
+        self.completion().and_then(|c| c.commit.get())
     }
 
     /// The scope the key was claimed in (a tenant, a user, a consumer's name); empty for the
@@ -147,14 +157,16 @@ mod tests {
     fn derived_keys_are_stable_per_request_and_differ_per_purpose() {
         let key = RecordKey::new("p", b"tenant", b"k1");
         let fingerprint = Fingerprint::of_payload(b"{}");
-        let context = IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), false);
-        let again = IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), true);
+        let context =
+            IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), false, None);
+        let again =
+            IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), true, None);
         assert_eq!(context.derived_key("charge"), again.derived_key("charge"));
         assert_ne!(context.derived_key("charge"), context.derived_key("refund"));
         assert_eq!(context.derived_key("charge").len(), 64);
         assert!(context.derived_key("charge").bytes().all(|b| b.is_ascii_hexdigit()));
         let other = RecordKey::new("p", b"tenant", b"k2");
-        let other = IdempotencyContext::new(b"tenant".to_vec(), &other, fingerprint, false);
+        let other = IdempotencyContext::new(b"tenant".to_vec(), &other, fingerprint, false, None);
         assert_ne!(context.derived_key("charge"), other.derived_key("charge"));
         assert_eq!(context.key_hash(), key.hash());
         assert_eq!(context.scope(), b"tenant");

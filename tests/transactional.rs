@@ -1,5 +1,5 @@
 //! The consumer door's outcome written in the operation's own PostgreSQL transaction
-//! (`consumer::seal`, `PostgresStore::complete_in`): it commits with the side effect, or
+//! (`consumer::seal`, `PostgresStore::commit`): it commits with the side effect, or
 //! neither does; a holder whose lease was taken over cannot commit one; and a worker killed
 //! with SIGKILL (a real process: this test binary, run again as a worker) at each point of
 //! its operation leaves either the committed outcome, which the redelivery replays, or
@@ -64,7 +64,7 @@ async fn record_state(pool: &PgPool) -> Option<String> {
 #[derive(Clone, Copy, PartialEq)]
 enum Stop {
     Nowhere,
-    /// After the payment row and the sealed outcome, before the commit.
+    /// After the payment row and the sealed outcome, before the commit that writes both.
     BeforeCommit,
     /// After the commit, before the operation returns to the door.
     AfterCommit,
@@ -82,7 +82,7 @@ async fn pay(
     let mut tx = pool.begin().await?;
     let sql = "INSERT INTO payments (event) VALUES ($1) RETURNING id";
     let id: i64 = sqlx::query_scalar(sql).bind(event).fetch_one(&mut *tx).await?;
-    store.complete_in(&mut tx, &consumer::seal(&context, &id)?).await?;
+    let sealed = consumer::seal(&context, &id)?;
     if stop == Stop::BeforeCommit {
         println!("stopped before-commit");
         std::future::pending::<()>().await;
@@ -90,7 +90,7 @@ async fn pay(
     if roll_back {
         return Err("rolled back".into());
     }
-    tx.commit().await?;
+    store.commit(tx, &sealed).await?;
     if stop == Stop::AfterCommit {
         println!("stopped after-commit");
         std::future::pending::<()>().await;
@@ -166,7 +166,7 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
     let Ok(Outcome::Ran(id)) = second else { panic!("the takeover did not run: {second:?}") };
     go_on.send(()).unwrap();
     // The first holder wrote its payment, then was fenced out of the outcome: its whole
-    // transaction rolled back.
+    // transaction rolled back (and the door released nothing of the new holder's).
     let Err(Error::Operation(error)) = first.await.unwrap() else { panic!("the first committed") };
     let fenced = error.downcast_ref::<StoreError>();
     assert!(matches!(fenced, Some(StoreError::FencedOut)), "{error}");

@@ -64,7 +64,8 @@ use serde::{Serialize, de::DeserializeOwned};
 
 pub use self::outcome::{Error, Outcome};
 use self::record::{Unstorable, decode, encode, not_stored};
-pub use self::seal::{SealError, seal};
+pub use self::seal::seal;
+use self::seal::settle_sealed;
 use crate::{
     context::{Completion, IdempotencyContext},
     engine::{Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, Settings, engine_setters},
@@ -271,18 +272,15 @@ impl<St: Store, H> Idempotent<St, H> {
             Claimed::Mismatch => return Ok(Outcome::Mismatch),
         };
 
+        let completion =
+            Completion::new(holder.key().clone(), holder.owner().clone(), holder.retention(), None);
         let context = IdempotencyContext::new(
             scope.as_bytes().to_vec(),
             holder.key(),
             holder.fingerprint().clone(),
             holder.taken_over(),
-        )
-        .with_completion(Completion {
-            key: holder.key().clone(),
-            owner: holder.owner().clone(),
-            retention: holder.retention(),
-            written: Arc::default(),
-        });
+            Some(completion),
+        );
         let recovery = match &self.hook {
             Some(hook) if holder.needs_recovery() => {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));
@@ -301,15 +299,14 @@ impl<St: Store, H> Idempotent<St, H> {
         // future releases the key like any other panic of the operation.
         let settled = context.clone();
         let operation = async move { operation(context).await };
+        let scope: Arc<str> = scope.into();
         let settle = move |holder: Holder<St>, value, answer: Answer<Outcome<T>, E>| async move {
-            if settled.written_in_transaction() {
-                // The operation wrote its outcome in its own transaction (`seal`): it
-                // committed with the side effect, and is not written again.
-                return holder
-                    .settled_in_transaction(move || answer.send(Outcome::Ran(value)))
-                    .await;
+            match settled.commit() {
+                // The operation committed its outcome in its own transaction (`seal`), or
+                // tried to: the door writes nothing of its own.
+                Some(commit) => settle_sealed(holder, commit.clone(), value, &scope, answer).await,
+                None => settle_ran(holder, value, stored_limit, answer).await,
             }
-            settle_ran(holder, value, stored_limit, answer).await;
         };
         match engine.run_claimed(holder, recovery, operation, settle).await {
             Ended::Answered(outcome) => Ok(outcome),

@@ -1,29 +1,37 @@
-//! [`seal`]: a result encoded as the consumer door stores it, for the operation to write in
+//! [`seal`]: a result encoded as the consumer door stores it, for the operation to commit in
 //! its own transaction.
 
-use std::fmt;
+use std::panic::AssertUnwindSafe;
 
-use serde::Serialize;
+use serde::{Serialize, de::DeserializeOwned};
 
-use super::record::{Unstorable, encode};
-use crate::{context::IdempotencyContext, store::SealedOutcome};
+use super::{
+    Outcome,
+    record::{Unstorable, decode, encode},
+};
+use crate::{
+    context::IdempotencyContext,
+    engine::{Answer, Holder, envelope},
+    store::{Commit, SealError, SealedOutcome, Store},
+};
 
-/// `value` as the consumer door stores it, for the operation to write in its own transaction,
+/// `value` as the consumer door stores it, for the operation to commit in its own transaction,
 /// beside its side effect, so that both commit or neither does: with `PostgresStore`,
-/// [`complete_in`](crate::store::PostgresStore::complete_in) the operation's transaction,
-/// then commit, then return `Ok(value)`.
+/// [`commit`](crate::store::PostgresStore::commit) the operation's transaction with it, then
+/// return `Ok(value)`.
 ///
 /// The door then writes nothing more: the committed row is the record, and every redelivery
 /// is answered from it, even when the process dies between the commit and the door's answer.
-/// Return what you sealed: a redelivery gets the sealed value, whatever the first caller got.
-/// If the transaction rolls back, return `Err` (the key is released, and the redelivery runs
-/// the operation); an `Ok` after a rollback leaves the key to lapse with its lease, and the
-/// delivery after it runs the operation again.
+/// The committed value is the outcome: an operation that returns another value after the
+/// commit has the committed one answered (a warning is logged). When the commit fails (or is
+/// fenced out), the door writes nothing either and releases the key, whatever the operation
+/// returns: the redelivery replays the outcome if the commit landed after all, and runs the
+/// operation if it did not.
 ///
 /// # Errors
 ///
 /// [`SealError::Unencodable`] when serde cannot encode `value`, or it holds NaN or an infinity;
-/// [`SealError::NotClaimed`] for a context the consumer door did not give.
+/// [`SealError::NotClaimed`] for a context no front door gave.
 pub fn seal<T: Serialize>(
     context: &IdempotencyContext,
     value: &T,
@@ -41,28 +49,44 @@ pub fn seal<T: Serialize>(
         fingerprint: context.fingerprint().clone(),
         outcome,
         retention: completion.retention,
-        written: completion.written.clone(),
+        commit: completion.commit.clone(),
     })
 }
 
-/// Why [`seal`] made no outcome.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum SealError {
-    /// serde could not encode the value, or it holds NaN or an infinity (which JSON would
-    /// store as `null`): the reason.
-    Unencodable(String),
-    /// The context is not one the consumer door gave to an operation it runs.
-    NotClaimed,
-}
-
-impl fmt::Display for SealError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Unencodable(reason) => write!(f, "the result cannot be stored: {reason}"),
-            Self::NotClaimed => f.write_str("the context is not one of the consumer door's"),
+/// Settles a claim whose operation committed its outcome in its own transaction, or tried to:
+/// the door writes nothing. A committed outcome is the answer, whatever the operation
+/// returned; a commit that failed releases the key (a fenced delete, which a committed record
+/// refuses), whatever the operation returned.
+pub(super) async fn settle_sealed<St: Store, T, E>(
+    holder: Holder<St>,
+    commit: Commit,
+    value: T,
+    scope: &str,
+    answer: Answer<Outcome<T>, E>,
+) where
+    T: Serialize + DeserializeOwned,
+{
+    let committed = match commit {
+        Commit::Committed(committed) => committed,
+        Commit::NotCommitted => {
+            holder.release("the operation's transaction did not commit its outcome").await;
+            return answer.send(Outcome::Ran(value));
         }
-    }
+    };
+    // What the door would store for `value`; a `Serialize` that panics is not the same.
+    let same = std::panic::catch_unwind(AssertUnwindSafe(|| encode(&value, usize::MAX)))
+        .is_ok_and(|encoded| encoded.is_ok_and(|own| envelope::same_payload(&own, &committed)));
+    let value = if same {
+        value
+    } else {
+        let hash = holder.key().hash();
+        tracing::warn!(
+            key_hash = hash,
+            "idempotency: the operation returned another value than it committed; the committed one is answered"
+        );
+        // A value of another type (sealed from one, returned as another) cannot be read back:
+        // the operation's own is answered, and the committed one replayed.
+        decode::<T, E>(committed, hash, scope).unwrap_or(value)
+    };
+    holder.settled_in_transaction(move || answer.send(Outcome::Ran(value))).await;
 }
-
-impl std::error::Error for SealError {}

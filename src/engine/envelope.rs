@@ -78,6 +78,18 @@ pub(crate) fn open(mut record: Bytes, route: &str) -> Option<Opened> {
     Some(Opened { format, completed_at, payload: record })
 }
 
+/// Whether two stored records carry the same payload after their envelopes (whenever each
+/// was stamped), without observing an age: for a door that compares what it would store with
+/// what was committed.
+pub(crate) fn same_payload(a: &[u8], b: &[u8]) -> bool {
+    fn payload(record: &[u8]) -> Option<(Format, &[u8])> {
+        let first = *record.first()?;
+        let format = Format::ALL.into_iter().find(|format| *format as u8 == first)?;
+        record.get(if format.is_timed() { 9 } else { 1 }..).map(|payload| (format, payload))
+    }
+    matches!((payload(a), payload(b)), (Some(a), Some(b)) if a == b)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,6 +113,22 @@ mod tests {
         assert_eq!(&opened.payload[..], b"{\"a\":1}");
         let opened = open(Bytes::from_static(&[1, 0, 200]), "r").unwrap();
         assert_eq!((opened.format, &opened.payload[..]), (Format::HttpUntimed, &[0, 200][..]));
+    }
+
+    #[test]
+    fn payloads_compare_whatever_the_time_and_never_across_formats() {
+        let record = |format, payload: &[u8]| {
+            let mut record = seal(format, payload.len());
+            record.put_slice(payload);
+            record.freeze()
+        };
+        let a = record(Format::Json, b"{}");
+        std::thread::sleep(Duration::from_millis(2));
+        assert!(same_payload(&a, &record(Format::Json, b"{}")));
+        assert!(!same_payload(&a, &record(Format::Json, b"[]")));
+        assert!(!same_payload(&a, &record(Format::Http, b"{}")));
+        assert!(!same_payload(&a, &[]) && !same_payload(&[], &[]));
+        assert!(!same_payload(&[2, 0], &[2, 0]), "too short for its time");
     }
 
     #[test]

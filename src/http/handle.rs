@@ -22,9 +22,10 @@ use super::{
     record,
     recover::lookup_request,
     scope::ScopeExtractor,
+    seal::{not_stored, settle_sealed},
 };
 use crate::{
-    context::IdempotencyContext,
+    context::{Completion, IdempotencyContext},
     engine::{Answer, Claimed, Ended, Engine, Holder, Recovering},
     key::RecordKey,
     recovery::Lookup,
@@ -120,16 +121,26 @@ where
 
         // The handler's view of its claim; the recovery hook's too, with a copy of the request
         // when it is to be asked.
+        // What a handler that commits its response in its own transaction (`seal`) needs.
+        let rules: Arc<dyn std::any::Any + Send + Sync> = self.config.clone();
+        let completion = Completion::new(
+            holder.key().clone(),
+            holder.owner().clone(),
+            holder.retention(),
+            Some(rules),
+        );
         let context = IdempotencyContext::new(
             scope,
             holder.key(),
             holder.fingerprint().clone(),
             holder.taken_over(),
+            Some(completion),
         );
         let recovery = match &config.recover {
             Some(hook) if holder.needs_recovery() => {
                 let lookup = Lookup::new(context.clone(), lookup_request(&parts, &body));
                 let (config, headers) = (config.clone(), parts.headers.clone());
+                let route = route.clone();
                 Some(Recovering {
                     lookup: hook.ask(lookup),
                     happened: move |holder, response, answer| {
@@ -139,14 +150,23 @@ where
             }
             _ => None,
         };
-        parts.extensions.insert(context);
+        parts.extensions.insert(context.clone());
 
         // 6 and 7 in a task of their own, so that a client that goes away neither cancels
         // its handler (nor its recovery) nor leaves its key claimed until the lease ends.
         let handler = self.inner.oneshot(Request::from_parts(parts, Body::from(body)));
         let config = self.config.clone();
-        let settle =
-            move |holder, response, answer| settle_response(config, holder, response, answer);
+        let settle = move |holder, response, answer| async move {
+            match context.commit() {
+                // The handler committed its response in its own transaction (`seal`), or
+                // tried to: the layer writes nothing of its own.
+                Some(commit) => {
+                    let commit = commit.clone();
+                    settle_sealed(&config, holder, commit, response, &route, answer).await;
+                }
+                None => settle_response(config, holder, response, answer).await,
+            }
+        };
         match self.engine.run_claimed(holder, recovery, handler, settle).await {
             Ended::Answered(response) => Ok(response),
             Ended::Failed(error) => Err(error),
@@ -192,21 +212,7 @@ async fn settle_response<St: Store, E, ResBody>(
 {
     let (head, body) = response.into_parts();
     let body = Body::new(body);
-    let over_limit = if !(config.store_policy)(head.status) {
-        Some("the status is not stored")
-    } else if head.status == StatusCode::METHOD_NOT_ALLOWED {
-        // The route exists, the method does not: the request was never handled.
-        Some("a 405 is never stored")
-    } else if record::stored_headers_len(&head.headers, &config.header_filter)
-        > config.stored_headers_limit
-    {
-        Some("the response headers are over the stored limit")
-    } else if body.size_hint().lower() > config.stored_body_limit as u64 {
-        Some("the response is over the stored body limit")
-    } else {
-        None
-    };
-    if let Some(why) = over_limit {
+    if let Some(why) = not_stored(&config, &head, &body) {
         holder.release(why).await;
         return answer.send(Response::from_parts(head, body));
     }

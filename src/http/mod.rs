@@ -11,7 +11,8 @@
 //   `future.rs`: its response future; `body.rs`: request and response bodies.
 // - `fingerprinting.rs`: what the fingerprint covers; `key_header.rs`: the key header;
 //   `scope.rs`: whose key it is; `record.rs`: the stored response; `problem.rs`: the layer's
-//   own answers; `recover.rs`: the recovery hook and the `IdempotencyContext` extractor.
+//   own answers; `recover.rs`: the recovery hook and the `IdempotencyContext` extractor;
+//   `seal.rs`: a response committed in the handler's own transaction.
 
 mod body;
 mod config;
@@ -24,6 +25,7 @@ mod problem;
 mod record;
 mod recover;
 pub mod scope;
+mod seal;
 mod service;
 
 pub use self::{
@@ -32,6 +34,7 @@ pub use self::{
     future::ResponseFuture,
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
+    seal::{SealedResponse, seal},
     service::Idempotency,
 };
 

@@ -40,7 +40,8 @@ pub use self::postgres::{LapsedClaims, PostgresStore, TableNameError};
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
-pub use self::sealed::SealedOutcome;
+pub(crate) use self::sealed::Commit;
+pub use self::sealed::{SealError, SealedOutcome};
 pub use self::subscription::Subscription;
 pub use self::subscription::{OnLastLeave, Waiters};
 use crate::fingerprint::Fingerprint;
@@ -308,9 +309,8 @@ pub enum StoreError {
     /// as for a server it cannot reach.
     UnsupportedServer(String),
     /// Another claim holds the key now (this holder's lease lapsed and a duplicate took it
-    /// over): an outcome written in the caller's transaction
-    /// (`PostgresStore::complete_in`) was not written. Roll the transaction back: the
-    /// other holder runs the operation.
+    /// over): an outcome committed in the caller's transaction (`PostgresStore::commit`) was
+    /// not written, and the transaction was rolled back: the other holder runs the operation.
     FencedOut,
 }
 

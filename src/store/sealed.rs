@@ -1,8 +1,9 @@
-//! [`SealedOutcome`]: an outcome a front door encoded for the operation to write in its own
-//! transaction, beside its side effect.
+//! [`SealedOutcome`]: an outcome a front door encoded for the operation to commit in its own
+//! transaction, beside its side effect; what became of that commit; and [`SealError`].
 
 use std::{
-    sync::{Arc, atomic::AtomicBool},
+    fmt,
+    sync::{Arc, OnceLock},
     time::Duration,
 };
 
@@ -13,22 +14,36 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// An operation's outcome, encoded as its front door stores it, with what a store needs to
 /// write it for the operation's own claim: the key, the owner token that fences it, the
-/// fingerprint and the retention. Made by
-/// [`consumer::seal`](crate::consumer::seal); written in the caller's transaction by a store
-/// that shares the caller's database (`PostgresStore::complete_in`), so that the outcome
-/// commits with the side effect, or neither does.
-#[derive(Debug)]
+/// fingerprint and the retention. Made by [`consumer::seal`](crate::consumer::seal) and
+/// [`http::seal`](crate::http::seal); committed in the caller's transaction by a store that
+/// shares the caller's database (`PostgresStore::commit`), so that the outcome commits with
+/// the side effect, or neither does.
+///
+/// Its `Debug` output names the key's hash and the outcome's length, never the outcome.
 pub struct SealedOutcome {
     pub(crate) key: RecordKey,
     pub(crate) owner: OwnerToken,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) outcome: Bytes,
     pub(crate) retention: Duration,
-    /// Shared with the operation's context: set once a store wrote the outcome in a
-    /// transaction, so that the front door does not write it again. (Only a store that
-    /// shares the caller's database writes one: without such a store, nothing sets it.)
+    /// Shared with the operation's context: what became of the commit, for the front door.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) written: Arc<AtomicBool>,
+    pub(crate) commit: Arc<OnceLock<Commit>>,
+}
+
+/// What became of the transaction an operation committed its sealed outcome in, as its front
+/// door learns it. Set once, by the store's commit. (Only a store that shares the caller's
+/// database commits one: without such a store, nothing makes it.)
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) enum Commit {
+    /// The transaction committed: the record holds this outcome. The door writes nothing.
+    Committed(Bytes),
+    /// The commit failed, was fenced out, or its answer was lost: the record holds this outcome
+    /// or nothing. The door writes nothing either: it releases the key, a fenced delete that a
+    /// committed record refuses (and that waits for the transaction's row lock, so it cannot
+    /// overtake a commit still on the wire).
+    NotCommitted,
 }
 
 impl SealedOutcome {
@@ -62,9 +77,53 @@ impl SealedOutcome {
         self.retention
     }
 
-    /// Tells the front door that the outcome was written in the operation's transaction.
+    /// Tells the front door what became of the commit. The first word stands: an operation
+    /// that commits twice learns from the second commit's error.
     #[cfg(feature = "postgres")]
-    pub(crate) fn mark_written(&self) {
-        self.written.store(true, std::sync::atomic::Ordering::SeqCst);
+    pub(crate) fn settle(&self, commit: Commit) {
+        let _ = self.commit.set(commit);
     }
 }
+
+impl AsRef<SealedOutcome> for SealedOutcome {
+    fn as_ref(&self) -> &SealedOutcome {
+        self
+    }
+}
+
+impl fmt::Debug for SealedOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SealedOutcome")
+            .field("key_hash", &self.key.hash())
+            .field("outcome_len", &self.outcome.len())
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a front door's `seal` made no outcome.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SealError {
+    /// serde could not encode the value, or it holds NaN or an infinity (which JSON would
+    /// store as `null`): the reason.
+    Unencodable(String),
+    /// The front door does not store this outcome (the HTTP door: a status its store policy
+    /// does not keep, a 405, or headers or a body over the stored limits; the body failed):
+    /// the reason. Answer it without sealing it; the key is released as for any such answer.
+    NotStored(&'static str),
+    /// The context is not one a front door gave to an operation it runs.
+    NotClaimed,
+}
+
+impl fmt::Display for SealError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unencodable(reason) => write!(f, "the result cannot be stored: {reason}"),
+            Self::NotStored(reason) => write!(f, "the outcome is not stored: {reason}"),
+            Self::NotClaimed => f.write_str("the context is not one a front door gave"),
+        }
+    }
+}
+
+impl std::error::Error for SealError {}

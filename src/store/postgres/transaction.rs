@@ -1,15 +1,17 @@
-//! [`PostgresStore::complete_in`]: an outcome written in the caller's own transaction, so
-//! that it commits with the side effect written there, or neither does.
+//! [`PostgresStore::commit`]: an outcome committed in the caller's own transaction, with the
+//! side effect written there, or neither.
 
-use sqlx::Row as _;
+use sqlx::{Postgres, Row as _, Transaction};
 
 use super::{PostgresStore, corrupt, millis};
-use crate::store::{SealedOutcome, StoreError};
+use crate::store::{Commit, SealedOutcome, StoreError};
 
 impl PostgresStore {
-    /// Writes `sealed` in the caller's transaction (or on any connection of the caller's): the
-    /// record completes if and only if the transaction commits, with the side effect written
-    /// in it. Fenced by the claim's owner token, as [`Store::complete`](crate::store::Store::complete) is.
+    /// Writes `sealed` in the caller's transaction and commits it: the record completes if and
+    /// only if the side effect written in `transaction` commits. Fenced by the claim's owner
+    /// token, as [`Store::complete`](crate::store::Store::complete) is. The front door then
+    /// writes nothing: every retry is answered from the committed row, even when the process
+    /// dies before the door answers.
     ///
     /// ```no_run
     /// # #[cfg(feature = "postgres")] async fn run(
@@ -26,9 +28,7 @@ impl PostgresStore {
     ///             sqlx::query_as("INSERT INTO payments (amount) VALUES (100) RETURNING id")
     ///                 .fetch_one(&mut *tx)
     ///                 .await?;
-    ///         let sealed = consumer::seal(&context, &id)?;
-    ///         store.complete_in(&mut tx, &sealed).await?;
-    ///         tx.commit().await?;
+    ///         store.commit(tx, &consumer::seal(&context, &id)?).await?;
     ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(id)
     ///     })
     ///     .await;
@@ -38,12 +38,42 @@ impl PostgresStore {
     ///
     /// # Errors
     ///
-    /// [`StoreError::FencedOut`] when another claim holds the key now (this holder's lease
-    /// lapsed and a duplicate took it over): nothing was written, and the transaction must
-    /// roll back. A database error or the command timeout as for every call.
-    pub async fn complete_in(
+    /// - [`StoreError::FencedOut`] when another claim holds the key now (this holder's lease
+    ///   lapsed and a duplicate took it over): the transaction is rolled back, nothing of it
+    ///   was written.
+    /// - A database error or the command timeout, as for every call: the transaction is rolled
+    ///   back, or, when the commit itself failed, its fate is unknown. Either way the front
+    ///   door writes nothing and releases the key with a fenced delete, which a committed
+    ///   record refuses: the retry replays the outcome if it committed, and runs again if not.
+    pub async fn commit(
         &self,
-        connection: &mut sqlx::PgConnection,
+        mut transaction: Transaction<'_, Postgres>,
+        sealed: impl AsRef<SealedOutcome>,
+    ) -> Result<(), StoreError> {
+        let sealed = sealed.as_ref();
+        let timeout = self.command_timeout;
+        let committed = match self.write_sealed(&mut transaction, sealed).await {
+            // A commit cut off by the timeout drops the transaction mid-flight: its fate is
+            // unknown, and answered as for any failed commit.
+            Ok(()) => match tokio::time::timeout(timeout, transaction.commit()).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(error)) => Err(StoreError::unavailable(error)),
+                Err(_) => Err(StoreError::Timeout(timeout)),
+            },
+            // Dropped unfinished: sqlx rolls it back.
+            Err(error) => Err(error),
+        };
+        sealed.settle(match committed {
+            Ok(()) => Commit::Committed(sealed.outcome().clone()),
+            Err(_) => Commit::NotCommitted,
+        });
+        committed
+    }
+
+    /// Writes `sealed` in `transaction`, fenced by its owner token.
+    async fn write_sealed(
+        &self,
+        transaction: &mut Transaction<'_, Postgres>,
         sealed: &SealedOutcome,
     ) -> Result<(), StoreError> {
         let query = sqlx::query(&self.inner.statements.complete)
@@ -53,7 +83,7 @@ impl PostgresStore {
             .bind(&sealed.outcome()[..])
             .bind(millis(sealed.retention()));
         let timeout = self.command_timeout;
-        let row = match tokio::time::timeout(timeout, query.fetch_one(connection)).await {
+        let row = match tokio::time::timeout(timeout, query.fetch_one(&mut **transaction)).await {
             Ok(Ok(row)) => row,
             Ok(Err(error)) => return Err(StoreError::unavailable(error)),
             Err(_) => return Err(StoreError::Timeout(timeout)),
@@ -62,7 +92,6 @@ impl PostgresStore {
         if outcome == 0 {
             return Err(StoreError::FencedOut);
         }
-        sealed.mark_written();
         Ok(())
     }
 }
