@@ -10,7 +10,7 @@
 
 mod common;
 
-use std::{path::PathBuf, process::Stdio, sync::OnceLock, time::Duration};
+use std::time::Duration;
 
 use axum::body::Body;
 use axum_idempotency::store::{RecordKey, deadpool_redis::redis::AsyncCommands};
@@ -18,7 +18,6 @@ use common::{RedisServer, postgres::TestDatabase as Database};
 use http::Request;
 use http_body_util::BodyExt;
 use serde_json::Value;
-use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// The services' lease: short, so that a test waits past it.
 const LEASE_MS: u64 = 1000;
@@ -45,78 +44,28 @@ impl Outbox for Database {
     }
 }
 
-/// The `outbox` example, built for this test binary's features and profile. `cargo test`
-/// builds examples too, but not with `--test recovery` alone: a stale binary would test old
-/// code, so the build is asked for here (a no-op when it is fresh).
-fn service_binary() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            let features: Vec<&str> = [
-                ("cluster", cfg!(feature = "cluster")),
-                ("metrics", cfg!(feature = "metrics")),
-                ("tls-rustls", cfg!(feature = "tls-rustls")),
-                ("tls-native-tls", cfg!(feature = "tls-native-tls")),
-                ("sentinel", cfg!(feature = "sentinel")),
-            ]
-            .into_iter()
-            .filter_map(|(name, on)| on.then_some(name))
-            .collect();
-            let mut cargo = std::process::Command::new(env!("CARGO"));
-            cargo.current_dir(env!("CARGO_MANIFEST_DIR")).args([
-                "build",
-                "--quiet",
-                "--example",
-                "outbox",
-                "--features",
-                &features.join(","),
-            ]);
-            if !cfg!(debug_assertions) {
-                cargo.arg("--release");
-            }
-            // The variables cargo sets for a test describe this package to it; passed on, they
-            // would make cargo see changed build inputs and rebuild dependencies each time.
-            for (name, _) in std::env::vars_os() {
-                let name = name.to_string_lossy();
-                let keep = ["CARGO_HOME", "CARGO_TARGET_DIR"].contains(&name.as_ref())
-                    || name.starts_with("CARGO_BUILD_");
-                if (name.starts_with("CARGO_") && !keep) || name == "OUT_DIR" {
-                    cargo.env_remove(name.as_ref());
-                }
-            }
-            let status = cargo.status().expect("cargo runs");
-            assert!(status.success(), "cargo build --example outbox failed: {status}");
-            let deps = std::env::current_exe().unwrap();
-            deps.parent().unwrap().parent().unwrap().join("examples").join("outbox")
-        })
-        .clone()
-}
-
 /// One process of the service (`outbox serve`), or of one delivery (`outbox consume`).
 struct Process {
-    child: tokio::process::Child,
-    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    child: common::example::Child,
     port: u16,
 }
 
 impl Process {
     fn spawn(args: &[&str], db: &Database, redis: &RedisServer, env: &[(&str, &str)]) -> Self {
         let port = common::free_port();
-        let mut command = tokio::process::Command::new(service_binary());
-        command
-            .args(args)
-            .env("DATABASE_URL", db.url())
-            .env("REDIS_URL", redis.url())
-            .env("OUTBOX_LEASE_MS", LEASE_MS.to_string())
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .kill_on_drop(true);
+        let (url, redis_url, lease) = (db.url(), redis.url(), LEASE_MS.to_string());
+        let mut vars = vec![
+            ("DATABASE_URL", url.as_str()),
+            ("REDIS_URL", redis_url.as_str()),
+            ("OUTBOX_LEASE_MS", lease.as_str()),
+        ];
+        vars.extend_from_slice(env);
+        let port_text = port.to_string();
+        let mut args = args.to_vec();
         if args.first() == Some(&"serve") {
-            command.args(["--port", &port.to_string()]);
+            args.extend(["--port", &port_text]);
         }
-        let mut child = command.spawn().expect("the outbox example starts");
-        let stdout = child.stdout.take().unwrap();
-        Self { child, lines: BufReader::new(stdout).lines(), port }
+        Self { child: common::example::Child::spawn("outbox", &args, &vars), port }
     }
 
     async fn serve(db: &Database, redis: &RedisServer, env: &[(&str, &str)]) -> Self {
@@ -125,31 +74,19 @@ impl Process {
         process
     }
 
-    /// Waits (at most 30 s) for a line of stdout that starts with `prefix`, and returns it.
     async fn line_starting(&mut self, prefix: &str) -> String {
-        let found = tokio::time::timeout(Duration::from_secs(30), async {
-            while let Some(line) = self.lines.next_line().await.unwrap() {
-                if line.starts_with(prefix) {
-                    return line;
-                }
-            }
-            panic!("the process exited before it printed {prefix:?}");
-        });
-        found.await.unwrap_or_else(|_| panic!("no {prefix:?} within 30 s"))
+        self.child.line_starting(prefix).await
     }
 
     async fn sigkill(&mut self) {
-        self.child.kill().await.unwrap();
+        self.child.sigkill().await;
     }
 
     fn signal(&self, signal: &str) {
-        let pid = self.child.id().unwrap().to_string();
-        let status = std::process::Command::new("kill").args([signal, &pid]).status().unwrap();
-        assert!(status.success(), "kill {signal} {pid}");
+        self.child.signal(signal);
     }
 }
 
-/// What a client saw.
 #[derive(Debug)]
 struct Answer {
     status: u16,

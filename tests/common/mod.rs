@@ -467,6 +467,7 @@ pub async fn eventually_within<F: AsyncFn() -> bool>(limit: Duration, what: &str
     }
 }
 
+pub mod example;
 pub mod load;
 pub mod postgres;
 #[cfg(feature = "postgres")]

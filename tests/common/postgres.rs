@@ -58,6 +58,31 @@ impl TestDatabase {
         )
     }
 
+    /// The database's connection URL (`postgres://…`), for a process that takes only URLs
+    /// (sqlx).
+    pub fn uri(&self) -> String {
+        let encode = |text: &[u8]| -> String {
+            text.iter()
+                .map(|&b| {
+                    if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                        char::from(b).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect()
+        };
+        let password = self.admin.get_password().map(|p| format!(":{}", encode(p)));
+        format!(
+            "postgres://{}{}@{}:{}/{}",
+            encode(self.user().as_bytes()),
+            password.unwrap_or_default(),
+            encode(self.host().as_bytes()),
+            self.port(),
+            self.name
+        )
+    }
+
     pub fn host(&self) -> String {
         match &self.admin.get_hosts()[0] {
             tokio_postgres::config::Host::Tcp(host) => host.clone(),

@@ -1,0 +1,206 @@
+//! The durable authority: a payments service whose idempotency record commits with its payment
+//! in one PostgreSQL transaction (`PostgresStore`, `http::seal`, `PostgresStore::commit`): no
+//! outbox table, no recovery hook. A process killed anywhere leaves either the committed
+//! response, which every retry replays, or nothing, which the retry runs once.
+//!
+//! ```sh
+//! cargo run --example ledger --features postgres                  # the service, port 3000
+//! cargo run --example ledger --features postgres -- serve --port 3001
+//! curl -si localhost:3000/payments -H 'idempotency-key: k1' -d '{"amount":100}'
+//! ```
+//!
+//! Each payment calls a payment provider first, with a key derived from the request's
+//! (`IdempotencyContext::derived_key`): a run after a crash calls it again with the same key, and
+//! the provider charges once.
+//!
+//! - `DATABASE_URL`: PostgreSQL (default `postgres://postgres@127.0.0.1:5432/postgres`); the
+//!   tables `idempotency_records` and `ledger_payments` are created there when missing.
+//! - `PROVIDER_URL`: the payment provider (`POST {url}/charges` with an `idempotency-key`,
+//!   answering `{"charge":"…"}`); without it, a fake one in this process.
+//! - `LEDGER_LEASE_MS` (default 30000).
+//! - `LEDGER_PAUSE=before-claim|after-claim|after-call|before-commit|after-commit|after-store`:
+//!   the request stops there, says `paused <point>` on stdout, and waits, for a crash to be
+//!   staged: before the layer saw it; in the handler, before anything; after the provider's
+//!   charge, before its row; after the row, before the commit; after the commit, before the
+//!   handler returned; after the layer settled, before the response was sent.
+
+use std::{
+    collections::HashMap,
+    io::Write as _,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{
+    Json, Router,
+    body::Body,
+    extract::{Request, State},
+    http::{HeaderMap, StatusCode},
+    middleware::{self, Next},
+    response::{IntoResponse, Response},
+    routing::post,
+};
+use axum_idempotency::{
+    IdempotencyContext, IdempotencyLayer, http,
+    recovery::BoxError,
+    store::{
+        PostgresStore,
+        sqlx::{self, PgPool},
+    },
+};
+use http_body_util::BodyExt as _;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+const PAYMENTS: &str = "CREATE TABLE IF NOT EXISTS ledger_payments (
+    id BIGSERIAL PRIMARY KEY, amount BIGINT NOT NULL, charge TEXT NOT NULL)";
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let port = match args.first().map(String::as_str) {
+        None => 3000,
+        Some("serve") => match args.iter().position(|a| a == "--port") {
+            Some(i) => args.get(i + 1).ok_or("--port needs a number")?.parse()?,
+            None => 3000,
+        },
+        Some(other) => return Err(format!("unknown command {other:?}: serve, or none").into()),
+    };
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
+    let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await?;
+    let store = PostgresStore::new(pool.clone());
+    store.migrate().await?;
+    sqlx::raw_sql(PAYMENTS).execute(&pool).await?;
+    let provider = match std::env::var("PROVIDER_URL") {
+        Ok(url) => url,
+        Err(_) => fake_provider().await?,
+    };
+    let var = |name: &str| std::env::var(name).ok();
+    let lease = var("LEDGER_LEASE_MS").and_then(|ms| ms.parse().ok()).unwrap_or(30_000);
+    let pause = Pause(var("LEDGER_PAUSE"));
+    let app = app(Ledger { pool, store, provider, pause }, Duration::from_millis(lease));
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
+    println!("listening on {}", listener.local_addr()?);
+    axum::serve(listener, app).await?;
+    Ok(())
+}
+
+#[derive(Clone)]
+struct Ledger {
+    pool: PgPool,
+    store: PostgresStore,
+    provider: String,
+    pause: Pause,
+}
+
+fn app(ledger: Ledger, lease: Duration) -> Router {
+    let layer = IdempotencyLayer::new(ledger.store.clone()).lease(lease);
+    let pause = ledger.pause.clone();
+    Router::new()
+        .route("/payments", post(pay))
+        .with_state(ledger)
+        .layer(layer)
+        // Outside the layer: before it sees the request, and after it settled the response.
+        .layer(middleware::from_fn(move |request: Request, next: Next| {
+            let pause = pause.clone();
+            async move {
+                pause.at("before-claim").await;
+                let response = next.run(request).await;
+                pause.at("after-store").await;
+                response
+            }
+        }))
+}
+
+#[derive(Deserialize)]
+struct Payment {
+    amount: i64,
+}
+
+/// The handler written the crate's way: the provider's charge with a derived key, then the
+/// payment row and the response, committed together.
+async fn pay(
+    context: IdempotencyContext,
+    State(ledger): State<Ledger>,
+    Json(payment): Json<Payment>,
+) -> Result<http::SealedResponse, Failure> {
+    ledger.pause.at("after-claim").await;
+    let charge = charge(&ledger.provider, &context.derived_key("charge"), payment.amount).await?;
+    ledger.pause.at("after-call").await;
+    let mut tx = ledger.pool.begin().await?;
+    let sql = "INSERT INTO ledger_payments (amount, charge) VALUES ($1, $2) RETURNING id";
+    let id: i64 =
+        sqlx::query_scalar(sql).bind(payment.amount).bind(&charge).fetch_one(&mut *tx).await?;
+    ledger.pause.at("before-commit").await;
+    let body = json!({ "payment": id, "charge": charge, "amount": payment.amount });
+    let sealed = http::seal(&context, (StatusCode::CREATED, Json(body))).await?;
+    // The response commits with the payment row, or neither does.
+    ledger.store.commit(tx, &sealed).await?;
+    ledger.pause.at("after-commit").await;
+    Ok(sealed)
+}
+
+/// Charges `amount` at the provider under `key`, its own idempotency key.
+async fn charge(provider: &str, key: &str, amount: i64) -> Result<String, Failure> {
+    let client =
+        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build_http::<Body>();
+    let request = axum::http::Request::post(format!("{provider}/charges"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(json!({ "amount": amount }).to_string()))?;
+    let response = client.request(request).await?;
+    let body: Value = serde_json::from_slice(&response.into_body().collect().await?.to_bytes())?;
+    Ok(body["charge"].as_str().ok_or("the provider answered no charge")?.to_owned())
+}
+
+/// A provider that charges once per idempotency key, in this process.
+async fn fake_provider() -> Result<String, BoxError> {
+    let charges: Arc<Mutex<HashMap<String, String>>> = Arc::default();
+    let app = Router::new().route(
+        "/charges",
+        post(move |headers: HeaderMap| async move {
+            let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+            let key = key.unwrap_or_default().to_owned();
+            let mut charges = charges.lock().unwrap();
+            let next = format!("ch_{}", charges.len() + 1);
+            Json(json!({ "charge": charges.entry(key).or_insert(next) }))
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Ok(url)
+}
+
+/// Where a request stops, when `LEDGER_PAUSE` names a point.
+#[derive(Clone)]
+struct Pause(Option<String>);
+
+impl Pause {
+    async fn at(&self, point: &str) {
+        if self.0.as_deref() == Some(point) {
+            println!("paused {point}");
+            let _ = std::io::stdout().flush();
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// Any failure of the handler: a 500, which the layer does not store (the key is released).
+struct Failure(BoxError);
+
+impl<E: Into<BoxError>> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Self(error.into())
+    }
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        eprintln!("payment failed: {}", self.0);
+        (StatusCode::INTERNAL_SERVER_ERROR, "payment failed\n").into_response()
+    }
+}

@@ -1,0 +1,253 @@
+//! The HTTP door over `PostgresStore`, the response committed with the side effect
+//! (`examples/ledger.rs`, the README's way): the service runs as child processes over a
+//! database of each test's own (dropped at the end) and is killed with SIGKILL at each window
+//! of a payment. The payment provider runs in the test, outside the killed process, and counts
+//! its calls and charges per idempotency key. What a client sees, what the database holds and
+//! what the provider charged are asserted from outside the processes: the retry gets the
+//! committed response replayed, or runs the payment once; never twice, never an answer the
+//! database does not hold.
+//!
+//! Needs PostgreSQL at `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`,
+//! a role that may create databases); fails when it is missing.
+#![cfg(feature = "postgres")]
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use axum::{Json, Router, body::Body, http::HeaderMap, routing::post};
+use common::{example::Child, postgres::TestDatabase};
+use http::Request;
+use http_body_util::BodyExt;
+use serde_json::{Value, json};
+
+/// The services' lease: short, so that a test waits past it.
+const LEASE_MS: u64 = 1000;
+const PAST_LEASE: Duration = Duration::from_millis(LEASE_MS + 400);
+
+/// A payment provider that charges once per idempotency key, and counts every call.
+#[derive(Clone, Default)]
+struct Provider {
+    /// Per key: the charge made, and how many calls asked for it.
+    charges: Arc<Mutex<HashMap<String, (String, usize)>>>,
+}
+
+impl Provider {
+    async fn start(&self) -> String {
+        let charges = self.charges.clone();
+        let app = Router::new().route(
+            "/charges",
+            post(move |headers: HeaderMap| async move {
+                let key = headers.get("idempotency-key").expect("a key").to_str().unwrap();
+                let mut charges = charges.lock().unwrap();
+                let next = format!("ch_{}", charges.len() + 1);
+                let entry = charges.entry(key.to_owned()).or_insert((next, 0));
+                entry.1 += 1;
+                Json(json!({ "charge": entry.0 }))
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        url
+    }
+
+    /// (charges made, calls made), over every key.
+    fn counts(&self) -> (usize, usize) {
+        let charges = self.charges.lock().unwrap();
+        (charges.len(), charges.values().map(|(_, calls)| calls).sum())
+    }
+}
+
+/// A test's world: its database, the provider, and the service's processes.
+struct World {
+    db: TestDatabase,
+    provider: Provider,
+    provider_url: String,
+}
+
+impl World {
+    async fn new() -> Self {
+        let (db, provider) = (TestDatabase::create("ledger").await, Provider::default());
+        let provider_url = provider.start().await;
+        Self { db, provider, provider_url }
+    }
+
+    /// A process of the service, stopping at `pause` when given.
+    async fn serve(&self, pause: Option<&str>) -> Service {
+        let port = common::free_port().to_string();
+        let (url, lease) = (self.db.uri(), LEASE_MS.to_string());
+        let mut env = vec![
+            ("DATABASE_URL", url.as_str()),
+            ("PROVIDER_URL", self.provider_url.as_str()),
+            ("LEDGER_LEASE_MS", lease.as_str()),
+        ];
+        env.extend(pause.map(|point| ("LEDGER_PAUSE", point)));
+        let mut child = Child::spawn("ledger", &["serve", "--port", &port], &env);
+        child.line_starting("listening").await;
+        Service { child, port: port.parse().unwrap() }
+    }
+
+    async fn payments(&self) -> i64 {
+        let sql = "SELECT count(*) FROM ledger_payments";
+        self.db.client().await.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
+    /// The record's state: `Some('P')` in progress, `Some('C')` completed, `None` absent.
+    async fn record(&self) -> Option<String> {
+        let sql = "SELECT state::text FROM idempotency_records";
+        let row = self.db.client().await.query_opt(sql, &[]).await;
+        // Before the first service ran, the table does not exist: no record.
+        row.ok().flatten().map(|row| row.get(0))
+    }
+
+    /// The committed payment, as the client was to be answered: its id and charge.
+    async fn committed(&self) -> Option<(i64, String)> {
+        let sql = "SELECT id, charge FROM ledger_payments";
+        let row = self.db.client().await.query_opt(sql, &[]).await.unwrap()?;
+        Some((row.get(0), row.get(1)))
+    }
+}
+
+struct Service {
+    child: Child,
+    port: u16,
+}
+
+/// What a client saw.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    replayed: bool,
+    body: Value,
+}
+
+async fn pay(port: u16, key: &str) -> Result<Answer, hyper_util::client::legacy::Error> {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
+    let request = Request::post(format!("http://127.0.0.1:{port}/payments"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"amount":100}"#))
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(15), client.request(request))
+        .await
+        .expect("an answer within 15 s")?;
+    let status = response.status().as_u16();
+    let replayed = response.headers().get("idempotency-replayed").is_some_and(|v| v == "true");
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&body)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&body).into()));
+    Ok(Answer { status, replayed, body })
+}
+
+/// Sends `pay-1` to a service that stops at `point`, and kills it there with SIGKILL.
+async fn killed_at(world: &World, point: &str) {
+    let mut doomed = world.serve(Some(point)).await;
+    let port = doomed.port;
+    let request = tokio::spawn(async move { pay(port, "pay-1").await });
+    assert_eq!(doomed.child.line_starting("paused").await, format!("paused {point}"));
+    doomed.child.sigkill().await;
+    assert!(request.await.unwrap().is_err(), "the killed service answered");
+}
+
+/// The retry runs the payment once: a fresh 201 with the committed payment, replayed after.
+async fn the_retry_runs_once(world: &World, service: &Service) {
+    let retry = pay(service.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed), (201, false), "{retry:?}");
+    the_answer_is_what_the_database_holds(world, &retry).await;
+    let again = pay(service.port, "pay-1").await.unwrap();
+    assert_eq!((again.status, again.replayed, &again.body), (201, true, &retry.body));
+    assert_eq!(world.payments().await, 1);
+    assert_eq!(world.provider.counts().0, 1, "the provider charged twice");
+}
+
+async fn the_answer_is_what_the_database_holds(world: &World, answer: &Answer) {
+    let (id, charge) = world.committed().await.expect("a committed payment");
+    let expected = json!({ "payment": id, "charge": charge, "amount": 100 });
+    assert_eq!(answer.body, expected);
+    assert_eq!(world.record().await.as_deref(), Some("C"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_before_the_claim_the_retry_runs_once() {
+    let world = World::new().await;
+    let service = world.serve(None).await;
+    killed_at(&world, "before-claim").await;
+    assert_eq!((world.record().await, world.payments().await), (None, 0));
+    assert_eq!(world.provider.counts(), (0, 0));
+    the_retry_runs_once(&world, &service).await;
+    assert_eq!(world.provider.counts(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_right_after_the_claim_the_retry_waits_out_the_lease_and_runs_once() {
+    let world = World::new().await;
+    // Started first: the retry comes within the dead holder's lease when the test wants it.
+    let service = world.serve(None).await;
+    killed_at(&world, "after-claim").await;
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("P"), 0));
+    // At once, within the dead holder's lease: the layer waits (its default) until the lease
+    // lapses, takes the key over, and runs the payment once.
+    the_retry_runs_once(&world, &service).await;
+    assert_eq!(world.provider.counts(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_external_call_before_its_row_the_retry_charges_nothing_more() {
+    let world = World::new().await;
+    // Started first: the retry comes within the dead holder's lease when the test wants it.
+    let service = world.serve(None).await;
+    killed_at(&world, "after-call").await;
+    assert_eq!(world.provider.counts(), (1, 1));
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("P"), 0));
+    tokio::time::sleep(PAST_LEASE).await;
+    // The handler runs again and calls the provider again, with the same derived key: the
+    // provider answers its first charge, and charges nothing more.
+    the_retry_runs_once(&world, &service).await;
+    assert_eq!(world.provider.counts(), (1, 2));
+    assert_eq!(world.committed().await.unwrap().1, "ch_1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_row_before_the_commit_the_retry_runs_once() {
+    let world = World::new().await;
+    // Started first: the retry comes within the dead holder's lease when the test wants it.
+    let service = world.serve(None).await;
+    killed_at(&world, "before-commit").await;
+    // The row went with the transaction.
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("P"), 0));
+    tokio::time::sleep(PAST_LEASE).await;
+    the_retry_runs_once(&world, &service).await;
+    assert_eq!(world.provider.counts(), (1, 2));
+}
+
+/// Killed after the commit and before the handler returned (`after-commit`: the layer stored
+/// nothing of its own), or after the layer settled and before the response was sent
+/// (`after-store`): the committed row is the record. The retry is replayed at once, within the
+/// dead holder's lease, with no hook.
+async fn killed_after_the_commit(point: &str) {
+    let world = World::new().await;
+    let service = world.serve(None).await;
+    killed_at(&world, point).await;
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("C"), 1));
+    let retry = pay(service.port, "pay-1").await.unwrap();
+    assert_eq!((retry.status, retry.replayed), (201, true), "{retry:?}");
+    the_answer_is_what_the_database_holds(&world, &retry).await;
+    assert_eq!(world.payments().await, 1);
+    assert_eq!(world.provider.counts(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_commit_before_the_layer_stored_anything_the_retry_is_a_replay() {
+    killed_after_the_commit("after-commit").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_after_the_store_before_the_response_was_sent_the_retry_is_a_replay() {
+    killed_after_the_commit("after-store").await;
+}
