@@ -144,9 +144,8 @@ async fn pay(
 
 /// Charges `amount` at the provider under `key`, its own idempotency key.
 async fn charge(provider: &str, key: &str, amount: i64) -> Result<String, Failure> {
-    let client =
-        hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-            .build_http::<Body>();
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
     let request = axum::http::Request::post(format!("{provider}/charges"))
         .header("idempotency-key", key)
         .header("content-type", "application/json")

@@ -175,6 +175,52 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
     assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_that_returns_another_value_than_it_committed_gets_the_committed_one() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    let idem = Idempotent::new(store.clone());
+    let deliver = || {
+        let (pool, store) = (pool.clone(), store.clone());
+        idem.run("payments", "evt_1", b"{}", move |context| async move {
+            let id = pay(pool, store, "evt_1", context, Stop::Nowhere, false).await?;
+            Ok::<i64, BoxError>(id + 1000)
+        })
+    };
+    let first = deliver().await;
+    let Ok(Outcome::Ran(id)) = first else { panic!("the first delivery did not run: {first:?}") };
+    assert!(id < 1000, "the returned value was answered, not the committed one: {id}");
+    assert!(matches!(deliver().await, Ok(Outcome::Replayed(again)) if again == id));
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_fails_stores_nothing_even_when_the_operation_returns_ok() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    // A constraint checked only at commit: a second `evt_1` row passes its insert, and the
+    // commit refuses it.
+    let deferred = "ALTER TABLE payments ADD CONSTRAINT one_event UNIQUE (event)
+        DEFERRABLE INITIALLY DEFERRED";
+    sqlx::raw_sql(deferred).execute(&pool).await.unwrap();
+    sqlx::query("INSERT INTO payments (event) VALUES ('evt_1')").execute(&pool).await.unwrap();
+    let idem = Idempotent::new(store.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let deliver = || {
+        let (pool, store, runs) = (pool.clone(), store.clone(), runs.clone());
+        idem.run("payments", "evt_1", b"{}", move |context| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            // The misuse the door must survive: `Ok` after a commit that failed.
+            let paid = pay(pool, store, "evt_1", context, Stop::Nowhere, false).await;
+            Ok::<i64, BoxError>(paid.unwrap_or(-1))
+        })
+    };
+    assert!(matches!(deliver().await, Ok(Outcome::Ran(-1))));
+    assert_eq!(record_state(&pool).await, None, "the key of a failed commit is released");
+    assert!(matches!(deliver().await, Ok(Outcome::Ran(-1))), "the redelivery runs");
+    assert_eq!((runs.load(Ordering::SeqCst), payments(&pool, "evt_1").await), (2, 1));
+}
+
 /// After a sealed outcome the door writes nothing: the settle is counted as
 /// `stored_in_transaction`, never as a write of its own fenced out by the committed record.
 #[cfg(feature = "metrics")]
