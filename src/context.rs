@@ -31,7 +31,8 @@ pub struct IdempotencyContext {
 
 struct Context {
     scope: Vec<u8>,
-    key_hash: String,
+    /// The record key; its hash is the context's `key_hash`.
+    key: RecordKey,
     fingerprint: Fingerprint,
     taken_over: bool,
     /// What an outcome committed in the operation's own transaction needs (both doors give
@@ -41,7 +42,6 @@ struct Context {
 
 /// The claim an outcome committed in the operation's transaction settles.
 pub(crate) struct Completion {
-    pub(crate) key: RecordKey,
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
     /// What became of the commit, once a store committed (or failed to commit) the outcome.
@@ -54,12 +54,11 @@ pub(crate) struct Completion {
 impl Completion {
     /// The completion of a claim, with a fresh commit slot.
     pub(crate) fn new(
-        key: RecordKey,
         owner: OwnerToken,
         retention: Duration,
         rules: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Self {
-        Self { key, owner, retention, commit: Arc::default(), rules }
+        Self { owner, retention, commit: Arc::default(), rules }
     }
 }
 
@@ -71,9 +70,13 @@ impl IdempotencyContext {
         taken_over: bool,
         completion: Option<Completion>,
     ) -> Self {
-        let key_hash = key.hash().to_owned();
-        let context = Context { scope, key_hash, fingerprint, taken_over, completion };
+        let key = key.clone();
+        let context = Context { scope, key, fingerprint, taken_over, completion };
         Self { inner: Arc::new(context) }
+    }
+
+    pub(crate) fn key(&self) -> &RecordKey {
+        &self.inner.key
     }
 
     pub(crate) fn completion(&self) -> Option<&Completion> {
@@ -96,7 +99,7 @@ impl IdempotencyContext {
     /// key, never the raw key. Store it with the outcome.
     #[must_use]
     pub fn key_hash(&self) -> &str {
-        &self.inner.key_hash
+        self.inner.key.hash()
     }
 
     /// The request's fingerprint.
@@ -134,7 +137,7 @@ impl IdempotencyContext {
     /// ```
     #[must_use]
     pub fn derived_key(&self, purpose: &str) -> String {
-        let digest = Fingerprint::of_fields(&[self.inner.key_hash.as_bytes(), purpose.as_bytes()]);
+        let digest = Fingerprint::of_fields(&[self.key_hash().as_bytes(), purpose.as_bytes()]);
         digest.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect()
     }
 }
@@ -143,7 +146,7 @@ impl fmt::Debug for IdempotencyContext {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyContext")
             .field("scope", &String::from_utf8_lossy(&self.inner.scope))
-            .field("key_hash", &self.inner.key_hash)
+            .field("key_hash", &self.key_hash())
             .field("taken_over", &self.inner.taken_over)
             .finish_non_exhaustive()
     }

@@ -44,7 +44,7 @@ pub fn seal<T: Serialize>(
         Err(Unstorable::OverLimit) => return Err(SealError::Unencodable("too large".into())),
     };
     Ok(SealedOutcome {
-        key: completion.key.clone(),
+        key: context.key().clone(),
         owner: completion.owner.clone(),
         fingerprint: context.fingerprint().clone(),
         outcome,

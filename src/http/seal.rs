@@ -105,7 +105,7 @@ pub async fn seal(
     };
     let outcome = record::encode(head.status, &head.headers, &config.header_filter, &body);
     let outcome = SealedOutcome {
-        key: completion.key.clone(),
+        key: context.key().clone(),
         owner: completion.owner.clone(),
         fingerprint: context.fingerprint().clone(),
         outcome,
