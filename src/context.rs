@@ -1,17 +1,12 @@
 //! [`IdempotencyContext`]: who a claimed operation is, as its handler, its consumer operation
 //! and its recovery hook see it.
 
-use std::{
-    any::Any,
-    fmt,
-    sync::{Arc, OnceLock},
-    time::Duration,
-};
+use std::{any::Any, fmt, sync::Arc, time::Duration};
 
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Commit, OwnerToken},
+    store::{Commit, CommitSlot, OwnerToken},
 };
 
 /// Who a claimed operation is, for the operation itself and for its recovery: the scope, the
@@ -45,20 +40,21 @@ pub(crate) struct Completion {
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
     /// What became of the commit, once a store committed (or failed to commit) the outcome.
-    pub(crate) commit: Arc<OnceLock<Commit>>,
+    pub(crate) commit: Arc<CommitSlot>,
     /// The front door's own rules for encoding an outcome (the HTTP door: its configuration).
     /// Opaque here, so that the context depends on no door; the door's `seal` reads it back.
     pub(crate) rules: Option<Arc<dyn Any + Send + Sync>>,
 }
 
 impl Completion {
-    /// The completion of a claim, with a fresh commit slot.
+    /// The completion of a claim, sharing the holder's commit slot.
     pub(crate) fn new(
         owner: OwnerToken,
         retention: Duration,
+        commit: Arc<CommitSlot>,
         rules: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Self {
-        Self { owner, retention, commit: Arc::default(), rules }
+        Self { owner, retention, commit, rules }
     }
 }
 
@@ -85,7 +81,7 @@ impl IdempotencyContext {
 
     /// What became of an outcome the operation committed in its own transaction, if it tried.
     pub(crate) fn commit(&self) -> Option<&Commit> {
-        self.completion().and_then(|c| c.commit.get())
+        self.completion().and_then(|c| c.commit.outcome())
     }
 
     /// The scope the key was claimed in (a tenant, a user, a consumer's name); empty for the

@@ -272,7 +272,12 @@ impl<St: Store, H> Idempotent<St, H> {
             Claimed::Mismatch => return Ok(Outcome::Mismatch),
         };
 
-        let completion = Completion::new(holder.owner().clone(), holder.retention(), None);
+        let completion = Completion::new(
+            holder.owner().clone(),
+            holder.retention(),
+            holder.commit_slot().clone(),
+            None,
+        );
         let context = IdempotencyContext::new(
             scope.as_bytes().to_vec(),
             holder.key(),

@@ -14,7 +14,7 @@ use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
     recovery::{BoxError, Recovered},
-    store::{Fenced, Lease, OwnerToken, Store},
+    store::{CommitSlot, Fenced, Lease, OwnerToken, Store},
 };
 
 /// A panic's payload, carried to where it is resumed.
@@ -40,6 +40,8 @@ pub(crate) struct Holder<St> {
     /// The lease's renewal, when keep-alive is on; it stops when the holder settles or is
     /// dropped.
     renewal: Option<Renewal>,
+    /// Where a store says that the operation committed its outcome in its own transaction.
+    commit: Arc<CommitSlot>,
 }
 
 /// The task that renews a holder's lease, and the way to stop it.
@@ -75,14 +77,16 @@ impl<St: Store> Holder<St> {
         route: Arc<str>,
         taken_over: bool,
     ) -> Self {
+        let commit = Arc::<CommitSlot>::default();
         let renewal = settings.keep_alive.map(|ceiling| {
             let (stop, stopped) = oneshot::channel();
             let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
             let (lease, route) = (settings.lease(), route.clone());
-            let task = tokio::spawn(renew(store, key, owner, lease, route, ceiling, stopped));
+            let watch = Watch { ceiling, commit: commit.clone(), stopped };
+            let task = tokio::spawn(renew(store, key, owner, lease, route, watch));
             Renewal { stop, task }
         });
-        Self { store, key, fingerprint, owner, settings, route, taken_over, renewal }
+        Self { store, key, fingerprint, owner, settings, route, taken_over, renewal, commit }
     }
 
     /// Stops the lease's renewal, and waits for a renewal on the wire: before a settle, so
@@ -101,6 +105,11 @@ impl<St: Store> Holder<St> {
 
     pub(crate) fn owner(&self) -> &OwnerToken {
         &self.owner
+    }
+
+    /// Where a store says that the operation committed its outcome in its own transaction.
+    pub(crate) fn commit_slot(&self) -> &Arc<CommitSlot> {
+        &self.commit
     }
 
     pub(crate) fn retention(&self) -> Duration {
@@ -231,15 +240,23 @@ impl<St: Store> Holder<St> {
 
 /// Renews the lease of `owner`'s claim every third of a lease, until `stopped`, until the key
 /// is lost, or until `ceiling` has passed since the claim.
+/// What a lease renewal watches besides the store: its ceiling, the operation's commit, and
+/// the holder's stop.
+struct Watch {
+    ceiling: Duration,
+    commit: Arc<CommitSlot>,
+    stopped: oneshot::Receiver<()>,
+}
+
 async fn renew<St: Store>(
     store: St,
     key: RecordKey,
     owner: OwnerToken,
     lease: Lease,
     route: Arc<str>,
-    ceiling: Duration,
-    mut stopped: oneshot::Receiver<()>,
+    watch: Watch,
 ) {
+    let Watch { ceiling, commit, mut stopped } = watch;
     let hash = key.hash();
     let period = (lease.duration / 3).max(Duration::from_millis(1));
     let give_up_at = super::after(ceiling);
@@ -259,6 +276,14 @@ async fn renew<St: Store>(
         }
         match store.touch(&key, &owner, lease).await {
             Ok(Fenced::Applied) => {}
+            // The operation's own transaction settled the record (the renewal waited on its
+            // row lock): not a lease lost.
+            Ok(Fenced::Rejected) if commit.begun() => {
+                return tracing::debug!(
+                    key_hash = hash,
+                    "idempotency: the record was settled in the operation's transaction"
+                );
+            }
             Ok(Fenced::Rejected) => {
                 return tracing::warn!(
                     key_hash = hash,

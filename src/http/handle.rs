@@ -123,7 +123,12 @@ where
         // when it is to be asked.
         // What a handler that commits its response in its own transaction (`seal`) needs.
         let rules: Arc<dyn std::any::Any + Send + Sync> = self.config.clone();
-        let completion = Completion::new(holder.owner().clone(), holder.retention(), Some(rules));
+        let completion = Completion::new(
+            holder.owner().clone(),
+            holder.retention(),
+            holder.commit_slot().clone(),
+            Some(rules),
+        );
         let context = IdempotencyContext::new(
             scope,
             holder.key(),

@@ -40,7 +40,7 @@ pub use self::postgres::{LapsedClaims, PostgresStore, TableNameError};
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
-pub(crate) use self::sealed::Commit;
+pub(crate) use self::sealed::{Commit, CommitSlot};
 pub use self::sealed::{SealError, SealedOutcome};
 pub use self::subscription::Subscription;
 pub use self::subscription::{OnLastLeave, Waiters};

@@ -3,7 +3,10 @@
 
 use std::{
     fmt,
-    sync::{Arc, OnceLock},
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
@@ -26,9 +29,31 @@ pub struct SealedOutcome {
     pub(crate) fingerprint: Fingerprint,
     pub(crate) outcome: Bytes,
     pub(crate) retention: Duration,
-    /// Shared with the operation's context: what became of the commit, for the front door.
+    /// Shared with the claim's holder and the operation's context: what became of the commit.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) commit: Arc<OnceLock<Commit>>,
+    pub(crate) commit: Arc<CommitSlot>,
+}
+
+/// What became of an outcome committed in the operation's own transaction, shared by the
+/// store that commits it, the claim's holder (whose lease renewal then stops quietly: the
+/// record it finds settled was settled by its own operation) and the front door.
+#[derive(Debug, Default)]
+pub(crate) struct CommitSlot {
+    /// A commit began: from here, a renewal that finds the record settled is not a lost lease.
+    begun: AtomicBool,
+    outcome: OnceLock<Commit>,
+}
+
+impl CommitSlot {
+    /// Whether the operation began to commit its outcome.
+    pub(crate) fn begun(&self) -> bool {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// What became of the commit, once it ended.
+    pub(crate) fn outcome(&self) -> Option<&Commit> {
+        self.outcome.get()
+    }
 }
 
 /// What became of the transaction an operation committed its sealed outcome in, as its front
@@ -77,11 +102,17 @@ impl SealedOutcome {
         self.retention
     }
 
+    /// Says that a commit of this outcome begins: before the store writes it.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn begin(&self) {
+        self.commit.begun.store(true, Ordering::SeqCst);
+    }
+
     /// Tells the front door what became of the commit. The first word stands: an operation
     /// that commits twice learns from the second commit's error.
     #[cfg(feature = "postgres")]
     pub(crate) fn settle(&self, commit: Commit) {
-        let _ = self.commit.set(commit);
+        let _ = self.commit.outcome.set(commit);
     }
 }
 

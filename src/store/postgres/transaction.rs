@@ -51,6 +51,7 @@ impl PostgresStore {
         sealed: impl AsRef<SealedOutcome>,
     ) -> Result<(), StoreError> {
         let sealed = sealed.as_ref();
+        sealed.begin();
         let timeout = self.command_timeout;
         let committed = match self.write_sealed(&mut transaction, sealed).await {
             // A commit cut off by the timeout drops the transaction mid-flight: its fate is
