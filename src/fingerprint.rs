@@ -59,6 +59,12 @@ impl Fingerprint {
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
     }
+
+    /// A fingerprint as a store holds it, read back; `None` unless it is 32 bytes.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn from_stored(bytes: &[u8]) -> Option<Self> {
+        bytes.try_into().ok().map(Self)
+    }
 }
 
 /// What a payload's fingerprint covers: its bytes as sent, or its JSON in RFC 8785 canonical

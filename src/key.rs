@@ -62,6 +62,19 @@ impl RecordKey {
         Self { full, hash_start }
     }
 
+    /// A key as a store holds it (`{prefix}:{<64 hex>}`), read back; `None` for any other
+    /// text.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn from_stored(full: String) -> Option<Self> {
+        let hash_start = full.len().checked_sub(65)?;
+        let well_formed = full.ends_with('}')
+            && full.as_bytes()[..hash_start].ends_with(b":{")
+            && full.as_bytes()[hash_start..full.len() - 1]
+                .iter()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
+        well_formed.then_some(Self { full, hash_start })
+    }
+
     /// The whole key as written to the store.
     #[must_use]
     pub fn as_str(&self) -> &str {
@@ -77,6 +90,22 @@ impl RecordKey {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_stored_key_reads_back_and_nothing_else_does() {
+        let key = super::RecordKey::new("p{x}", b"tenant", b"k1");
+        assert_eq!(super::RecordKey::from_stored(key.as_str().to_owned()), Some(key.clone()));
+        let read = super::RecordKey::from_stored(key.as_str().to_owned()).unwrap();
+        assert_eq!(read.hash(), key.hash());
+        let text = key.as_str();
+        for bad in [&text[1..text.len() - 1], "", "p:{}", &text.replace(":{", "::")] {
+            assert_eq!(super::RecordKey::from_stored(bad.to_owned()), None, "{bad}");
+        }
+        // A prefix of multi-byte characters: no byte index of it panics.
+        assert_eq!(super::RecordKey::from_stored("é".repeat(40)), None);
+        let upper = format!("{}}}", &text[..text.len() - 1].to_uppercase());
+        assert_eq!(super::RecordKey::from_stored(upper), None);
+    }
+
     use super::*;
 
     #[test]

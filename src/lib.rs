@@ -11,6 +11,8 @@ compile_error!(
 );
 
 // Front doors → engine → store; `key` and `fingerprint` are the vocabulary all three share.
+#[cfg(feature = "postgres")]
+pub mod completer;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod consumer;

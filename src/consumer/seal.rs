@@ -3,6 +3,8 @@
 
 use std::panic::AssertUnwindSafe;
 
+use bytes::Bytes;
+
 use serde::{Serialize, de::DeserializeOwned};
 
 use super::{
@@ -37,12 +39,7 @@ pub fn seal<T: Serialize>(
     value: &T,
 ) -> Result<SealedOutcome, SealError> {
     let completion = context.completion().ok_or(SealError::NotClaimed)?;
-    let outcome = match encode(value, usize::MAX) {
-        Ok(outcome) => outcome,
-        Err(Unstorable::Unencodable(reason)) => return Err(SealError::Unencodable(reason)),
-        // No result is over a limit of usize::MAX.
-        Err(Unstorable::OverLimit) => return Err(SealError::Unencodable("too large".into())),
-    };
+    let outcome = stored_form(value)?;
     Ok(SealedOutcome {
         key: context.key().clone(),
         owner: completion.owner.clone(),
@@ -51,6 +48,16 @@ pub fn seal<T: Serialize>(
         retention: completion.retention,
         commit: completion.commit.clone(),
     })
+}
+
+/// `value` as the consumer door stores it, whatever its size.
+pub(crate) fn stored_form<T: Serialize>(value: &T) -> Result<Bytes, SealError> {
+    match encode(value, usize::MAX) {
+        Ok(outcome) => Ok(outcome),
+        Err(Unstorable::Unencodable(reason)) => Err(SealError::Unencodable(reason)),
+        // No result is over a limit of usize::MAX.
+        Err(Unstorable::OverLimit) => Err(SealError::Unencodable("too large".into())),
+    }
 }
 
 /// Settles a claim whose operation committed its outcome in its own transaction, or tried to:

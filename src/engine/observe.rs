@@ -34,6 +34,16 @@ pub(crate) fn settle(route: &str, result: &'static str) {
     let _ = (route, result);
 }
 
+/// `idempotency_abandoned_claims_total{result}`: what the completer did with an abandoned
+/// claim: settled, unresolved, failed, skipped.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn abandoned(result: &'static str) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!("idempotency_abandoned_claims_total", "result" => result).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = result;
+}
+
 /// `idempotency_store_errors_total{route, phase}`: claim, complete, release, touch.
 pub(crate) fn store_error(route: &str, phase: &'static str) {
     #[cfg(feature = "metrics")]

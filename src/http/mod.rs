@@ -22,7 +22,7 @@ mod handle;
 mod key_header;
 mod layer;
 mod problem;
-mod record;
+pub(crate) mod record;
 mod recover;
 pub mod scope;
 mod seal;

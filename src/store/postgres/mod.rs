@@ -15,7 +15,10 @@ use bytes::Bytes;
 use sqlx::{PgPool, Row as _, postgres::PgRow};
 
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
-pub use self::{schema::TableNameError, sweeper::LapsedClaims};
+pub use self::{
+    schema::TableNameError,
+    sweeper::{AbandonedClaim, LapsedClaims},
+};
 use super::{
     Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription,
     clock::{ServerClock, claim_resampling},

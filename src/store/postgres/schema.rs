@@ -19,6 +19,7 @@ pub(super) struct Statements {
     pub(super) abandon: String,
     pub(super) sweep: String,
     pub(super) lapsed: String,
+    pub(super) abandoned: String,
 }
 
 impl Statements {
@@ -47,6 +48,14 @@ impl Statements {
                  (extract(epoch FROM clock_timestamp() - min(lease_until)) * 1000)::int8 \
                  FROM {table} WHERE state = 'P' AND lease_until <= clock_timestamp() \
                  AND expires_at > clock_timestamp()"
+            ),
+            // The oldest lapses first; `$1` ms lapsed at least, `$2` rows at most.
+            abandoned: format!(
+                "SELECT key, fingerprint, \
+                 (extract(epoch FROM clock_timestamp() - lease_until) * 1000)::int8 \
+                 FROM {table} WHERE state = 'P' \
+                 AND lease_until <= clock_timestamp() - $1 * interval '1 millisecond' \
+                 AND expires_at > clock_timestamp() ORDER BY lease_until LIMIT $2"
             ),
         }
     }

@@ -7,8 +7,8 @@ use std::time::Duration;
 use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
-use super::schema::Statements;
-use crate::store::StoreError;
+use super::{PostgresStore, millis, schema::Statements};
+use crate::{fingerprint::Fingerprint, key::RecordKey, store::StoreError};
 
 /// What [`PostgresStore::lapsed_claims`](super::PostgresStore::lapsed_claims) found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,4 +88,56 @@ pub(super) async fn lapsed(pool: &PgPool, statement: &str) -> Result<LapsedClaim
         count: u64::try_from(count).unwrap_or(0),
         oldest: oldest_ms.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
     })
+}
+
+/// An in-progress record whose holder's lease lapsed and that no claim took over since, as
+/// [`PostgresStore::abandoned_claims`] lists it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AbandonedClaim {
+    /// The record's key (its [`hash`](RecordKey::hash) is what the operation's context
+    /// called `key_hash`, and what its outbox row is keyed by).
+    pub key: RecordKey,
+    /// The fingerprint of the request that claimed it: a takeover must bring the same.
+    pub fingerprint: Fingerprint,
+    /// How long ago its lease lapsed, by the database's clock.
+    pub lapsed_for: Duration,
+}
+
+impl PostgresStore {
+    /// The abandoned claims, oldest lapse first: in-progress records whose lease lapsed at
+    /// least `lapsed_for` ago, within their recovery window, that no claim took over since (a
+    /// holder that died or stalled, a client that never came back), at most `limit` of them.
+    /// What a [`Completer`](crate::completer::Completer) settles, and an operator looks at.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached, within the command timeout; a row this store did
+    /// not write is [`StoreError::CorruptRecord`].
+    pub async fn abandoned_claims(
+        &self,
+        lapsed_for: Duration,
+        limit: u32,
+    ) -> Result<Vec<AbandonedClaim>, StoreError> {
+        let query = sqlx::query_as::<_, (String, Vec<u8>, i64)>(&self.inner.statements.abandoned)
+            .bind(millis(lapsed_for))
+            .bind(i64::from(limit));
+        let timeout = self.command_timeout;
+        let rows = match tokio::time::timeout(timeout, query.fetch_all(&self.inner.pool)).await {
+            Ok(Ok(rows)) => rows,
+            Ok(Err(error)) => return Err(StoreError::unavailable(error)),
+            Err(_) => return Err(StoreError::Timeout(timeout)),
+        };
+        rows.into_iter()
+            .map(|(key, fingerprint, lapsed_ms)| {
+                let unreadable =
+                    || StoreError::CorruptRecord("an abandoned claim's key or fingerprint".into());
+                Ok(AbandonedClaim {
+                    key: RecordKey::from_stored(key).ok_or_else(unreadable)?,
+                    fingerprint: Fingerprint::from_stored(&fingerprint).ok_or_else(unreadable)?,
+                    lapsed_for: Duration::from_millis(u64::try_from(lapsed_ms).unwrap_or(0)),
+                })
+            })
+            .collect()
+    }
 }
