@@ -66,6 +66,7 @@ pub use self::outcome::{Error, Outcome};
 use self::record::{Unstorable, decode, encode, not_stored};
 pub use self::seal::seal;
 use self::seal::settle_sealed;
+#[cfg(feature = "postgres")]
 pub(crate) use self::seal::stored_form;
 use crate::{
     context::{Completion, IdempotencyContext},
