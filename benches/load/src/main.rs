@@ -61,8 +61,9 @@ fn main() -> Result<(), Error> {
         ["storm"] => runtime.block_on(storm::storm()),
         ["postgres"] => runtime.block_on(postgres::run(true)),
         ["postgres", "ratios"] => runtime.block_on(postgres::run(false)),
+        ["postgres", "transactional"] => runtime.block_on(postgres::transactional()),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load postgres [ratios] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 
@@ -109,7 +110,7 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
                 idempotent::store::valkey::ValkeyStore::with_url(redis_url).try_build().await?;
             bare().layer(idempotent::middleware::IdempotencyLayer::new(store))
         }
-        "postgres" | "pg-floor" => postgres::app(target, redis_url).await?,
+        "postgres" | "pg-floor" | "pg-row" | "pg-txn" | "pg-split" => postgres::app(target, redis_url).await?,
         other => return Err(format!("unknown target {other}").into()),
     })
 }

@@ -5,6 +5,11 @@
 //!
 //! The floor is the fewest statements any PostgreSQL-backed layer needs, over the same kind
 //! of pool: one upsert to claim and one update to complete a fresh key, one select to replay.
+//!
+//! `load postgres transactional`: the cost of the record committed with the side effect. A
+//! handler that writes its payment row in a transaction (`pg-row`, no idempotency) against the
+//! same handler under the layer over `PostgresStore`, its response sealed and committed in
+//! that transaction (`pg-txn`), fresh keys, side by side in one run.
 
 use std::{
     io::{BufRead, BufReader},
@@ -21,7 +26,7 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyLayer,
+    IdempotencyContext, IdempotencyLayer, http as idempotency_http,
     store::{
         PostgresStore,
         sqlx::{self, PgPool, postgres::PgPoolOptions},
@@ -36,9 +41,24 @@ fn pool(url: &str) -> Result<PgPool, Error> {
     Ok(PgPoolOptions::new().max_connections(16).test_before_acquire(false).connect_lazy(url)?)
 }
 
-/// The two targets' routers: `postgres` (the layer over `PostgresStore`) and `pg-floor`.
+/// The targets' routers: `postgres` (the layer over `PostgresStore`) and `pg-floor`; `pg-row`
+/// (a payment row per request, no idempotency) and `pg-txn` (the same, its response committed
+/// with the row).
 pub(crate) async fn app(target: &str, url: &str) -> Result<Router, Error> {
     Ok(match target {
+        "pg-row" | "pg-txn" | "pg-split" => {
+            let pool = pool(url)?;
+            let payments = "CREATE TABLE IF NOT EXISTS payments (id BIGSERIAL PRIMARY KEY, body BYTEA NOT NULL)";
+            sqlx::raw_sql(payments).execute(&pool).await?;
+            let store = PostgresStore::new(pool.clone());
+            store.migrate().await?;
+            let sealed = target == "pg-txn";
+            let router = Router::new().route("/pay", post(payment)).with_state((pool, store.clone(), sealed));
+            match target {
+                "pg-row" => router,
+                _ => router.layer(IdempotencyLayer::new(store)),
+            }
+        }
         "postgres" => {
             let store = PostgresStore::new(pool(url)?);
             store.migrate().await?;
@@ -88,6 +108,33 @@ async fn floor_handler(State(pool): State<PgPool>, headers: HeaderMap, body: Byt
         .await
         .expect("update");
     response
+}
+
+/// A payment row and the trivial handler's response in one transaction; when `sealed` (and
+/// under the layer), the response sealed and committed with the row.
+async fn payment(
+    State((pool, store, sealed)): State<(PgPool, PostgresStore, bool)>,
+    context: Option<IdempotencyContext>,
+    body: Bytes,
+) -> Response {
+    let mut tx = pool.begin().await.expect("begin");
+    sqlx::query("INSERT INTO payments (body) VALUES ($1)")
+        .bind(&body[..])
+        .execute(&mut *tx)
+        .await
+        .expect("insert");
+    let response = handler(body).await;
+    match context.filter(|_| sealed) {
+        Some(context) => {
+            let sealed = idempotency_http::seal(&context, response).await.expect("seal");
+            store.commit(tx, &sealed).await.expect("commit");
+            axum::response::IntoResponse::into_response(sealed)
+        }
+        None => {
+            tx.commit().await.expect("commit");
+            response
+        }
+    }
 }
 
 /// A database of the run's own; dropped with this.
@@ -146,12 +193,22 @@ pub(crate) async fn run(everything: bool) -> Result<(), Error> {
     outcome
 }
 
-async fn run_in(database: &Database, seconds: u64, rounds: usize, everything: bool) -> Result<(), Error> {
-    let exe = std::env::current_exe()?;
+/// `load postgres transactional`: `pg-row` against `pg-txn`, fresh keys.
+pub(crate) async fn transactional() -> Result<(), Error> {
+    let seconds: u64 = std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let database = Database::create().await?;
+    let outcome = side_by_side(&database, ["pg-row", "pg-txn", "pg-split"], seconds, rounds).await;
+    database.drop_now().await?;
+    outcome
+}
+
+/// The servers of `targets`, each a process of its own, ready.
+fn start(exe: &std::path::Path, database: &Database, targets: &[&'static str]) -> Result<Vec<(&'static str, ChildGuard)>, Error> {
     let mut servers = Vec::new();
-    for target in ["pg-floor", "postgres"] {
+    for &target in targets {
         let port = free_port();
-        let mut child = std::process::Command::new(&exe)
+        let mut child = std::process::Command::new(exe)
             .args(["serve", target, &port.to_string(), &database.url])
             .stdout(Stdio::piped())
             .spawn()?;
@@ -162,6 +219,40 @@ async fn run_in(database: &Database, seconds: u64, rounds: usize, everything: bo
         }
         servers.push((target, ChildGuard { child, port }));
     }
+    Ok(servers)
+}
+
+async fn side_by_side(database: &Database, targets: [&'static str; 3], seconds: u64, rounds: usize) -> Result<(), Error> {
+    let exe = std::env::current_exe()?;
+    let servers = start(&exe, database, &targets)?;
+    println!(
+        "load postgres transactional: {rounds} rounds of {seconds} s per cell after 0.5 s warm-up, the median shown; 256-byte bodies, fresh keys; PostgreSQL at DATABASE_URL, a database of the run's own\n"
+    );
+    println!("| connections | row alone 2xx/s | row + record, one transaction 2xx/s | ratio | row, then the layer's own complete 2xx/s | ratio | p99 µs: alone / one transaction / separate |");
+    println!("|---:|---:|---:|---:|---:|---:|---|");
+    for connections in [16, 64] {
+        let mut figures = Vec::new();
+        for (_, server) in &servers {
+            let mut runs = Vec::new();
+            for _ in 0..rounds {
+                runs.push(drive(&exe, server.port, "fresh", connections, seconds).await?);
+            }
+            runs.sort_by(|a, b| a.0.total_cmp(&b.0));
+            figures.push(runs[runs.len() / 2]);
+        }
+        let [(alone, alone_p99), (ours, our_p99), (split, split_p99)] = figures[..] else { unreachable!() };
+        println!(
+            "| {connections} | {alone:.0} | {ours:.0} | {:.2} | {split:.0} | {:.2} | {alone_p99} / {our_p99} / {split_p99} |",
+            ours / alone,
+            split / alone
+        );
+    }
+    Ok(())
+}
+
+async fn run_in(database: &Database, seconds: u64, rounds: usize, everything: bool) -> Result<(), Error> {
+    let exe = std::env::current_exe()?;
+    let servers = start(&exe, database, &["pg-floor", "postgres"])?;
     println!(
         "load postgres: {rounds} rounds of {seconds} s per cell after 0.5 s warm-up, the median shown; 256-byte bodies; PostgreSQL at DATABASE_URL, a database of the run's own\n"
     );
