@@ -7,7 +7,11 @@
 //! cargo run --example ledger --features postgres                  # the service, port 3000
 //! cargo run --example ledger --features postgres -- serve --port 3001
 //! curl -si localhost:3000/payments -H 'idempotency-key: k1' -d '{"amount":100}'
+//! cargo run --example ledger --features postgres -- consume --event evt_1 --amount 100
 //! ```
+//!
+//! `consume` is one delivery of a payment event through the consumer door, written the same
+//! way (`consumer::seal`); it prints `ran {…}` or `replayed {…}`.
 //!
 //! Each payment calls a payment provider first, with a key derived from the request's
 //! (`IdempotencyContext::derived_key`): a run after a crash calls it again with the same key, and
@@ -19,10 +23,11 @@
 //!   answering `{"charge":"…"}`); without it, a fake one in this process.
 //! - `LEDGER_LEASE_MS` (default 30000).
 //! - `LEDGER_PAUSE=before-claim|after-claim|after-call|before-commit|after-commit|after-store`:
-//!   the request stops there, says `paused <point>` on stdout, and waits, for a crash to be
-//!   staged: before the layer saw it; in the handler, before anything; after the provider's
-//!   charge, before its row; after the row, before the commit; after the commit, before the
-//!   handler returned; after the layer settled, before the response was sent.
+//!   the request (or delivery) stops there, says `paused <point>` on stdout, and waits, for a
+//!   crash to be staged: before the door saw it; in the operation, before anything; after the
+//!   provider's charge, before its row; after the row, before the commit; after the commit,
+//!   before the operation returned; after the door settled, before the response was sent (the
+//!   delivery's outcome printed).
 
 use std::{
     collections::HashMap,
@@ -41,7 +46,9 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, http,
+    IdempotencyContext, IdempotencyLayer, Idempotent, consumer,
+    consumer::Outcome,
+    http,
     recovery::BoxError,
     store::{
         PostgresStore,
@@ -60,14 +67,12 @@ const PAYMENTS: &str = "CREATE TABLE IF NOT EXISTS ledger_payments (
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let port = match args.first().map(String::as_str) {
-        None => 3000,
-        Some("serve") => match args.iter().position(|a| a == "--port") {
-            Some(i) => args.get(i + 1).ok_or("--port needs a number")?.parse()?,
-            None => 3000,
-        },
-        Some(other) => return Err(format!("unknown command {other:?}: serve, or none").into()),
-    };
+    let arg =
+        |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+    let command = args.first().map_or("serve", String::as_str);
+    if !["serve", "consume"].contains(&command) {
+        return Err(format!("unknown command {command:?}: serve, consume, or none").into());
+    }
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await?;
     let store = PostgresStore::new(pool.clone());
@@ -80,7 +85,14 @@ async fn main() -> Result<(), BoxError> {
     let var = |name: &str| std::env::var(name).ok();
     let lease = var("LEDGER_LEASE_MS").and_then(|ms| ms.parse().ok()).unwrap_or(30_000);
     let pause = Pause(var("LEDGER_PAUSE"));
-    let app = app(Ledger { pool, store, provider, pause }, Duration::from_millis(lease));
+    let (ledger, lease) = (Ledger { pool, store, provider, pause }, Duration::from_millis(lease));
+    if command == "consume" {
+        let event = arg("--event").ok_or("consume needs --event ID")?;
+        let amount = arg("--amount").ok_or("consume needs --amount N")?.parse()?;
+        return consume(ledger, lease, event, amount).await;
+    }
+    let port = arg("--port").map_or(Ok(3000), |port| port.parse())?;
+    let app = app(ledger, lease);
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", port)).await?;
     println!("listening on {}", listener.local_addr()?);
     axum::serve(listener, app).await?;
@@ -119,22 +131,14 @@ struct Payment {
     amount: i64,
 }
 
-/// The handler written the crate's way: the provider's charge with a derived key, then the
-/// payment row and the response, committed together.
+/// The handler written the crate's way: the payment, then its response sealed and committed
+/// with it.
 async fn pay(
     context: IdempotencyContext,
     State(ledger): State<Ledger>,
     Json(payment): Json<Payment>,
 ) -> Result<http::SealedResponse, Failure> {
-    ledger.pause.at("after-claim").await;
-    let charge = charge(&ledger.provider, &context.derived_key("charge"), payment.amount).await?;
-    ledger.pause.at("after-call").await;
-    let mut tx = ledger.pool.begin().await?;
-    let sql = "INSERT INTO ledger_payments (amount, charge) VALUES ($1, $2) RETURNING id";
-    let id: i64 =
-        sqlx::query_scalar(sql).bind(payment.amount).bind(&charge).fetch_one(&mut *tx).await?;
-    ledger.pause.at("before-commit").await;
-    let body = json!({ "payment": id, "charge": charge, "amount": payment.amount });
+    let (tx, body) = ledger.pay(&context, payment.amount).await?;
     let sealed = http::seal(&context, (StatusCode::CREATED, Json(body))).await?;
     // The response commits with the payment row, or neither does.
     ledger.store.commit(tx, &sealed).await?;
@@ -142,8 +146,58 @@ async fn pay(
     Ok(sealed)
 }
 
+/// One delivery of a payment event through the consumer door, written the same way.
+async fn consume(
+    ledger: Ledger,
+    lease: Duration,
+    event: String,
+    amount: i64,
+) -> Result<(), BoxError> {
+    ledger.pause.at("before-claim").await;
+    let idem = Idempotent::new(ledger.store.clone()).lease(lease);
+    let payload = json!({ "amount": amount }).to_string();
+    let pause = ledger.pause.clone();
+    let outcome = idem
+        .run("payments", event, payload, move |context| async move {
+            let (tx, body) = ledger.pay(&context, amount).await?;
+            ledger.store.commit(tx, &consumer::seal(&context, &body)?).await?;
+            ledger.pause.at("after-commit").await;
+            Ok::<_, BoxError>(body)
+        })
+        .await
+        .map_err(|error| error.to_string())?;
+    pause.at("after-store").await;
+    match outcome {
+        Outcome::Ran(body) => println!("ran {body}"),
+        Outcome::Replayed(body) => println!("replayed {body}"),
+        other => println!("{other:?}"),
+    }
+    Ok(())
+}
+
+impl Ledger {
+    /// The provider's charge under a key derived from the request's, then the payment row, in
+    /// a transaction left open for the outcome to commit with: the transaction, and the body
+    /// to answer.
+    async fn pay(
+        &self,
+        context: &IdempotencyContext,
+        amount: i64,
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Value), BoxError> {
+        self.pause.at("after-claim").await;
+        let charge = charge(&self.provider, &context.derived_key("charge"), amount).await?;
+        self.pause.at("after-call").await;
+        let mut tx = self.pool.begin().await?;
+        let sql = "INSERT INTO ledger_payments (amount, charge) VALUES ($1, $2) RETURNING id";
+        let id: i64 =
+            sqlx::query_scalar(sql).bind(amount).bind(&charge).fetch_one(&mut *tx).await?;
+        self.pause.at("before-commit").await;
+        Ok((tx, json!({ "payment": id, "charge": charge, "amount": amount })))
+    }
+}
+
 /// Charges `amount` at the provider under `key`, its own idempotency key.
-async fn charge(provider: &str, key: &str, amount: i64) -> Result<String, Failure> {
+async fn charge(provider: &str, key: &str, amount: i64) -> Result<String, BoxError> {
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<Body>();
     let request = axum::http::Request::post(format!("{provider}/charges"))

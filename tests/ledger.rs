@@ -251,3 +251,110 @@ async fn killed_after_the_commit_before_the_layer_stored_anything_the_retry_is_a
 async fn killed_after_the_store_before_the_response_was_sent_the_retry_is_a_replay() {
     killed_after_the_commit("after-store").await;
 }
+
+// The consumer door: `ledger consume`, one delivery of `evt_1` a process.
+
+/// A delivery of `evt_1`, stopping at `pause` when given.
+fn deliver(world: &World, pause: Option<&str>) -> Child {
+    let (url, lease) = (world.db.uri(), LEASE_MS.to_string());
+    let mut env = vec![
+        ("DATABASE_URL", url.as_str()),
+        ("PROVIDER_URL", world.provider_url.as_str()),
+        ("LEDGER_LEASE_MS", lease.as_str()),
+    ];
+    env.extend(pause.map(|point| ("LEDGER_PAUSE", point)));
+    Child::spawn("ledger", &["consume", "--event", "evt_1", "--amount", "100"], &env)
+}
+
+/// What a delivery printed: `ran {…}`, `replayed {…}`, or the outcome's debug form.
+async fn delivered(world: &World) -> (String, Value) {
+    let line = deliver(world, None).line_starting("").await;
+    let (what, body) = line.split_once(' ').unwrap_or((&line, "null"));
+    (what.to_owned(), serde_json::from_str(body).unwrap_or(Value::String(body.to_owned())))
+}
+
+async fn worker_killed_at(world: &World, point: &str) {
+    let mut doomed = deliver(world, Some(point));
+    assert_eq!(doomed.line_starting("paused").await, format!("paused {point}"));
+    doomed.sigkill().await;
+}
+
+/// The redelivery runs the payment once, and the one after it replays it.
+async fn the_redelivery_runs_once(world: &World) {
+    let (what, body) = delivered(world).await;
+    assert_eq!(what, "ran", "{body}");
+    the_answer_is_what_the_database_holds(
+        world,
+        &Answer { status: 0, replayed: false, body: body.clone() },
+    )
+    .await;
+    assert_eq!(delivered(world).await, ("replayed".to_owned(), body));
+    assert_eq!(world.payments().await, 1);
+    assert_eq!(world.provider.counts().0, 1, "the provider charged twice");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_before_the_claim_leaves_nothing_and_the_redelivery_runs_once() {
+    let world = World::new().await;
+    worker_killed_at(&world, "before-claim").await;
+    assert_eq!((world.record().await, world.payments().await), (None, 0));
+    the_redelivery_runs_once(&world).await;
+    assert_eq!(world.provider.counts(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_right_after_the_claim_is_in_progress_then_runs_once_after_the_lease() {
+    let world = World::new().await;
+    worker_killed_at(&world, "after-claim").await;
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("P"), 0));
+    // The consumer door does not wait: within the lease, the redelivery is told to come back.
+    let (what, _) = delivered(&world).await;
+    assert!(what.starts_with("InProgress"), "{what}");
+    tokio::time::sleep(PAST_LEASE).await;
+    the_redelivery_runs_once(&world).await;
+    assert_eq!(world.provider.counts(), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_the_external_call_is_charged_once() {
+    let world = World::new().await;
+    worker_killed_at(&world, "after-call").await;
+    assert_eq!(world.provider.counts(), (1, 1));
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("P"), 0));
+    tokio::time::sleep(PAST_LEASE).await;
+    the_redelivery_runs_once(&world).await;
+    assert_eq!(world.provider.counts(), (1, 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_its_row_before_the_commit_runs_once_after_the_lease() {
+    let world = World::new().await;
+    worker_killed_at(&world, "before-commit").await;
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("P"), 0));
+    tokio::time::sleep(PAST_LEASE).await;
+    the_redelivery_runs_once(&world).await;
+    assert_eq!(world.provider.counts(), (1, 2));
+}
+
+/// Killed after its commit, before the door heard of it (`after-commit`), or after the door
+/// settled, before the outcome reached the caller (`after-store`): replayed at once.
+async fn a_worker_killed_after_its_commit(point: &str) {
+    let world = World::new().await;
+    worker_killed_at(&world, point).await;
+    assert_eq!((world.record().await.as_deref(), world.payments().await), (Some("C"), 1));
+    let (what, body) = delivered(&world).await;
+    assert_eq!(what, "replayed", "{body}");
+    the_answer_is_what_the_database_holds(&world, &Answer { status: 0, replayed: true, body })
+        .await;
+    assert_eq!((world.payments().await, world.provider.counts()), (1, (1, 1)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_its_commit_before_the_door_heard_of_it_is_replayed() {
+    a_worker_killed_after_its_commit("after-commit").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_the_door_settled_before_its_caller_heard_is_replayed() {
+    a_worker_killed_after_its_commit("after-store").await;
+}
