@@ -25,7 +25,8 @@ PG = [["--test", "store_contract", "--test", "store_lost_answers", "--test", "co
 PG_WAITING = [["--test", "waiting", "--", "postgres"], ["--test", "postgres"]]
 SQL = "sql/postgres.sql"
 # Not mutated, being equivalent: dropping `state = 'P'` from release's or touch's WHERE, since a
-# completed row's owner is NULL and `owner = p_owner` is never true on it.
+# completed row's owner is NULL and `owner = p_owner` is never true on it; nor from the
+# abandoned claims' listing, since a completed row and a marker have a NULL `lease_until`.
 MUTANTS = [
     ("complete.lua without the owner comparison", "lua/complete.lua",
      "\n      or string.sub(record, 35, 50) ~= ARGV[1] then", " then", REDIS),
@@ -201,6 +202,16 @@ MUTANTS = [
      "            UPDATE idempotency_records SET lease_until = lease_until,\n", PG),
     ("postgres sweep deleting live records", "src/store/postgres/schema.rs",
      "WHERE expires_at <= clock_timestamp() LIMIT $1", "WHERE true LIMIT $1", [["--test", "postgres"]]),
+    ("postgres abandoned claims whatever their lapse", "src/store/postgres/schema.rs",
+     "clock_timestamp() - $1 * interval '1 millisecond'",
+     "clock_timestamp() - $1 * interval '0 millisecond'", [["--test", "completer"]]),
+    ("postgres abandoned claims whose lease still runs", "src/store/postgres/schema.rs",
+     "AND lease_until <= clock_timestamp() - $1", "AND lease_until <= clock_timestamp() + interval '1 hour' + $1",
+     [["--test", "completer"]]),
+    ("postgres abandoned claims past their window", "src/store/postgres/schema.rs",
+     "AND expires_at > clock_timestamp() ORDER BY", "ORDER BY", [["--test", "completer"]]),
+    ("postgres abandoned claims newest first", "src/store/postgres/schema.rs",
+     "ORDER BY lease_until LIMIT $2", "ORDER BY lease_until DESC LIMIT $2", [["--test", "completer"]]),
     ("MemoryStore sweep keeping only records expiring now", "src/store/memory.rs",
      "records.map.retain(|_, record| record.expires_at > now);",
      "records.map.retain(|_, record| record.expires_at == now);",

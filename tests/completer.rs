@@ -21,7 +21,7 @@ use axum_idempotency::{
     completer::{Completer, Pass, Resolution},
     consumer::Outcome,
     recovery::{BoxError, Lookup, Recovered},
-    store::{AbandonedClaim, PostgresStore, RecordKey, sqlx},
+    store::{AbandonedClaim, Claim, Lease, OwnerToken, PostgresStore, RecordKey, Store, sqlx},
 };
 use common::{keyed, postgres::TestDatabase, send};
 use http::{Request, Response};
@@ -116,6 +116,10 @@ async fn the_completer_settles_a_claim_it_can_resolve_and_reports_one_it_cannot(
     assert_eq!(hashes, [expected[0].hash(), expected[1].hash()]);
     // Lapsed more recently than an hour: none.
     assert!(store.abandoned_claims(Duration::from_secs(3600), 10).await.unwrap().is_empty());
+    // The oldest lapse first: `known` was claimed 50 ms before `unknown`.
+    let oldest = store.abandoned_claims(Duration::ZERO, 1).await.unwrap();
+    assert_eq!(oldest.iter().map(|c| c.key.clone()).collect::<Vec<_>>(), [global("known")]);
+    assert!(oldest[0].lapsed_for > Duration::ZERO && oldest[0].lapsed_for < Duration::from_secs(5));
 
     let completer = Completer::new(store.clone(), resolver(global("known"))).lapsed_for(LAPSED);
     assert_eq!(counts(completer.complete_abandoned().await.unwrap()), (1, 1, 0, 0));
@@ -159,6 +163,22 @@ async fn the_completer_settles_a_claim_it_can_resolve_and_reports_one_it_cannot(
 /// (settled, unresolved, failed, skipped).
 fn counts(pass: Pass) -> (usize, usize, usize, usize) {
     (pass.settled, pass.unresolved, pass.failed, pass.skipped)
+}
+
+/// A claim without a recovery window (no hook) expires with its lease: nothing is left to
+/// complete, and the listing shows nothing; nor does it show a claim whose lease runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_that_expired_or_still_run_are_not_abandoned() {
+    let d = TestDatabase::create("completer").await;
+    let store = store(&d).await;
+    let fingerprint = axum_idempotency::Fingerprint::of_payload(b"{}");
+    let (owner, lease) = (OwnerToken::random(), Lease::new(Duration::from_millis(100)));
+    let claimed = store.claim(&global("expired"), &fingerprint, &owner, lease).await.unwrap();
+    assert!(matches!(claimed, Claim::Claimed), "{claimed:?}");
+    let running = Lease::new(Duration::from_secs(60)).recovery_window(Duration::from_secs(60));
+    store.claim(&global("running"), &fingerprint, &owner, running).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(store.abandoned_claims(Duration::ZERO, 10).await.unwrap().is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
