@@ -19,6 +19,10 @@
 //!
 //! - `DATABASE_URL`: PostgreSQL (default `postgres://postgres@127.0.0.1:5432/postgres`); the
 //!   tables `idempotency_records` and `ledger_payments` are created there when missing.
+//! - `REDIS_URL`: Redis in front, PostgreSQL the authority: the claims and the replays in
+//!   Redis, the outcome committed with the payment to the crate's table
+//!   `idempotency_outcomes` (`DurableOutcomes`), which answers a takeover, a lapsed lease or a
+//!   record Redis lost (`IdempotencyLayer::durable`, `Idempotent::durable`).
 //! - `PROVIDER_URL`: the payment provider (`POST {url}/charges` with an `idempotency-key`,
 //!   answering `{"charge":"…"}`); without it, a fake one in this process.
 //! - `LEDGER_LEASE_MS` (default 30000).
@@ -46,15 +50,16 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, Idempotent, consumer,
+    IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore, consumer,
     consumer::Outcome,
     http,
-    recovery::BoxError,
+    recovery::{BoxError, Recover},
     store::{
-        PostgresStore,
+        DurableOutcomes, PostgresStore, SealedOutcome, Store, StoreError,
         sqlx::{self, PgPool},
     },
 };
+use bytes::Bytes;
 use http_body_util::BodyExt as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -75,9 +80,19 @@ async fn main() -> Result<(), BoxError> {
     }
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await?;
-    let store = PostgresStore::new(pool.clone());
-    store.migrate().await?;
     sqlx::raw_sql(PAYMENTS).execute(&pool).await?;
+    let records = match std::env::var("REDIS_URL") {
+        Ok(url) => {
+            let outcomes = DurableOutcomes::new(pool.clone());
+            outcomes.migrate().await?;
+            Records::Redis(RedisStore::from_url(&url)?, outcomes)
+        }
+        Err(_) => {
+            let store = PostgresStore::new(pool.clone());
+            store.migrate().await?;
+            Records::Postgres(store)
+        }
+    };
     let provider = match std::env::var("PROVIDER_URL") {
         Ok(url) => url,
         Err(_) => fake_provider().await?,
@@ -85,11 +100,20 @@ async fn main() -> Result<(), BoxError> {
     let var = |name: &str| std::env::var(name).ok();
     let lease = var("LEDGER_LEASE_MS").and_then(|ms| ms.parse().ok()).unwrap_or(30_000);
     let pause = Pause(var("LEDGER_PAUSE"));
-    let (ledger, lease) = (Ledger { pool, store, provider, pause }, Duration::from_millis(lease));
+    let lease = Duration::from_millis(lease);
+    let ledger = Ledger { pool, records: records.clone(), provider, pause };
     if command == "consume" {
         let event = arg("--event").ok_or("consume needs --event ID")?;
         let amount = arg("--amount").ok_or("consume needs --amount N")?.parse()?;
-        return consume(ledger, lease, event, amount).await;
+        return match records {
+            Records::Postgres(store) => {
+                consume(Idempotent::new(store).lease(lease), ledger, event, amount).await
+            }
+            Records::Redis(redis, outcomes) => {
+                let idem = Idempotent::new(redis).lease(lease).durable(outcomes);
+                consume(idem, ledger, event, amount).await
+            }
+        };
     }
     let port = arg("--port").map_or(Ok(3000), |port| port.parse())?;
     let app = app(ledger, lease);
@@ -102,18 +126,45 @@ async fn main() -> Result<(), BoxError> {
 #[derive(Clone)]
 struct Ledger {
     pool: PgPool,
-    store: PostgresStore,
+    records: Records,
     provider: String,
     pause: Pause,
 }
 
+/// Where the idempotency records live, and where an outcome commits with its payment.
+#[derive(Clone)]
+enum Records {
+    /// PostgreSQL alone: the record is the store's own row, committed in the transaction.
+    Postgres(PostgresStore),
+    /// Redis for the claims and the replays, the outcome committed in the transaction to the
+    /// crate's table beside it.
+    Redis(RedisStore, DurableOutcomes),
+}
+
+impl Records {
+    /// Commits `tx` with `sealed` in it: the payment and its outcome, or neither.
+    async fn commit(
+        &self,
+        tx: sqlx::Transaction<'static, sqlx::Postgres>,
+        sealed: impl AsRef<SealedOutcome>,
+    ) -> Result<(), StoreError> {
+        match self {
+            Self::Postgres(store) => store.commit(tx, sealed).await,
+            Self::Redis(_, outcomes) => outcomes.commit(tx, sealed).await,
+        }
+    }
+}
+
 fn app(ledger: Ledger, lease: Duration) -> Router {
-    let layer = IdempotencyLayer::new(ledger.store.clone()).lease(lease);
     let pause = ledger.pause.clone();
-    Router::new()
-        .route("/payments", post(pay))
-        .with_state(ledger)
-        .layer(layer)
+    let router = Router::new().route("/payments", post(pay)).with_state(ledger.clone());
+    let router = match ledger.records {
+        Records::Postgres(store) => router.layer(IdempotencyLayer::new(store).lease(lease)),
+        Records::Redis(redis, outcomes) => {
+            router.layer(IdempotencyLayer::new(redis).lease(lease).durable(outcomes))
+        }
+    };
+    router
         // Outside the layer: before it sees the request, and after it settled the response.
         .layer(middleware::from_fn(move |request: Request, next: Next| {
             let pause = pause.clone();
@@ -141,26 +192,25 @@ async fn pay(
     let (tx, body) = ledger.pay(&context, payment.amount).await?;
     let sealed = http::seal(&context, (StatusCode::CREATED, Json(body))).await?;
     // The response commits with the payment row, or neither does.
-    ledger.store.commit(tx, &sealed).await?;
+    ledger.records.commit(tx, &sealed).await?;
     ledger.pause.at("after-commit").await;
     Ok(sealed)
 }
 
 /// One delivery of a payment event through the consumer door, written the same way.
-async fn consume(
+async fn consume<St: Store, H: Recover<Bytes, Value>>(
+    idem: Idempotent<St, H>,
     ledger: Ledger,
-    lease: Duration,
     event: String,
     amount: i64,
 ) -> Result<(), BoxError> {
     ledger.pause.at("before-claim").await;
-    let idem = Idempotent::new(ledger.store.clone()).lease(lease);
     let payload = json!({ "amount": amount }).to_string();
     let pause = ledger.pause.clone();
     let outcome = idem
         .run("payments", event, payload, move |context| async move {
             let (tx, body) = ledger.pay(&context, amount).await?;
-            ledger.store.commit(tx, &consumer::seal(&context, &body)?).await?;
+            ledger.records.commit(tx, &consumer::seal(&context, &body)?).await?;
             ledger.pause.at("after-commit").await;
             Ok::<_, BoxError>(body)
         })

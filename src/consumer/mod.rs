@@ -52,6 +52,8 @@
 //!
 //! [`IdempotencyContext`]: crate::IdempotencyContext
 
+#[cfg(feature = "postgres")]
+mod durable;
 mod finite;
 mod outcome;
 mod record;
@@ -62,6 +64,8 @@ use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc};
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
+#[cfg(feature = "postgres")]
+pub use self::durable::DurableRecovery;
 pub use self::outcome::{Error, Outcome};
 use self::record::{Unstorable, decode, encode, not_stored};
 pub use self::seal::seal;

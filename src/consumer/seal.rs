@@ -73,8 +73,9 @@ pub(super) async fn settle_sealed<St: Store, T, E>(
 ) where
     T: Serialize + DeserializeOwned,
 {
-    let committed = match commit {
-        Commit::Committed(committed) => committed,
+    let (committed, in_store) = match commit {
+        Commit::Committed(committed) => (committed, true),
+        Commit::CommittedBeside(committed) => (committed, false),
         Commit::NotCommitted => {
             holder.release("the operation's transaction did not commit its outcome").await;
             return answer.send(Outcome::Ran(value));
@@ -93,7 +94,12 @@ pub(super) async fn settle_sealed<St: Store, T, E>(
         );
         // A value of another type (sealed from one, returned as another) cannot be read back:
         // the operation's own is answered, and the committed one replayed.
-        decode::<T, E>(committed, hash, scope).unwrap_or(value)
+        decode::<T, E>(committed.clone(), hash, scope).unwrap_or(value)
     };
-    holder.settled_in_transaction(move || answer.send(Outcome::Ran(value))).await;
+    if in_store {
+        holder.settled_in_transaction(move || answer.send(Outcome::Ran(value))).await;
+    } else {
+        // Committed beside the record store: stored there too, as the outcome answered.
+        holder.complete(committed, move || answer.send(Outcome::Ran(value))).await;
+    }
 }

@@ -240,6 +240,21 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
+    /// Answers from `outcomes` what the record store cannot: the durable half beside a fast
+    /// record store (Redis), for handlers that commit their responses to it in their own
+    /// transactions (`http::seal`, then `DurableOutcomes::commit`). Every new claim and every
+    /// takeover asks the table first (one primary-key read), so that a lapsed lease, a holder
+    /// that died after its commit, or a record Redis lost is replayed from PostgreSQL, and the
+    /// handler does not run again. It is the recovery hook ([`recover`](Self::recover)) and
+    /// `recover_every_claim(true)` in one.
+    ///
+    /// A request with another payload under a key whose outcome only the table still holds
+    /// is refused as a failed recovery (503 `recovery-failed`), never run.
+    #[cfg(feature = "postgres")]
+    pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
+        self.recover(super::recover::Durable(outcomes)).recover_every_claim(true)
+    }
+
     /// When the store is unavailable, runs the request without idempotency instead of
     /// answering 503. Defaults to `false` (fail closed): a payment is better refused than
     /// run twice.

@@ -89,3 +89,29 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
         Ok(parts.extensions.get::<Self>().cloned())
     }
 }
+
+/// The layer's hook over [`DurableOutcomes`](crate::store::DurableOutcomes): the committed
+/// response of the request's key, when the table holds one of the same request.
+#[cfg(feature = "postgres")]
+pub(super) struct Durable(pub(super) crate::store::DurableOutcomes);
+
+#[cfg(feature = "postgres")]
+impl Recover<Request<Bytes>, Response<Bytes>> for Durable {
+    async fn recover(
+        &self,
+        lookup: Lookup<Request<Bytes>>,
+    ) -> Result<Recovered<Response<Bytes>>, BoxError> {
+        let Some((fingerprint, outcome)) = self.0.read(lookup.context.key()).await? else {
+            return Ok(Recovered::Unknown);
+        };
+        if &fingerprint != lookup.context.fingerprint() {
+            return Err("the key's committed outcome is another request's".into());
+        }
+        let stored = super::record::decode(outcome, "durable-outcomes")
+            .map_err(|error| format!("the committed outcome is unreadable: {}", error.0))?;
+        let mut response = Response::new(stored.body);
+        *response.status_mut() = stored.status;
+        *response.headers_mut() = stored.headers;
+        Ok(Recovered::Happened(response))
+    }
+}

@@ -155,8 +155,9 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let committed = match commit {
-        Commit::Committed(committed) => committed,
+    let (committed, in_store) = match commit {
+        Commit::Committed(committed) => (committed, true),
+        Commit::CommittedBeside(committed) => (committed, false),
         Commit::NotCommitted => {
             holder.release("the handler's transaction did not commit its response").await;
             return answer.send(response.map(Body::new));
@@ -178,7 +179,7 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
                 key_hash = holder.key().hash(),
                 "idempotency: the handler returned another response than it committed; the committed one is answered"
             );
-            match record::decode(committed, route) {
+            match record::decode(committed.clone(), route) {
                 Ok(stored) => {
                     let mut response = Response::new(Body::from(stored.body));
                     *response.status_mut() = stored.status;
@@ -195,5 +196,10 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
             }
         }
     };
-    holder.settled_in_transaction(move || answer.send(response)).await;
+    if in_store {
+        holder.settled_in_transaction(move || answer.send(response)).await;
+    } else {
+        // Committed beside the record store: stored there too, as the outcome answered.
+        holder.complete(committed, move || answer.send(response)).await;
+    }
 }

@@ -35,7 +35,9 @@ pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
 #[cfg(feature = "postgres")]
-pub use self::postgres::{AbandonedClaim, LapsedClaims, PostgresStore, TableNameError};
+pub use self::postgres::{
+    AbandonedClaim, DurableOutcomes, LapsedClaims, PostgresStore, TableNameError,
+};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]

@@ -62,8 +62,13 @@ impl CommitSlot {
 #[derive(Debug, Clone)]
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) enum Commit {
-    /// The transaction committed: the record holds this outcome. The door writes nothing.
+    /// The transaction committed, and the record holds this outcome (the record store shares
+    /// the caller's database: `PostgresStore`). The door writes nothing.
     Committed(Bytes),
+    /// The transaction committed this outcome to a durable table beside the record store
+    /// (`DurableOutcomes`, beside Redis): the door stores it in the record store too, as the
+    /// outcome it answers, and a takeover or a lost record is answered from the table.
+    CommittedBeside(Bytes),
     /// The commit failed, was fenced out, or its answer was lost: the record holds this outcome
     /// or nothing. The door writes nothing either: it releases the key, a fenced delete that a
     /// committed record refuses (and that waits for the transaction's row lock, so it cannot

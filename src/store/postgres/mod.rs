@@ -1,6 +1,7 @@
 //! [`PostgresStore`]: records in PostgreSQL, the durable authority.
 
 mod listener;
+mod outcomes;
 mod schema;
 mod sweeper;
 mod transaction;
@@ -16,6 +17,7 @@ use sqlx::{PgPool, Row as _, postgres::PgRow};
 
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
 pub use self::{
+    outcomes::DurableOutcomes,
     schema::TableNameError,
     sweeper::{AbandonedClaim, LapsedClaims},
 };

@@ -1,10 +1,41 @@
 //! [`PostgresStore::commit`]: an outcome committed in the caller's own transaction, with the
 //! side effect written there, or neither.
 
+use std::time::Duration;
+
+use bytes::Bytes;
 use sqlx::{Postgres, Row as _, Transaction};
 
 use super::{PostgresStore, corrupt, millis};
 use crate::store::{Commit, SealedOutcome, StoreError};
+
+/// Commits `transaction` once `written` holds, and tells the front door what became of it:
+/// `committed` with the outcome, or not committed (the write failed or was fenced out, and the
+/// transaction is rolled back; or the commit failed, and its fate is unknown).
+pub(super) async fn finish(
+    transaction: Transaction<'_, Postgres>,
+    sealed: &SealedOutcome,
+    written: Result<(), StoreError>,
+    timeout: Duration,
+    committed: fn(Bytes) -> Commit,
+) -> Result<(), StoreError> {
+    let result = match written {
+        // A commit cut off by the timeout drops the transaction mid-flight: its fate is
+        // unknown, and answered as for any failed commit.
+        Ok(()) => match tokio::time::timeout(timeout, transaction.commit()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => Err(StoreError::unavailable(error)),
+            Err(_) => Err(StoreError::Timeout(timeout)),
+        },
+        // Dropped unfinished: sqlx rolls it back.
+        Err(error) => Err(error),
+    };
+    sealed.settle(match result {
+        Ok(()) => committed(sealed.outcome().clone()),
+        Err(_) => Commit::NotCommitted,
+    });
+    result
+}
 
 impl PostgresStore {
     /// Writes `sealed` in the caller's transaction and commits it: the record completes if and
@@ -52,23 +83,8 @@ impl PostgresStore {
     ) -> Result<(), StoreError> {
         let sealed = sealed.as_ref();
         sealed.begin();
-        let timeout = self.command_timeout;
-        let committed = match self.write_sealed(&mut transaction, sealed).await {
-            // A commit cut off by the timeout drops the transaction mid-flight: its fate is
-            // unknown, and answered as for any failed commit.
-            Ok(()) => match tokio::time::timeout(timeout, transaction.commit()).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => Err(StoreError::unavailable(error)),
-                Err(_) => Err(StoreError::Timeout(timeout)),
-            },
-            // Dropped unfinished: sqlx rolls it back.
-            Err(error) => Err(error),
-        };
-        sealed.settle(match committed {
-            Ok(()) => Commit::Committed(sealed.outcome().clone()),
-            Err(_) => Commit::NotCommitted,
-        });
-        committed
+        let written = self.write_sealed(&mut transaction, sealed).await;
+        finish(transaction, sealed, written, self.command_timeout, Commit::Committed).await
     }
 
     /// Writes `sealed` in `transaction`, fenced by its owner token.

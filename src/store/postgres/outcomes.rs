@@ -1,0 +1,143 @@
+//! [`DurableOutcomes`]: the durable half beside a fast record store (Redis). An operation
+//! commits its outcome to a table the crate owns, in the transaction that writes its side
+//! effect; the record store keeps the fast claim and the replays; a takeover, a lapsed lease or
+//! a record the record store lost is answered from the table.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::{PgPool, Postgres, Transaction};
+
+use super::{millis, transaction::finish};
+use crate::{
+    fingerprint::Fingerprint,
+    key::RecordKey,
+    store::{Commit, SealedOutcome, StoreError},
+};
+
+/// Outcomes committed with their side effects, in the table `idempotency_outcomes` of the
+/// app's own PostgreSQL database, beside a record store that does not share that database
+/// (Redis). Set up once, and handlers commit their outcomes to it
+/// ([`commit`](Self::commit)); the front doors answer from it what the record store cannot
+/// (`IdempotencyLayer::durable`, `Idempotent::durable`).
+///
+/// The table's primary key is the fence: of two holders of one key (one that was slow, not
+/// dead, and the one that took its lease over) only the first to commit keeps its side
+/// effect; the other's commit is refused with [`StoreError::FencedOut`] and its transaction,
+/// side effect included, is rolled back.
+#[derive(Debug, Clone)]
+pub struct DurableOutcomes {
+    pool: PgPool,
+    command_timeout: Duration,
+}
+
+impl DurableOutcomes {
+    /// The table, safe to run on every start.
+    pub const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS idempotency_outcomes (
+    key TEXT PRIMARY KEY,
+    fingerprint BYTEA NOT NULL,
+    outcome BYTEA NOT NULL,
+    expires_at TIMESTAMPTZ NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcomes (expires_at);";
+
+    /// Outcomes in `pool`'s database. Every call is bounded by a command timeout of a second
+    /// ([`command_timeout`](Self::command_timeout)).
+    #[must_use]
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool, command_timeout: Duration::from_secs(1) }
+    }
+
+    /// Sets the longest a call may take.
+    #[must_use]
+    pub fn command_timeout(mut self, timeout: Duration) -> Self {
+        self.command_timeout = timeout;
+        self
+    }
+
+    /// Creates the table when it is missing ([`SCHEMA`](Self::SCHEMA)).
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached or refuses the schema.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        sqlx::raw_sql(Self::SCHEMA).execute(&self.pool).await.map_err(StoreError::unavailable)?;
+        Ok(())
+    }
+
+    /// Writes `sealed` in the caller's transaction and commits it: the outcome is kept if and
+    /// only if the side effect written in `transaction` commits. The front door then stores
+    /// it in its record store as the outcome it answers.
+    ///
+    /// # Errors
+    ///
+    /// - [`StoreError::FencedOut`] when the table holds an outcome for the key already (another
+    ///   holder of the key committed first): the transaction is rolled back.
+    /// - A database error or the command timeout: the transaction is rolled back, or, when
+    ///   the commit itself failed, its fate is unknown. Either way the front door stores
+    ///   nothing and releases its claim; the retry is answered from the table if the commit
+    ///   landed after all, and runs again if not.
+    pub async fn commit(
+        &self,
+        mut transaction: Transaction<'_, Postgres>,
+        sealed: impl AsRef<SealedOutcome>,
+    ) -> Result<(), StoreError> {
+        let sealed = sealed.as_ref();
+        sealed.begin();
+        // An expired row is the past: taken over. A live one is another holder's outcome.
+        let insert = "INSERT INTO idempotency_outcomes AS t (key, fingerprint, outcome, expires_at)
+            VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond')
+            ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint,
+                outcome = excluded.outcome, expires_at = excluded.expires_at
+            WHERE t.expires_at <= clock_timestamp()
+            RETURNING 1";
+        let query = sqlx::query_scalar::<_, i32>(insert)
+            .bind(sealed.key().as_str())
+            .bind(&sealed.fingerprint().as_bytes()[..])
+            .bind(&sealed.outcome()[..])
+            .bind(millis(sealed.retention()));
+        let timeout = self.command_timeout;
+        let written =
+            match tokio::time::timeout(timeout, query.fetch_optional(&mut *transaction)).await {
+                Ok(Ok(Some(_))) => Ok(()),
+                Ok(Ok(None)) => Err(StoreError::FencedOut),
+                Ok(Err(error)) => Err(StoreError::unavailable(error)),
+                Err(_) => Err(StoreError::Timeout(timeout)),
+            };
+        finish(transaction, sealed, written, timeout, Commit::CommittedBeside).await
+    }
+
+    /// The live outcome of `key`, with the fingerprint of the request that made it.
+    pub(crate) async fn read(
+        &self,
+        key: &RecordKey,
+    ) -> Result<Option<(Fingerprint, Bytes)>, StoreError> {
+        let select = "SELECT fingerprint, outcome FROM idempotency_outcomes
+            WHERE key = $1 AND expires_at > clock_timestamp()";
+        let query = sqlx::query_as::<_, (Vec<u8>, Vec<u8>)>(select).bind(key.as_str());
+        let timeout = self.command_timeout;
+        let row = match tokio::time::timeout(timeout, query.fetch_optional(&self.pool)).await {
+            Ok(Ok(row)) => row,
+            Ok(Err(error)) => return Err(StoreError::unavailable(error)),
+            Err(_) => return Err(StoreError::Timeout(timeout)),
+        };
+        row.map(|(fingerprint, outcome)| {
+            let fingerprint = Fingerprint::from_stored(&fingerprint)
+                .ok_or_else(|| StoreError::CorruptRecord("an outcome's fingerprint".into()))?;
+            Ok((fingerprint, Bytes::from(outcome)))
+        })
+        .transpose()
+    }
+
+    /// Deletes the expired outcomes, and returns how many.
+    ///
+    /// # Errors
+    ///
+    /// When the database cannot be reached.
+    pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
+        let delete = "DELETE FROM idempotency_outcomes WHERE expires_at <= clock_timestamp()";
+        let done =
+            sqlx::query(delete).execute(&self.pool).await.map_err(StoreError::unavailable)?;
+        Ok(done.rows_affected())
+    }
+}
