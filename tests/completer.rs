@@ -230,3 +230,19 @@ async fn a_claim_a_retry_settled_first_is_skipped() {
     assert_eq!(replay.body, "ran again", "the completer overwrote the retry's outcome");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// A resolver that fails leaves the claim as it was, counted as failed, for the next pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_resolver_leaves_the_claim_for_the_next_pass() {
+    let d = TestDatabase::create("completer").await;
+    let store = store(&d).await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    abandon(&service(&store, &runs), "known").await;
+    tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
+    let failing =
+        |_: AbandonedClaim| async { Err::<Resolution, BoxError>("the outbox is down".into()) };
+    let completer = Completer::new(store.clone(), failing).lapsed_for(LAPSED);
+    assert_eq!(counts(completer.complete_abandoned().await.unwrap()), (0, 0, 1, 0));
+    assert_eq!(counts(completer.complete_abandoned().await.unwrap()), (0, 0, 1, 0));
+    assert_eq!(store.abandoned_claims(Duration::ZERO, 10).await.unwrap().len(), 1);
+}

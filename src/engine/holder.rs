@@ -298,3 +298,88 @@ async fn renew<St: Store>(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        io::Write,
+        sync::{Arc, Mutex},
+        time::Duration,
+    };
+
+    use bytes::Bytes;
+
+    use crate::{
+        engine::{Claimed, Engine, Settings},
+        fingerprint::Fingerprint,
+        key::RecordKey,
+        store::{MemoryStore, Store},
+    };
+
+    /// Where the test's log lines go.
+    #[derive(Clone, Default)]
+    struct Sink(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Sink {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What a holder's renewal logs when it finds its record completed with the holder's own
+    /// token (the operation's own commit, `committing`, or not): on a current-thread runtime,
+    /// whose tasks log to this thread's subscriber.
+    fn renewal_logs(committing: bool) -> String {
+        let sink = Sink::default();
+        let writer = sink.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .with_max_level(tracing::Level::DEBUG)
+            .finish();
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        tracing::subscriber::with_default(subscriber, || {
+            runtime.block_on(async {
+                let store = MemoryStore::new();
+                let settings = Settings {
+                    lease: Duration::from_millis(30),
+                    keep_alive: Some(Duration::from_secs(5)),
+                    ..Settings::default()
+                };
+                let engine = Engine::new(store.clone(), Arc::new(settings));
+                let (key, fingerprint) =
+                    (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
+                let Ok(Claimed::Run(holder)) =
+                    engine.claim(key.clone(), fingerprint.clone(), "r".into()).await
+                else {
+                    panic!("not claimed")
+                };
+                if committing {
+                    holder.commit_slot().begin();
+                }
+                // The operation's transaction completes the record, as `PostgresStore::commit`
+                // does, while the renewal runs.
+                let (owner, response) = (holder.owner().clone(), Bytes::from_static(b"r"));
+                let retention = Duration::from_secs(60);
+                store.complete(&key, &owner, &fingerprint, response, retention).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                drop(holder);
+            });
+        });
+        String::from_utf8(sink.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn a_renewal_that_finds_its_own_commit_is_quiet_and_a_lost_lease_warns() {
+        let quiet = renewal_logs(true);
+        assert!(!quiet.contains("lease lost"), "{quiet}");
+        assert!(quiet.contains("settled in the operation's transaction"), "{quiet}");
+        let lost = renewal_logs(false);
+        assert!(lost.contains("WARN") && lost.contains("lease lost"), "{lost}");
+    }
+}

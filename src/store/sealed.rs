@@ -54,6 +54,12 @@ impl CommitSlot {
     pub(crate) fn outcome(&self) -> Option<&Commit> {
         self.outcome.get()
     }
+
+    /// Says that a commit begins: before the store writes the outcome.
+    #[cfg_attr(not(any(feature = "postgres", test)), allow(dead_code))]
+    pub(crate) fn begin(&self) {
+        self.begun.store(true, Ordering::SeqCst);
+    }
 }
 
 /// What became of the transaction an operation committed its sealed outcome in, as its front
@@ -110,7 +116,7 @@ impl SealedOutcome {
     /// Says that a commit of this outcome begins: before the store writes it.
     #[cfg(feature = "postgres")]
     pub(crate) fn begin(&self) {
-        self.commit.begun.store(true, Ordering::SeqCst);
+        self.commit.begin();
     }
 
     /// Tells the front door what became of the commit. The first word stands: an operation
