@@ -29,6 +29,7 @@ every_store!(
     a_client_that_leaves_mid_stream_still_has_the_stream_stored,
     an_endless_stream_is_never_buffered_and_its_key_is_released,
     a_two_mib_header_is_sent_but_not_stored,
+    headers_of_exactly_the_stored_limit_are_stored,
 );
 
 /// When the handler produced each event, by its own clock.
@@ -188,4 +189,30 @@ async fn a_two_mib_header_is_sent_but_not_stored<H: Harness>(h: H) {
         assert_eq!(h.held(&global("k1")).await, None);
     }
     assert_eq!(calls.get(), 2);
+}
+
+/// The stored headers limit is inclusive: headers that take exactly the limit are stored, one
+/// byte less and they are not.
+async fn headers_of_exactly_the_stored_limit_are_stored<H: Harness>(h: H) {
+    let (calls, produced, chunks) = (Calls::default(), Produced::default(), Arc::default());
+    let app = streaming_app(&calls, &produced, &chunks);
+    // What the stored headers take: each kept header's name and value, and 6 bytes.
+    let seen = send(
+        &app.clone().layer(IdempotencyLayer::new(h.store())),
+        keyed("POST", "/big-header", "probe", ""),
+    )
+    .await;
+    let stored: usize = seen
+        .headers
+        .iter()
+        .filter(|(name, _)| !["content-length", "date", "set-cookie"].contains(&name.as_str()))
+        .map(|(name, value)| 6 + name.as_str().len() + value.len())
+        .sum();
+    for (limit, key, replayed) in [(stored - 1, "under", false), (stored, "exact", true)] {
+        let layer = IdempotencyLayer::new(h.store()).stored_headers_limit(limit);
+        let app = app.clone().layer(layer);
+        send(&app, keyed("POST", "/big-header", key, "")).await;
+        let again = send(&app, keyed("POST", "/big-header", key, "")).await;
+        assert_eq!(again.replayed(), replayed, "limit {limit}, stored headers {stored}");
+    }
 }
