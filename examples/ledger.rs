@@ -13,12 +13,17 @@
 //! `consume` is one delivery of a payment event through the consumer door, written the same
 //! way (`consumer::seal`); it prints `ran {…}` or `replayed {…}`.
 //!
+//! `POST /orders` is an order with recovery points (`RecoveryPoints`): the order row, then the
+//! provider's charge, each a step marked done in its own transaction, then the charge recorded
+//! on the order with the response. A takeover resumes after the last step that committed.
+//!
 //! Each payment calls a payment provider first, with a key derived from the request's
 //! (`IdempotencyContext::derived_key`): a run after a crash calls it again with the same key, and
 //! the provider charges once.
 //!
 //! - `DATABASE_URL`: PostgreSQL (default `postgres://postgres@127.0.0.1:5432/postgres`); the
-//!   tables `idempotency_records` and `ledger_payments` are created there when missing.
+//!   tables `idempotency_records`, `idempotency_steps`, `ledger_payments` and `ledger_orders`
+//!   are created there when missing.
 //! - `REDIS_URL`: Redis in front, PostgreSQL the authority: the claims and the replays in
 //!   Redis, the outcome committed with the payment to the crate's table
 //!   `idempotency_outcomes` (`DurableOutcomes`), which answers a takeover, a lapsed lease or a
@@ -26,7 +31,8 @@
 //! - `PROVIDER_URL`: the payment provider (`POST {url}/charges` with an `idempotency-key`,
 //!   answering `{"charge":"…"}`); without it, a fake one in this process.
 //! - `LEDGER_LEASE_MS` (default 30000).
-//! - `LEDGER_PAUSE=before-claim|after-claim|after-call|before-commit|after-commit|after-store`:
+//! - `LEDGER_PAUSE=before-claim|after-claim|after-call|before-commit|after-commit|after-store`
+//!   (and, for `/orders`, `after-order|after-charge`, after each step committed):
 //!   the request (or delivery) stops there, says `paused <point>` on stdout, and waits, for a
 //!   crash to be staged: before the door saw it; in the operation, before anything; after the
 //!   provider's charge, before its row; after the row, before the commit; after the commit,
@@ -55,7 +61,7 @@ use axum_idempotency::{
     http,
     recovery::{BoxError, Recover},
     store::{
-        DurableOutcomes, PostgresStore, SealedOutcome, Store, StoreError,
+        DurableOutcomes, PostgresStore, RecoveryPoints, SealedOutcome, Store, StoreError,
         sqlx::{self, PgPool},
     },
 };
@@ -67,7 +73,9 @@ use serde_json::{Value, json};
 const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 const PAYMENTS: &str = "CREATE TABLE IF NOT EXISTS ledger_payments (
-    id BIGSERIAL PRIMARY KEY, amount BIGINT NOT NULL, charge TEXT NOT NULL)";
+    id BIGSERIAL PRIMARY KEY, amount BIGINT NOT NULL, charge TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS ledger_orders (
+    id BIGSERIAL PRIMARY KEY, amount BIGINT NOT NULL, charge TEXT)";
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
@@ -81,6 +89,8 @@ async fn main() -> Result<(), BoxError> {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await?;
     sqlx::raw_sql(PAYMENTS).execute(&pool).await?;
+    let steps = RecoveryPoints::new(pool.clone());
+    steps.migrate().await?;
     let records = match std::env::var("REDIS_URL") {
         Ok(url) => {
             let outcomes = DurableOutcomes::new(pool.clone());
@@ -101,7 +111,7 @@ async fn main() -> Result<(), BoxError> {
     let lease = var("LEDGER_LEASE_MS").and_then(|ms| ms.parse().ok()).unwrap_or(30_000);
     let pause = Pause(var("LEDGER_PAUSE"));
     let lease = Duration::from_millis(lease);
-    let ledger = Ledger { pool, records: records.clone(), provider, pause };
+    let ledger = Ledger { pool, records: records.clone(), steps, provider, pause };
     if command == "consume" {
         let event = arg("--event").ok_or("consume needs --event ID")?;
         let amount = arg("--amount").ok_or("consume needs --amount N")?.parse()?;
@@ -127,6 +137,8 @@ async fn main() -> Result<(), BoxError> {
 struct Ledger {
     pool: PgPool,
     records: Records,
+    /// The steps `/orders` marked done.
+    steps: RecoveryPoints,
     provider: String,
     pause: Pause,
 }
@@ -157,7 +169,10 @@ impl Records {
 
 fn app(ledger: Ledger, lease: Duration) -> Router {
     let pause = ledger.pause.clone();
-    let router = Router::new().route("/payments", post(pay)).with_state(ledger.clone());
+    let router = Router::new()
+        .route("/payments", post(pay))
+        .route("/orders", post(order))
+        .with_state(ledger.clone());
     let router = match ledger.records {
         Records::Postgres(store) => router.layer(IdempotencyLayer::new(store).lease(lease)),
         Records::Redis(redis, outcomes) => {
@@ -194,6 +209,50 @@ async fn pay(
     // The response commits with the payment row, or neither does.
     ledger.records.commit(tx, &sealed).await?;
     ledger.pause.at("after-commit").await;
+    Ok(sealed)
+}
+
+/// An order with recovery points: the order row (a step), the provider's charge (a step),
+/// then the charge recorded on the order with the response. A takeover after a crash skips
+/// the steps that committed, with their results, and runs the rest.
+async fn order(
+    context: IdempotencyContext,
+    State(ledger): State<Ledger>,
+    Json(payment): Json<Payment>,
+) -> Result<http::SealedResponse, Failure> {
+    let (steps, key) = (&ledger.steps, context.key_hash());
+    let order: i64 = match steps.done(key, "order").await? {
+        Some(order) => order,
+        None => {
+            let mut tx = ledger.pool.begin().await?;
+            let sql = "INSERT INTO ledger_orders (amount) VALUES ($1) RETURNING id";
+            let order: i64 =
+                sqlx::query_scalar(sql).bind(payment.amount).fetch_one(&mut *tx).await?;
+            steps.mark(&mut tx, key, "order", &order).await?;
+            tx.commit().await?;
+            order
+        }
+    };
+    ledger.pause.at("after-order").await;
+    let charge: String = match steps.done(key, "charge").await? {
+        Some(charge) => charge,
+        None => {
+            let charge =
+                charge(&ledger.provider, &context.derived_key("order-charge"), payment.amount)
+                    .await?;
+            let mut tx = ledger.pool.begin().await?;
+            steps.mark(&mut tx, key, "charge", &charge).await?;
+            tx.commit().await?;
+            charge
+        }
+    };
+    ledger.pause.at("after-charge").await;
+    let mut tx = ledger.pool.begin().await?;
+    let sql = "UPDATE ledger_orders SET charge = $2 WHERE id = $1";
+    sqlx::query(sql).bind(order).bind(&charge).execute(&mut *tx).await?;
+    let body = json!({ "order": order, "charge": charge, "amount": payment.amount });
+    let sealed = http::seal(&context, (StatusCode::CREATED, Json(body))).await?;
+    ledger.records.commit(tx, &sealed).await?;
     Ok(sealed)
 }
 

@@ -36,7 +36,7 @@ pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
-    AbandonedClaim, DurableOutcomes, LapsedClaims, PostgresStore, TableNameError,
+    AbandonedClaim, DurableOutcomes, LapsedClaims, PostgresStore, RecoveryPoints, TableNameError,
 };
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;

@@ -468,6 +468,8 @@ pub async fn eventually_within<F: AsyncFn() -> bool>(limit: Duration, what: &str
 }
 
 pub mod example;
+#[cfg(all(feature = "postgres", feature = "redis"))]
+pub mod ledger;
 pub mod load;
 pub mod postgres;
 #[cfg(feature = "postgres")]

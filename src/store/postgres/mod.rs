@@ -3,6 +3,7 @@
 mod listener;
 mod outcomes;
 mod schema;
+mod steps;
 mod sweeper;
 mod transaction;
 
@@ -19,6 +20,7 @@ use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
 pub use self::{
     outcomes::DurableOutcomes,
     schema::TableNameError,
+    steps::RecoveryPoints,
     sweeper::{AbandonedClaim, LapsedClaims},
 };
 use super::{
