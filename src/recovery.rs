@@ -43,6 +43,11 @@ pub enum Recovered<T> {
     Happened(T),
     /// The system of record has no trace of it: the operation runs.
     Unknown,
+    /// The system of record holds the outcome of another request (another payload) under
+    /// this key: answered as a key reused with a different request (the HTTP door's 409, the
+    /// consumer door's `Outcome::Mismatch`), and nothing runs. The claim is released, so that
+    /// the request that owns the key is answered when it comes.
+    Mismatch,
 }
 
 /// Asks the system of record whether a claimed operation already happened.

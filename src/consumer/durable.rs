@@ -22,7 +22,7 @@ impl<T: DeserializeOwned + Send + 'static> Recover<Bytes, T> for DurableRecovery
             return Ok(Recovered::Unknown);
         };
         if &fingerprint != context.fingerprint() {
-            return Err("the key's committed outcome is another payload's".into());
+            return Ok(Recovered::Mismatch);
         }
         let scope = String::from_utf8_lossy(context.scope());
         let value = decode::<T, std::convert::Infallible>(outcome, context.key_hash(), &scope)
@@ -41,7 +41,7 @@ impl<St: Store, H> Idempotent<St, H> {
     /// ([`recover`](Self::recover)) and `recover_every_claim(true)` in one.
     ///
     /// A delivery with another payload under a key whose result only the table still holds
-    /// is [`Error::Recovery`](super::Error::Recovery), never run.
+    /// is [`Outcome::Mismatch`](super::Outcome::Mismatch), never run.
     pub fn durable(self, outcomes: DurableOutcomes) -> Idempotent<St, DurableRecovery> {
         self.recover(DurableRecovery(outcomes)).recover_every_claim(true)
     }

@@ -322,6 +322,7 @@ impl<St: Store, H> Idempotent<St, H> {
             Ended::Answered(outcome) => Ok(outcome),
             Ended::Failed(error) => Err(Error::Operation(error)),
             Ended::Refused => Err(Error::Recovery),
+            Ended::Mismatch => Ok(Outcome::Mismatch),
             Ended::Cancelled => Err(Error::Cancelled),
         }
     }

@@ -59,6 +59,9 @@ pub(crate) enum Recovery<St, T> {
     /// The hook failed: the operation must not run. The key is handed back, so that the
     /// next claim takes it over and asks again.
     Refused,
+    /// The system of record holds another request's outcome under the key: nothing runs, and
+    /// the claim was released.
+    Mismatch,
 }
 
 impl<St> fmt::Debug for Holder<St> {
@@ -147,6 +150,15 @@ impl<St: Store> Holder<St> {
                 );
                 observe::recovery(&self.route, "happened");
                 return Recovery::Happened(self, outcome);
+            }
+            Ok(Ok(Ok(Recovered::Mismatch))) => {
+                tracing::info!(
+                    key_hash = hash,
+                    "idempotency: the system of record holds another request's outcome under the key"
+                );
+                observe::recovery(&self.route, "mismatch");
+                self.release("the key belongs to another request").await;
+                return Recovery::Mismatch;
             }
             Ok(Ok(Ok(Recovered::Unknown))) => {
                 tracing::debug!(

@@ -40,6 +40,7 @@ enum Message<A, E> {
     Failed(E),
     Panicked(Panic),
     Refused,
+    Mismatch,
 }
 
 /// How a claimed operation ended, for the door to turn into its own answer. A panic is not
@@ -52,6 +53,9 @@ pub(crate) enum Ended<A, E> {
     Failed(E),
     /// The recovery hook failed and the operation did not run; the key was handed back.
     Refused,
+    /// The recovery hook found another request's outcome under the key; nothing ran, and the
+    /// claim was released.
+    Mismatch,
     /// The task was dropped unfinished: the runtime is shutting down.
     Cancelled,
 }
@@ -103,6 +107,7 @@ impl<St: Store> Engine<St> {
                         return happened(holder, outcome, answer).await;
                     }
                     Recovery::Refused => return answer.end(Message::Refused),
+                    Recovery::Mismatch => return answer.end(Message::Mismatch),
                 },
             };
             match holder.run(operation).await {
@@ -118,6 +123,7 @@ impl<St: Store> Engine<St> {
             Ok(Message::Answered(answer)) => Ended::Answered(answer),
             Ok(Message::Failed(error)) => Ended::Failed(error),
             Ok(Message::Refused) => Ended::Refused,
+            Ok(Message::Mismatch) => Ended::Mismatch,
             Ok(Message::Panicked(panic)) => std::panic::resume_unwind(panic),
             Err(_) => Ended::Cancelled,
         }

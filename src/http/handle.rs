@@ -176,6 +176,9 @@ where
                 None,
                 1,
             )),
+            Ended::Mismatch => {
+                Ok(problem(self.config.mismatch_status, ProblemType::Mismatch, None))
+            }
             Ended::Cancelled => {
                 Ok(problem(StatusCode::SERVICE_UNAVAILABLE, ProblemType::HandlerFailed, None))
             }

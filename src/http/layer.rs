@@ -249,7 +249,8 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// `recover_every_claim(true)` in one.
     ///
     /// A request with another payload under a key whose outcome only the table still holds
-    /// is refused as a failed recovery (503 `recovery-failed`), never run.
+    /// is answered as a key reused with a different request (409, or the configured
+    /// mismatch status), never run.
     #[cfg(feature = "postgres")]
     pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
         self.recover(super::recover::Durable(outcomes)).recover_every_claim(true)

@@ -105,7 +105,7 @@ impl Recover<Request<Bytes>, Response<Bytes>> for Durable {
             return Ok(Recovered::Unknown);
         };
         if &fingerprint != lookup.context.fingerprint() {
-            return Err("the key's committed outcome is another request's".into());
+            return Ok(Recovered::Mismatch);
         }
         let stored = super::record::decode(outcome, "durable-outcomes")
             .map_err(|error| format!("the committed outcome is unreadable: {}", error.0))?;
