@@ -3,10 +3,12 @@
 
 use std::{any::Any, fmt, sync::Arc, time::Duration};
 
+use bytes::Bytes;
+
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Commit, CommitSlot, OwnerToken},
+    store::{Commit, CommitSlot, OwnerToken, SealError, SealedOutcome},
 };
 
 /// Who a claimed operation is, for the operation itself and for its recovery: the scope, the
@@ -77,6 +79,20 @@ impl IdempotencyContext {
 
     pub(crate) fn completion(&self) -> Option<&Completion> {
         self.inner.completion.as_ref()
+    }
+
+    /// `outcome`, encoded by the operation's front door, sealed for the operation to commit in
+    /// its own transaction: the claim's key, owner token, fingerprint and retention with it.
+    pub(crate) fn sealed(&self, outcome: Bytes) -> Result<SealedOutcome, SealError> {
+        let completion = self.completion().ok_or(SealError::NotClaimed)?;
+        Ok(SealedOutcome {
+            key: self.key().clone(),
+            owner: completion.owner.clone(),
+            fingerprint: self.fingerprint().clone(),
+            outcome,
+            retention: completion.retention,
+            commit: completion.commit.clone(),
+        })
     }
 
     /// What became of an outcome the operation committed in its own transaction, if it tried.

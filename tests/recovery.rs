@@ -12,11 +12,8 @@ mod common;
 
 use std::time::Duration;
 
-use axum::body::Body;
 use axum_idempotency::store::{RecordKey, deadpool_redis::redis::AsyncCommands};
 use common::{RedisServer, postgres::TestDatabase as Database};
-use http::Request;
-use http_body_util::BodyExt;
 use serde_json::Value;
 
 /// The services' lease: short, so that a test waits past it.
@@ -87,31 +84,10 @@ impl Process {
     }
 }
 
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    replayed: bool,
-    body: Value,
-}
+use common::example::Answer;
 
 async fn pay(port: u16, key: &str) -> Result<Answer, hyper_util::client::legacy::Error> {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Body>();
-    let request = Request::post(format!("http://127.0.0.1:{port}/payments"))
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(Body::from(r#"{"amount":100}"#))
-        .unwrap();
-    // Bounded: a handler blocked on a lock it should never have reached fails the test.
-    let response = tokio::time::timeout(Duration::from_secs(15), client.request(request))
-        .await
-        .expect("an answer within 15 s")?;
-    let status = response.status().as_u16();
-    let replayed = response.headers().get("idempotency-replayed").is_some_and(|v| v == "true");
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    let body = serde_json::from_slice(&body)
-        .unwrap_or(Value::String(String::from_utf8_lossy(&body).into()));
-    Ok(Answer { status, replayed, body })
+    common::example::post(port, "/payments", key).await
 }
 
 fn hash(key: &str) -> String {

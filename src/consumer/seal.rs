@@ -38,16 +38,7 @@ pub fn seal<T: Serialize>(
     context: &IdempotencyContext,
     value: &T,
 ) -> Result<SealedOutcome, SealError> {
-    let completion = context.completion().ok_or(SealError::NotClaimed)?;
-    let outcome = stored_form(value)?;
-    Ok(SealedOutcome {
-        key: context.key().clone(),
-        owner: completion.owner.clone(),
-        fingerprint: context.fingerprint().clone(),
-        outcome,
-        retention: completion.retention,
-        commit: completion.commit.clone(),
-    })
+    context.sealed(stored_form(value)?)
 }
 
 /// `value` as the consumer door stores it, whatever its size.

@@ -104,14 +104,7 @@ pub async fn seal(
         CollectedBody::Failed(_) => return Err(SealError::NotStored("the response body failed")),
     };
     let outcome = record::encode(head.status, &head.headers, &config.header_filter, &body);
-    let outcome = SealedOutcome {
-        key: context.key().clone(),
-        owner: completion.owner.clone(),
-        fingerprint: context.fingerprint().clone(),
-        outcome,
-        retention: completion.retention,
-        commit: completion.commit.clone(),
-    };
+    let outcome = context.sealed(outcome)?;
     Ok(SealedResponse { outcome, head, body })
 }
 

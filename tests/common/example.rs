@@ -1,5 +1,6 @@
 //! An example of this crate run as a child process of a test: built for the test binary's
-//! features and profile, read line by line from its stdout, killed by pid.
+//! features and profile, read line by line from its stdout, killed by pid; and a client of
+//! its payments route.
 
 use std::{
     collections::HashMap,
@@ -9,6 +10,10 @@ use std::{
     time::Duration,
 };
 
+use axum::body::Body;
+use http::Request;
+use http_body_util::BodyExt;
+use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 
 /// The example `name`, built for this test binary's features and profile. `cargo test`
@@ -105,4 +110,37 @@ impl Child {
         let status = std::process::Command::new("kill").args([signal, &pid]).status().unwrap();
         assert!(status.success(), "kill {signal} {pid}");
     }
+}
+
+/// What a client saw.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: u16,
+    pub replayed: bool,
+    pub body: Value,
+}
+
+/// `{"amount":100}` POSTed to `path` of the service on `port`, with `key`; bounded: a
+/// handler blocked on a lock it should never have reached fails the test.
+pub async fn post(
+    port: u16,
+    path: &str,
+    key: &str,
+) -> Result<Answer, hyper_util::client::legacy::Error> {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<Body>();
+    let request = Request::post(format!("http://127.0.0.1:{port}{path}"))
+        .header("idempotency-key", key)
+        .header("content-type", "application/json")
+        .body(Body::from(r#"{"amount":100}"#))
+        .unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(15), client.request(request))
+        .await
+        .expect("an answer within 15 s")?;
+    let status = response.status().as_u16();
+    let replayed = response.headers().get("idempotency-replayed").is_some_and(|v| v == "true");
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&body)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&body).into()));
+    Ok(Answer { status, replayed, body })
 }

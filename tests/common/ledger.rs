@@ -8,12 +8,11 @@ use std::{
     time::Duration,
 };
 
-use axum::{Json, Router, body::Body, http::HeaderMap, routing};
+use axum::{Json, Router, http::HeaderMap, routing};
 use axum_idempotency::store::deadpool_redis::redis::AsyncCommands;
-use http::Request;
-use http_body_util::BodyExt;
 use serde_json::{Value, json};
 
+pub use super::example::{Answer, post};
 use super::{RedisServer, example::Child, postgres::TestDatabase};
 
 /// The services' lease: short, so that a test waits past it.
@@ -152,40 +151,8 @@ pub struct Service {
     pub port: u16,
 }
 
-/// What a client saw.
-#[derive(Debug)]
-pub struct Answer {
-    pub status: u16,
-    pub replayed: bool,
-    pub body: Value,
-}
-
 pub async fn pay(port: u16, key: &str) -> Result<Answer, hyper_util::client::legacy::Error> {
     post(port, "/payments", key).await
-}
-
-/// `{"amount":100}` to `path` with `key`.
-pub async fn post(
-    port: u16,
-    path: &str,
-    key: &str,
-) -> Result<Answer, hyper_util::client::legacy::Error> {
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build_http::<Body>();
-    let request = Request::post(format!("http://127.0.0.1:{port}{path}"))
-        .header("idempotency-key", key)
-        .header("content-type", "application/json")
-        .body(Body::from(r#"{"amount":100}"#))
-        .unwrap();
-    let response = tokio::time::timeout(Duration::from_secs(15), client.request(request))
-        .await
-        .expect("an answer within 15 s")?;
-    let status = response.status().as_u16();
-    let replayed = response.headers().get("idempotency-replayed").is_some_and(|v| v == "true");
-    let body = response.into_body().collect().await.unwrap().to_bytes();
-    let body = serde_json::from_slice(&body)
-        .unwrap_or(Value::String(String::from_utf8_lossy(&body).into()));
-    Ok(Answer { status, replayed, body })
 }
 
 /// Sends `pay-1` to a service that stops at `point`, and kills it there with SIGKILL.

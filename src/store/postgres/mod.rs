@@ -182,45 +182,12 @@ impl PostgresStore {
         tx.commit().await.map_err(StoreError::unavailable)
     }
 
-    /// Deletes expired rows, at most `batch` (at least 1) at a time until none is left, and
-    /// returns how many. Rows locked by a claim meanwhile are skipped, never waited for: no
-    /// claim waits for a sweep's lock, though a large sweep competes with claims for the
-    /// database (BENCHMARKS.md: a sweep of a million rows slowed claims to two thirds).
-    ///
-    /// # Errors
-    ///
-    /// When the database cannot be reached.
-    pub async fn sweep_expired(&self, batch: u32) -> Result<u64, StoreError> {
-        sweeper::sweep(&self.inner.pool, &self.inner.statements.sweep, batch).await
-    }
-
-    /// The in-progress records whose lease lapsed and that no claim took over since: holders
-    /// that died or stalled, whose clients have not come back. Each is taken over by its next
-    /// retry (within its recovery window); an operator looks at the old ones. With the
-    /// `metrics` feature, the store's sweep publishes the same as the gauges
-    /// `idempotency_lapsed_claims{table}` and `idempotency_oldest_lapsed_claim_seconds{table}`.
-    ///
-    /// One statement, which reads every in-progress row: for an operator's dashboard, not a
-    /// request path.
-    ///
-    /// # Errors
-    ///
-    /// When the database cannot be reached.
-    pub async fn lapsed_claims(&self) -> Result<LapsedClaims, StoreError> {
-        sweeper::lapsed(&self.inner.pool, &self.inner.statements.lapsed).await
-    }
-
     /// Runs `query` within the command timeout.
     async fn fetch(
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<PgRow, StoreError> {
-        let timeout = self.command_timeout;
-        match tokio::time::timeout(timeout, query.fetch_one(&self.inner.pool)).await {
-            Ok(Ok(row)) => Ok(row),
-            Ok(Err(error)) => Err(StoreError::unavailable(error)),
-            Err(_) => Err(StoreError::Timeout(timeout)),
-        }
+        bounded(self.command_timeout, query.fetch_one(&self.inner.pool)).await
     }
 
     /// Runs a fenced function: 1 (or 2) when applied, 0 when another owner holds the key.
@@ -315,6 +282,19 @@ impl PostgresStore {
 }
 
 /// `duration` in whole milliseconds, at most 30 years.
+/// `call`, within `timeout`: its error is the store being unavailable, its timeout
+/// [`StoreError::Timeout`]. Every call of the PostgreSQL stores goes through here.
+async fn bounded<T>(
+    timeout: Duration,
+    call: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(StoreError::unavailable(error)),
+        Err(_) => Err(StoreError::Timeout(timeout)),
+    }
+}
+
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(LONGEST_MS).min(LONGEST_MS)
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use sqlx::{PgPool, Postgres, Transaction};
 
-use super::{millis, transaction::finish};
+use super::{bounded, millis, transaction::finish};
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
@@ -97,13 +97,11 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
             .bind(&sealed.outcome()[..])
             .bind(millis(sealed.retention()));
         let timeout = self.command_timeout;
-        let written =
-            match tokio::time::timeout(timeout, query.fetch_optional(&mut *transaction)).await {
-                Ok(Ok(Some(_))) => Ok(()),
-                Ok(Ok(None)) => Err(StoreError::FencedOut),
-                Ok(Err(error)) => Err(StoreError::unavailable(error)),
-                Err(_) => Err(StoreError::Timeout(timeout)),
-            };
+        let written = match bounded(timeout, query.fetch_optional(&mut *transaction)).await {
+            Ok(Some(_)) => Ok(()),
+            Ok(None) => Err(StoreError::FencedOut),
+            Err(error) => Err(error),
+        };
         finish(transaction, sealed, written, timeout, Commit::CommittedBeside).await
     }
 
@@ -115,12 +113,7 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
         let select = "SELECT fingerprint, outcome FROM idempotency_outcomes
             WHERE key = $1 AND expires_at > clock_timestamp()";
         let query = sqlx::query_as::<_, (Vec<u8>, Vec<u8>)>(select).bind(key.as_str());
-        let timeout = self.command_timeout;
-        let row = match tokio::time::timeout(timeout, query.fetch_optional(&self.pool)).await {
-            Ok(Ok(row)) => row,
-            Ok(Err(error)) => return Err(StoreError::unavailable(error)),
-            Err(_) => return Err(StoreError::Timeout(timeout)),
-        };
+        let row = bounded(self.command_timeout, query.fetch_optional(&self.pool)).await?;
         row.map(|(fingerprint, outcome)| {
             let fingerprint = Fingerprint::from_stored(&fingerprint)
                 .ok_or_else(|| StoreError::CorruptRecord("an outcome's fingerprint".into()))?;

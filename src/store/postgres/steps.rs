@@ -7,7 +7,7 @@ use std::time::Duration;
 use serde::{Serialize, de::DeserializeOwned};
 use sqlx::{PgConnection, PgPool};
 
-use super::millis;
+use super::{bounded, millis};
 use crate::store::StoreError;
 
 /// The steps an operation marked done, in the table `idempotency_steps` of the app's own
@@ -104,12 +104,7 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
         let select = "SELECT result FROM idempotency_steps
             WHERE key_hash = $1 AND step = $2 AND expires_at > clock_timestamp()";
         let query = sqlx::query_scalar::<_, Vec<u8>>(select).bind(key_hash).bind(step);
-        let timeout = self.command_timeout;
-        let row = match tokio::time::timeout(timeout, query.fetch_optional(&self.pool)).await {
-            Ok(Ok(row)) => row,
-            Ok(Err(error)) => return Err(StoreError::unavailable(error)),
-            Err(_) => return Err(StoreError::Timeout(timeout)),
-        };
+        let row = bounded(self.command_timeout, query.fetch_optional(&self.pool)).await?;
         row.map(|result| {
             serde_json::from_slice(&result).map_err(|error| {
                 StoreError::CorruptRecord(format!("step {step:?} of {key_hash}: {error}"))
@@ -148,12 +143,9 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
             .bind(step)
             .bind(result)
             .bind(millis(self.retention));
-        let timeout = self.command_timeout;
-        match tokio::time::timeout(timeout, query.fetch_optional(connection)).await {
-            Ok(Ok(Some(_))) => Ok(()),
-            Ok(Ok(None)) => Err(StoreError::FencedOut),
-            Ok(Err(error)) => Err(StoreError::unavailable(error)),
-            Err(_) => Err(StoreError::Timeout(timeout)),
+        match bounded(self.command_timeout, query.fetch_optional(connection)).await? {
+            Some(_) => Ok(()),
+            None => Err(StoreError::FencedOut),
         }
     }
 

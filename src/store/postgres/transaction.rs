@@ -6,7 +6,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use sqlx::{Postgres, Row as _, Transaction};
 
-use super::{PostgresStore, corrupt, millis};
+use super::{PostgresStore, bounded, corrupt, millis};
 use crate::store::{Commit, SealedOutcome, StoreError};
 
 /// Commits `transaction` once `written` holds, and tells the front door what became of it:
@@ -22,11 +22,7 @@ pub(super) async fn finish(
     let result = match written {
         // A commit cut off by the timeout drops the transaction mid-flight: its fate is
         // unknown, and answered as for any failed commit.
-        Ok(()) => match tokio::time::timeout(timeout, transaction.commit()).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(error)) => Err(StoreError::unavailable(error)),
-            Err(_) => Err(StoreError::Timeout(timeout)),
-        },
+        Ok(()) => bounded(timeout, transaction.commit()).await,
         // Dropped unfinished: sqlx rolls it back.
         Err(error) => Err(error),
     };
@@ -99,12 +95,7 @@ impl PostgresStore {
             .bind(sealed.fingerprint().as_bytes())
             .bind(&sealed.outcome()[..])
             .bind(millis(sealed.retention()));
-        let timeout = self.command_timeout;
-        let row = match tokio::time::timeout(timeout, query.fetch_one(&mut **transaction)).await {
-            Ok(Ok(row)) => row,
-            Ok(Err(error)) => return Err(StoreError::unavailable(error)),
-            Err(_) => return Err(StoreError::Timeout(timeout)),
-        };
+        let row = bounded(self.command_timeout, query.fetch_one(&mut **transaction)).await?;
         let outcome: i32 = row.try_get(0).map_err(corrupt)?;
         if outcome == 0 {
             return Err(StoreError::FencedOut);
