@@ -75,10 +75,11 @@ pub(crate) enum Commit {
     /// (`DurableOutcomes`, beside Redis): the door stores it in the record store too, as the
     /// outcome it answers, and a takeover or a lost record is answered from the table.
     CommittedBeside(Bytes),
-    /// The commit failed, was fenced out, or its answer was lost: the record holds this outcome
-    /// or nothing. The door writes nothing either: it releases the key, a fenced delete that a
-    /// committed record refuses (and that waits for the transaction's row lock, so it cannot
-    /// overtake a commit still on the wire).
+    /// The commit failed, was fenced out, or its answer was lost: the outcome is committed or
+    /// not. The door writes nothing either: it releases its claim with a fenced delete. With
+    /// `PostgresStore` that delete waits for the transaction's row lock, and a committed
+    /// record refuses it; with `DurableOutcomes` the retry's recovery reads the table, and a
+    /// second run's commit is refused by the table's key while the first's stands.
     NotCommitted,
 }
 
