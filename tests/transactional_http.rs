@@ -33,7 +33,13 @@ use serde_json::json;
 /// `deferred` fails at commit, never before: a second row with the same `code` passes its
 /// insert, and the commit refuses it.
 const TABLES: &str = "CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, code TEXT NOT NULL,
-        CONSTRAINT one_code UNIQUE (code) DEFERRABLE INITIALLY DEFERRED)";
+        CONSTRAINT one_code UNIQUE (code) DEFERRABLE INITIALLY DEFERRED);
+    -- A commit that takes 1.5 s (a trigger run at commit time), for a commit whose answer
+    -- comes after the store's command timeout: a reply lost on the wire.
+    CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS
+        $$ BEGIN IF NEW.code = 'slow' THEN PERFORM pg_sleep(1.5); END IF; RETURN NULL; END $$;
+    CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON payments
+        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()";
 
 #[derive(Clone)]
 struct App {
@@ -46,7 +52,10 @@ async fn setup(d: &TestDatabase) -> (App, Router) {
     let options =
         PgConnectOptions::new().host(&d.host()).port(d.port()).username(d.user()).database(&d.name);
     let pool = PgPoolOptions::new().connect_lazy_with(options);
-    let store = PostgresStore::new(pool.clone()).sweep_every(None);
+    // A short command timeout, which the slow commit outlives.
+    let store = PostgresStore::new(pool.clone())
+        .sweep_every(None)
+        .command_timeout(std::time::Duration::from_millis(300));
     store.migrate().await.unwrap();
     sqlx::raw_sql(TABLES).execute(&pool).await.unwrap();
     let app = App { pool, store: store.clone(), runs: Arc::default() };
@@ -55,6 +64,7 @@ async fn setup(d: &TestDatabase) -> (App, Router) {
         .route("/pay-then-answer-otherwise", post(pay_then_answer_otherwise))
         .route("/pay-twice-ignoring-the-commit", post(pay_twice_ignoring_the_commit))
         .route("/seal-a-500", post(seal_a_500))
+        .route("/pay-slowly", post(pay_slowly))
         .with_state(app.clone())
         .layer(IdempotencyLayer::new(store));
     (app, router)
@@ -82,6 +92,14 @@ fn created(body: serde_json::Value) -> impl IntoResponse {
 
 async fn pay(State(app): State<App>, context: IdempotencyContext) -> Response {
     match commit_payment(&app, &context, "a", created(json!({ "paid": "a" }))).await {
+        Ok(sealed) => sealed.into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+    }
+}
+
+/// A payment whose commit lands after the store stopped waiting for its answer.
+async fn pay_slowly(State(app): State<App>, context: IdempotencyContext) -> Response {
+    match commit_payment(&app, &context, "slow", created(json!({ "paid": "slowly" }))).await {
         Ok(sealed) => sealed.into_response(),
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
     }
@@ -190,4 +208,25 @@ async fn a_response_the_layer_would_not_store_cannot_be_sealed() {
     assert_eq!(first.body, "the status is not stored");
     // A 502 is not stored either: the key is released.
     assert_eq!(record_state(&app).await, None);
+}
+
+/// The commit's answer is lost (it lands after the command timeout): the door cannot know
+/// whether it committed, stores nothing and releases the key with a fenced delete, which waits
+/// for the transaction's row lock and is then refused by the committed record. The client got
+/// an error; its retry is the committed response, replayed, and the handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_answer_is_lost_is_replayed_not_run_again() {
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, router) = setup(&d).await;
+    let first = send(&router, keyed("POST", "/pay-slowly", "k1", "{}")).await;
+    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", first.body);
+    assert!(first.body.contains("did not answer within 300ms"), "{}", first.body);
+    // The commit lands after its answer was given up on.
+    tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+    assert_eq!(record_state(&app).await.as_deref(), Some("C"));
+    assert_eq!(payments(&app).await, 1);
+    let retry = send(&router, keyed("POST", "/pay-slowly", "k1", "{}")).await;
+    assert_eq!((retry.status, retry.body.as_str()), (StatusCode::CREATED, r#"{"paid":"slowly"}"#));
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+    assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
 }
