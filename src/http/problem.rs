@@ -22,6 +22,23 @@ pub(crate) enum ProblemType {
 }
 
 impl ProblemType {
+    /// Every type, for the test that holds the README's table to them.
+    #[cfg(test)]
+    const ALL: [Self; 12] = [
+        Self::KeyMissing,
+        Self::KeyMalformed,
+        Self::ScopeMissing,
+        Self::BodyTooLarge,
+        Self::BodyUnreadable,
+        Self::InProgress,
+        Self::Mismatch,
+        Self::StoreUnavailable,
+        Self::CorruptRecord,
+        Self::HandlerFailed,
+        Self::EncodingNotAcceptable,
+        Self::RecoveryFailed,
+    ];
+
     fn uri_and_title(self) -> (&'static str, &'static str) {
         match self {
             Self::KeyMissing => {
@@ -111,4 +128,28 @@ pub(crate) fn problem_retry_after(
     let mut response = problem(status, kind, detail);
     response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ProblemType;
+
+    /// The README lists every problem type, and no other: clients match on them.
+    #[test]
+    fn the_readme_lists_every_problem_type() {
+        let readme = include_str!("../../README.md");
+        let listed: Vec<&str> = readme
+            .lines()
+            .filter_map(|line| line.strip_prefix("| `urn:axum-idempotency:problem:"))
+            .filter_map(|rest| rest.split('`').next())
+            .collect();
+        let mut ours: Vec<&str> = ProblemType::ALL
+            .iter()
+            .map(|kind| kind.uri_and_title().0.trim_start_matches("urn:axum-idempotency:problem:"))
+            .collect();
+        let mut listed_sorted = listed.clone();
+        listed_sorted.sort_unstable();
+        ours.sort_unstable();
+        assert_eq!(listed_sorted, ours);
+    }
 }
