@@ -159,6 +159,11 @@ impl<St> Engine<St> {
     pub(crate) fn store(&self) -> &St {
         &self.store
     }
+
+    /// How long a completed outcome is kept.
+    pub(crate) fn retention(&self) -> Duration {
+        self.settings.retention
+    }
 }
 
 impl<St: Store> Engine<St> {

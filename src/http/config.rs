@@ -43,6 +43,8 @@ pub(super) struct Config {
     pub(super) store_policy: StorePolicy,
     pub(super) header_filter: HeaderFilter,
     pub(super) fail_open: bool,
+    /// Say on stored and replayed responses when the key's record expires.
+    pub(super) advertise_expiry: bool,
     pub(super) recover: Option<Hook>,
 }
 
@@ -62,6 +64,7 @@ impl Default for Config {
             store_policy: default_store_policy,
             header_filter: HeaderFilter::default(),
             fail_open: false,
+            advertise_expiry: false,
             recover: None,
         }
     }

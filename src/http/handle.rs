@@ -1,7 +1,10 @@
 //! The path of one request that carries a valid key: scope, body and fingerprint, the claim,
 //! and the claimed request's task (the handler, then the settle).
 
-use std::sync::Arc;
+use std::{
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
 
 use axum::{
     body::Body,
@@ -95,7 +98,10 @@ where
         span.record("replayed", matches!(claimed, Ok(Claimed::Replay(_))));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,
-            Ok(Claimed::Replay(blob)) => return Ok(replay(blob, &hash, &route, &parts.headers)),
+            Ok(Claimed::Replay(blob)) => {
+                let expiry = config.advertise_expiry.then(|| self.engine.retention());
+                return Ok(replay(blob, &hash, &route, &parts.headers, expiry));
+            }
             Ok(Claimed::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");
                 // Whole seconds, rounded up, never 0 ("retry now").
@@ -198,7 +204,8 @@ async fn settle_recovered<St: Store, E>(
 ) {
     let (head, body) = response.into_parts();
     let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
-    let response = replay(blob.clone(), holder.key().hash(), &route, &request);
+    let expiry = config.advertise_expiry.then(|| holder.retention());
+    let response = replay(blob.clone(), holder.key().hash(), &route, &request, expiry);
     holder.complete(blob, move || answer.send(response)).await;
 }
 
@@ -251,7 +258,10 @@ async fn settle_whole<St: Store, E>(
             ));
         }
     };
+    let mut head = head;
     let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
+    let expiry = config.advertise_expiry.then(|| holder.retention());
+    record::advertise_expiry(&mut head.headers, SystemTime::now(), expiry);
     holder.complete(blob, move || answer.send(Response::from_parts(head, Body::from(body)))).await;
 }
 
@@ -265,6 +275,10 @@ async fn settle_streamed<St: Store, E>(
     answer: Answer<Response, E>,
 ) {
     let (status, headers) = (head.status, head.headers.clone());
+    // Stored when the stream ends within the limit: from now, within the stream's time.
+    let mut head = head;
+    let expiry = config.advertise_expiry.then(|| holder.retention());
+    record::advertise_expiry(&mut head.headers, SystemTime::now(), expiry);
     let (client, streamed) = Streamed::channel();
     answer.send(Response::from_parts(head, Body::new(streamed)));
     // The lease is renewed while the stream runs, as while the handler ran.
@@ -302,7 +316,15 @@ fn outcome_name<St>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
     }
 }
 
-fn replay(blob: Bytes, hash: &str, route: &str, request: &http::HeaderMap) -> Response {
+/// The stored response in `blob`, as a replay; with its expiry when the layer advertises it
+/// (`retention`).
+fn replay(
+    blob: Bytes,
+    hash: &str,
+    route: &str,
+    request: &http::HeaderMap,
+    retention: Option<Duration>,
+) -> Response {
     match record::decode(blob, route) {
         Ok(stored) if !record::encoding_acceptable(&stored.headers, request) => {
             // A compression layer inside this one stored an encoded body, and this retry does
@@ -319,6 +341,9 @@ fn replay(blob: Bytes, hash: &str, route: &str, request: &http::HeaderMap) -> Re
             *response.status_mut() = stored.status;
             *response.headers_mut() = stored.headers;
             response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
+            if let Some(completed_at) = stored.completed_at {
+                record::advertise_expiry(response.headers_mut(), completed_at, retention);
+            }
             response
         }
         Err(error) => {

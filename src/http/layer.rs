@@ -263,6 +263,17 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self.config().fail_open = fail_open;
         self
     }
+
+    /// Tells clients how long their key is kept: stored and replayed responses carry
+    /// [`EXPIRES_HEADER`](super::EXPIRES_HEADER) (`Idempotency-Key-Expires`), the HTTP date at
+    /// which the key's record expires (its completion, by the clock of the instance that
+    /// stored it, plus the [`retention`](Self::retention)); a retry after it runs as new.
+    /// Not a standard header (the IETF draft discusses advertising the key's lifetime, and
+    /// names none). Off by default; a response that is not stored never carries it.
+    pub fn advertise_expiry(mut self, advertise: bool) -> Self {
+        self.config().advertise_expiry = advertise;
+        self
+    }
 }
 
 impl<S, St: Store, Sc: Clone> Layer<S> for IdempotencyLayer<St, Sc> {

@@ -42,3 +42,7 @@ use crate::recovery::BoxError;
 
 /// The header that marks a replayed response.
 pub const REPLAYED_HEADER: &str = "idempotency-replayed";
+
+/// The header that says when the key's record expires, on stored and replayed responses, when
+/// [`IdempotencyLayer::advertise_expiry`] is on: an HTTP date. Not a standard header.
+pub const EXPIRES_HEADER: &str = "idempotency-key-expires";

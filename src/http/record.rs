@@ -12,7 +12,7 @@
 //!
 //! One blob in one hash field keeps a completed record small (see `BENCHMARKS.md`).
 
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use bytes::{Buf, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
@@ -146,6 +146,22 @@ fn take(blob: &mut Bytes, width: usize) -> Result<Bytes, DecodeError> {
         return Err(DecodeError("truncated field"));
     }
     Ok(blob.split_to(len))
+}
+
+/// Says on `headers` when a record completed at `completed_at` expires, when `retention` is
+/// given (the layer advertises expiry): [`EXPIRES_HEADER`](super::EXPIRES_HEADER).
+pub(crate) fn advertise_expiry(
+    headers: &mut HeaderMap,
+    completed_at: SystemTime,
+    retention: Option<Duration>,
+) {
+    let Some(expires) = retention.and_then(|retention| completed_at.checked_add(retention)) else {
+        return;
+    };
+    // An HTTP date is ASCII: the value is always valid.
+    if let Ok(value) = HeaderValue::from_str(&httpdate::fmt_http_date(expires)) {
+        headers.insert(super::EXPIRES_HEADER, value);
+    }
 }
 
 /// Which response headers are stored for replay.

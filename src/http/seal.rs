@@ -1,7 +1,7 @@
 //! [`seal`]: a response encoded as the HTTP door stores it, for the handler to commit in its own
 //! transaction beside its side effect; and how the door settles a claim whose handler did.
 
-use std::fmt;
+use std::{fmt, time::SystemTime};
 
 use axum::{
     body::Body,
@@ -165,7 +165,7 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
         let own = record::encode(head.status, &head.headers, &config.header_filter, body);
         envelope::same_payload(&own, &committed)
     });
-    let response = match returned {
+    let mut response = match returned {
         Some(body) if same => Response::from_parts(head, Body::from(body)),
         _ => {
             tracing::warn!(
@@ -189,6 +189,8 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
             }
         }
     };
+    let expiry = config.advertise_expiry.then(|| holder.retention());
+    record::advertise_expiry(response.headers_mut(), SystemTime::now(), expiry);
     if in_store {
         holder.settled_in_transaction(move || answer.send(response)).await;
     } else {
