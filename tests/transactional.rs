@@ -98,6 +98,19 @@ async fn pay(
     Ok(id)
 }
 
+/// One delivery of `evt_1` whose operation pays, to the end.
+async fn deliver_payment(
+    idem: &Idempotent<PostgresStore>,
+    pool: &PgPool,
+    store: &PostgresStore,
+) -> Result<Outcome<i64>, Error<BoxError>> {
+    let (pool, store) = (pool.clone(), store.clone());
+    idem.run("payments", "evt_1", b"{}", move |context| async move {
+        pay(pool, store, "evt_1", context, Stop::Nowhere, false).await
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_outcome_commits_with_the_side_effect_and_every_redelivery_replays_it() {
     let d = TestDatabase::create("txn").await;
@@ -157,12 +170,7 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
         first_idem.run("payments", "evt_1", b"{}", operation).await
     });
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let (second_pool, second_store) = (pool.clone(), store.clone());
-    let second = idem
-        .run("payments", "evt_1", b"{}", move |context| async move {
-            pay(second_pool, second_store, "evt_1", context, Stop::Nowhere, false).await
-        })
-        .await;
+    let second = deliver_payment(&idem, &pool, &store).await;
     let Ok(Outcome::Ran(id)) = second else { panic!("the takeover did not run: {second:?}") };
     go_on.send(()).unwrap();
     // The first holder wrote its payment, then was fenced out of the outcome: its whole
@@ -351,12 +359,7 @@ async fn a_worker_killed_before_its_commit_leaves_nothing_and_the_redelivery_run
     assert_eq!(record_state(&pool).await.as_deref(), Some("P"));
     tokio::time::sleep(LEASE + Duration::from_millis(300)).await;
     let idem = Idempotent::new(store.clone()).lease(LEASE);
-    let (run_pool, run_store) = (pool.clone(), store.clone());
-    let again = idem
-        .run("payments", "evt_1", b"{}", move |context| async move {
-            pay(run_pool, run_store, "evt_1", context, Stop::Nowhere, false).await
-        })
-        .await;
+    let again = deliver_payment(&idem, &pool, &store).await;
     let Ok(Outcome::Ran(id)) = again else { panic!("the redelivery did not run: {again:?}") };
     let replay = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(-1) }).await;
     assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
