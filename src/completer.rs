@@ -22,6 +22,7 @@ use http::Response;
 use serde::Serialize;
 
 use crate::{
+    at_rest::AtRest,
     consumer,
     engine::observe,
     http::record::{self, HeaderFilter},
@@ -108,6 +109,7 @@ pub struct Completer<F> {
     lapsed_for: Duration,
     batch: u32,
     retention: Duration,
+    at_rest: AtRest,
 }
 
 /// How long the completer holds a claim it took over, between its takeover and its store.
@@ -122,7 +124,7 @@ where
     /// Defaults: claims lapsed a minute ago or more, 100 a pass, outcomes kept 24 hours.
     pub fn new(store: PostgresStore, resolve: F) -> Self {
         let (lapsed_for, retention) = (Duration::from_secs(60), Duration::from_secs(24 * 3600));
-        Self { store, resolve, lapsed_for, batch: 100, retention }
+        Self { store, resolve, lapsed_for, batch: 100, retention, at_rest: AtRest::default() }
     }
 
     /// Only claims whose lease lapsed at least this long ago: give a client time to retry
@@ -145,6 +147,15 @@ where
     #[must_use]
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
+        self
+    }
+
+    /// Encrypts the outcomes it stores under `keyring`, as the door's own
+    /// `encrypt_at_rest` does: give it the door's keyring.
+    #[cfg(feature = "encryption")]
+    #[must_use]
+    pub fn encrypt_at_rest(mut self, keyring: crate::encryption::Keyring) -> Self {
+        self.at_rest = AtRest::encrypted(keyring);
         self
     }
 
@@ -203,6 +214,7 @@ where
                 return "failed";
             }
         };
+        let outcome = self.at_rest.seal(&key, outcome);
         let owner = OwnerToken::random();
         let lease = Lease::new(TAKEOVER_LEASE).recovery_window(self.retention);
         match self.store.claim(&key, &fingerprint, &owner, lease).await {

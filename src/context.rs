@@ -6,6 +6,7 @@ use std::{any::Any, fmt, sync::Arc, time::Duration};
 use bytes::Bytes;
 
 use crate::{
+    at_rest::AtRest,
     fingerprint::Fingerprint,
     key::RecordKey,
     store::{Commit, CommitSlot, OwnerToken, SealError, SealedOutcome},
@@ -43,6 +44,9 @@ pub(crate) struct Completion {
     pub(crate) retention: Duration,
     /// What became of the commit, once a store committed (or failed to commit) the outcome.
     pub(crate) commit: Arc<CommitSlot>,
+    /// How the door keeps outcomes in the store: a sealed outcome is committed so, and a
+    /// durable outcome read back so.
+    pub(crate) at_rest: AtRest,
     /// The front door's own rules for encoding an outcome (the HTTP door: its configuration).
     /// Opaque here, so that the context depends on no door; the door's `seal` reads it back.
     pub(crate) rules: Option<Arc<dyn Any + Send + Sync>>,
@@ -54,9 +58,10 @@ impl Completion {
         owner: OwnerToken,
         retention: Duration,
         commit: Arc<CommitSlot>,
+        at_rest: AtRest,
         rules: Option<Arc<dyn Any + Send + Sync>>,
     ) -> Self {
-        Self { owner, retention, commit, rules }
+        Self { owner, retention, commit, at_rest, rules }
     }
 }
 
@@ -89,10 +94,21 @@ impl IdempotencyContext {
             key: self.key().clone(),
             owner: completion.owner.clone(),
             fingerprint: self.fingerprint().clone(),
+            stored: completion.at_rest.seal(self.key(), outcome.clone()),
             outcome,
             retention: completion.retention,
             commit: completion.commit.clone(),
         })
+    }
+
+    /// An outcome committed beside the record store (`DurableOutcomes`), read back as the door
+    /// wrote it: decrypted when the door encrypts at rest.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn open_stored(&self, stored: Bytes) -> Result<Bytes, crate::store::StoreError> {
+        match self.completion() {
+            Some(completion) => completion.at_rest.open(self.key(), stored),
+            None => AtRest::default().open(self.key(), stored),
+        }
     }
 
     /// What became of an outcome the operation committed in its own transaction, if it tried.

@@ -61,7 +61,7 @@ impl Fingerprint {
     }
 
     /// A fingerprint as a store holds it, read back; `None` unless it is 32 bytes.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
     pub(crate) fn from_stored(bytes: &[u8]) -> Option<Self> {
         bytes.try_into().ok().map(Self)
     }

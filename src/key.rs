@@ -64,7 +64,6 @@ impl RecordKey {
 
     /// A key as a store holds it (`{prefix}:{<64 hex>}`), read back; `None` for any other
     /// text.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn from_stored(full: String) -> Option<Self> {
         let hash_start = full.len().checked_sub(65)?;
         let well_formed = full.ends_with('}')

@@ -10,13 +10,17 @@ compile_error!(
      control only, never in a release build"
 );
 
-// Front doors → engine → store; `key` and `fingerprint` are the vocabulary all three share.
+// Front doors → engine → store; `key`, `fingerprint` and `at_rest` are the vocabulary all three
+// share.
+mod at_rest;
 #[cfg(feature = "postgres")]
 pub mod completer;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod consumer;
 mod context;
+#[cfg(feature = "encryption")]
+pub mod encryption;
 mod engine;
 mod fingerprint;
 pub mod http;

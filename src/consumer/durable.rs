@@ -24,6 +24,7 @@ impl<T: DeserializeOwned + Send + 'static> Recover<Bytes, T> for DurableRecovery
         if &fingerprint != context.fingerprint() {
             return Ok(Recovered::Mismatch);
         }
+        let outcome = context.open_stored(outcome)?;
         let scope = String::from_utf8_lossy(context.scope());
         let value = decode::<T, std::convert::Infallible>(outcome, context.key_hash(), &scope)
             .map_err(|error| format!("the committed outcome is unreadable: {error:?}"))?;

@@ -55,6 +55,7 @@
 #[cfg(feature = "postgres")]
 mod durable;
 mod finite;
+mod operate;
 mod outcome;
 mod record;
 mod seal;
@@ -76,7 +77,6 @@ use crate::{
     context::{Completion, IdempotencyContext},
     engine::{Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, Settings, engine_setters},
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
-    key::RecordKey,
     recovery::{Lookup, NoRecovery, Recover},
     store::Store,
 };
@@ -262,7 +262,7 @@ impl<St: Store, H> Idempotent<St, H> {
             return Err(Error::EmptyKey);
         }
         let engine = Engine::new(self.store.clone(), self.settings.clone());
-        let record_key = RecordKey::new(&self.prefix, scope.as_bytes(), key.as_ref());
+        let record_key = self.record_key(scope, key.as_ref());
         let fingerprint = self.fingerprint.of(payload.as_ref());
         let hash = record_key.hash().to_owned();
         let holder = match engine
@@ -282,6 +282,7 @@ impl<St: Store, H> Idempotent<St, H> {
             holder.owner().clone(),
             holder.retention(),
             holder.commit_slot().clone(),
+            holder.at_rest().clone(),
             None,
         );
         let context = IdempotencyContext::new(

@@ -23,9 +23,14 @@ pub(crate) enum Format {
     Json = b'J',
     /// A consumer result that ran but has no faithful stored form: the reason, as text.
     NotStored = b'U',
+    /// Any door's record, encrypted at rest (`crate::at_rest`): never opened as a door's own.
+    /// Never constructed: the variant reserves the byte, so that no door's format takes it.
+    #[allow(dead_code)]
+    Encrypted = crate::at_rest::ENCRYPTED,
 }
 
 impl Format {
+    /// The formats a door opens: every one but [`Encrypted`](Self::Encrypted).
     const ALL: [Self; 5] =
         [Self::HttpUntimed, Self::Http, Self::JsonUntimed, Self::Json, Self::NotStored];
 
@@ -61,7 +66,17 @@ pub(crate) fn seal(format: Format, capacity: usize) -> BytesMut {
 /// Reads the envelope of a stored record and observes its age for `route`'s replayed-age
 /// histogram. `None` when the first byte is no door's format, or a timed record is too short
 /// to hold its time. Never panics.
-pub(crate) fn open(mut record: Bytes, route: &str) -> Option<Opened> {
+pub(crate) fn open(record: Bytes, route: &str) -> Option<Opened> {
+    let opened = read(record)?;
+    if let Some(at) = opened.completed_at {
+        observe::replayed_age(route, SystemTime::now().duration_since(at).unwrap_or_default());
+    }
+    Some(opened)
+}
+
+/// Reads the envelope of a stored record, as [`open`] does, without observing its age: for
+/// an operator's look at it.
+pub(crate) fn read(mut record: Bytes) -> Option<Opened> {
     let first = *record.first()?;
     let format = Format::ALL.into_iter().find(|format| *format as u8 == first)?;
     record.advance(1);
@@ -69,9 +84,7 @@ pub(crate) fn open(mut record: Bytes, route: &str) -> Option<Opened> {
         if record.remaining() < 8 {
             return None;
         }
-        let at = UNIX_EPOCH + Duration::from_millis(record.get_u64());
-        observe::replayed_age(route, SystemTime::now().duration_since(at).unwrap_or_default());
-        Some(at)
+        Some(UNIX_EPOCH + Duration::from_millis(record.get_u64()))
     } else {
         None
     };

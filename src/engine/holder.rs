@@ -119,6 +119,12 @@ impl<St: Store> Holder<St> {
         self.settings.retention
     }
 
+    /// How outcomes are kept in the store: for an outcome sealed in the operation's own
+    /// transaction, or read back from it.
+    pub(crate) fn at_rest(&self) -> &crate::at_rest::AtRest {
+        &self.settings.at_rest
+    }
+
     pub(crate) fn fingerprint(&self) -> &Fingerprint {
         &self.fingerprint
     }
@@ -245,13 +251,12 @@ impl<St: Store> Holder<St> {
     pub(crate) async fn complete(mut self, outcome: Bytes, answered: impl FnOnce()) {
         self.stop_renewal().await;
         let Self { store, key, fingerprint, owner, settings, route, .. } = self;
+        let outcome = settings.at_rest.seal(&key, outcome);
         let write = (&store, &key, &owner, &fingerprint);
         complete_with_retries(write, &route, outcome, settings.retention, answered).await;
     }
 }
 
-/// Renews the lease of `owner`'s claim every third of a lease, until `stopped`, until the key
-/// is lost, or until `ceiling` has passed since the claim.
 /// What a lease renewal watches besides the store: its ceiling, the operation's commit, and
 /// the holder's stop.
 struct Watch {
@@ -260,6 +265,8 @@ struct Watch {
     stopped: oneshot::Receiver<()>,
 }
 
+/// Renews the lease of `owner`'s claim every third of a lease, until `stopped`, until the key
+/// is lost, or until `ceiling` has passed since the claim.
 async fn renew<St: Store>(
     store: St,
     key: RecordKey,

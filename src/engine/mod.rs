@@ -20,6 +20,7 @@
 pub(crate) mod envelope;
 mod holder;
 pub(crate) mod observe;
+mod operate;
 mod run;
 mod setters;
 mod settle;
@@ -35,6 +36,7 @@ pub(crate) use self::run::{Answer, Ended, Recovering};
 pub(crate) use self::setters::engine_setters;
 use self::settle::abandon;
 use crate::{
+    at_rest::AtRest,
     fingerprint::Fingerprint,
     key::RecordKey,
     store::{Claim, Lease, OwnerToken, Store, StoreError, later},
@@ -63,6 +65,8 @@ pub(crate) struct Settings {
     /// Whether the front door has a recovery hook: only then is a lapsed claim remembered
     /// for a window, and the hook asked.
     pub(crate) recovering: bool,
+    /// Whether outcomes are encrypted at rest.
+    pub(crate) at_rest: AtRest,
 }
 
 /// How the engine uses a front door's recovery hook.
@@ -126,6 +130,7 @@ impl Default for Settings {
             retry_after: Duration::from_secs(1),
             recovery: RecoveryPolicy::default(),
             recovering: false,
+            at_rest: AtRest::default(),
         }
     }
 }
@@ -208,7 +213,7 @@ impl<St: Store> Engine<St> {
             }
             Claim::Replay { response: stored, .. } => {
                 observe::claim(&route, "replayed");
-                Claimed::Replay(stored)
+                Claimed::Replay(self.settings.at_rest.open(&key, stored)?)
             }
             Claim::InProgress { remaining } => {
                 observe::claim(&route, "in_progress");

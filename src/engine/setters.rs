@@ -110,6 +110,18 @@ macro_rules! engine_setters {
             self.settings().recovery.run_on_failure = run;
             self
         }
+
+        /// Encrypts every outcome this door stores, at rest, under `keyring`'s newest key:
+        /// in the record store, in a commit of the operation's own transaction, in
+        /// `DurableOutcomes`; and reads each back under the key its id names. A record under
+        /// a key id the keyring does not list, or that fails authentication, is never replayed
+        /// and never run again (HTTP: 500 `corrupt-record`; consumer: the store error), and
+        /// the error log names its key hash. See [`encryption`](crate::encryption).
+        #[cfg(feature = "encryption")]
+        pub fn encrypt_at_rest(mut self, keyring: crate::encryption::Keyring) -> Self {
+            self.settings().at_rest = crate::at_rest::AtRest::encrypted(keyring);
+            self
+        }
     };
 }
 

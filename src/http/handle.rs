@@ -133,6 +133,7 @@ where
             holder.owner().clone(),
             holder.retention(),
             holder.commit_slot().clone(),
+            holder.at_rest().clone(),
             Some(rules),
         );
         let context = IdempotencyContext::new(

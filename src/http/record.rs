@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 use bytes::{Buf, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
-use crate::engine::envelope::{self, Format};
+use crate::engine::envelope::{self, Format, Opened};
 
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -108,6 +108,11 @@ pub(crate) fn decode(blob: Bytes, route: &str) -> Result<StoredResponse, DecodeE
     let Some(opened) = envelope::open(blob, route) else {
         return Err(DecodeError("unknown response format, or a truncated header"));
     };
+    decode_opened(opened)
+}
+
+/// Decodes a record whose envelope was read.
+pub(crate) fn decode_opened(opened: Opened) -> Result<StoredResponse, DecodeError> {
     let (completed_at, mut blob) = match opened.format {
         Format::Http | Format::HttpUntimed => (opened.completed_at, opened.payload),
         _ => return Err(DecodeError("unknown response format")),

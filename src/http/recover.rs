@@ -107,6 +107,7 @@ impl Recover<Request<Bytes>, Response<Bytes>> for Durable {
         if &fingerprint != lookup.context.fingerprint() {
             return Ok(Recovered::Mismatch);
         }
+        let outcome = lookup.context.open_stored(outcome)?;
         let stored = super::record::decode(outcome, "durable-outcomes")
             .map_err(|error| format!("the committed outcome is unreadable: {}", error.0))?;
         let mut response = Response::new(stored.body);

@@ -8,7 +8,10 @@ use std::{
 
 use bytes::Bytes;
 
-use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription};
+use super::{
+    AbandonedClaim, Admin, Claim, Fenced, Forgotten, Inspection, Lease, OwnerToken, Store,
+    StoreError, Subscription,
+};
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// The default for [`CachingStore::max_bytes`]: 32 MiB.
@@ -277,6 +280,31 @@ impl<St: Store> Store for CachingStore<St> {
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
         self.inner.touch(key, owner, lease).await
+    }
+}
+
+impl<St: Admin> Admin for CachingStore<St> {
+    async fn inspect(
+        &self,
+        key: &RecordKey,
+        with_outcome: bool,
+    ) -> Result<Option<Inspection>, StoreError> {
+        self.inner.inspect(key, with_outcome).await
+    }
+
+    /// Forgets the record in the inner store, and this process's copy of it. Other processes'
+    /// copies are replayed until their [`max_age`](CachingStore::max_age).
+    async fn forget(&self, key: &RecordKey, force: bool) -> Result<Forgotten, StoreError> {
+        self.lock().remove(key.as_str());
+        self.inner.forget(key, force).await
+    }
+
+    async fn abandoned(
+        &self,
+        lapsed_for: Duration,
+        limit: u32,
+    ) -> Result<Vec<AbandonedClaim>, StoreError> {
+        self.inner.abandoned(lapsed_for, limit).await
     }
 }
 

@@ -16,6 +16,7 @@
 //!
 //! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
 
+mod admin;
 mod caching;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod clock;
@@ -31,12 +32,13 @@ use std::{fmt, future::Future, time::Duration};
 
 use bytes::Bytes;
 
+pub use self::admin::{AbandonedClaim, Admin, Forgotten, Inspection, KeyReport, RecordStatus};
 pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::memory::RecordState;
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
-    AbandonedClaim, DurableOutcomes, LapsedClaims, PostgresStore, RecoveryPoints, TableNameError,
+    DurableOutcomes, LapsedClaims, PostgresStore, RecoveryPoints, TableNameError,
 };
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;

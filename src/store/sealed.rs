@@ -27,7 +27,10 @@ pub struct SealedOutcome {
     pub(crate) key: RecordKey,
     pub(crate) owner: OwnerToken,
     pub(crate) fingerprint: Fingerprint,
+    /// The outcome in clear, as the door answers it.
     pub(crate) outcome: Bytes,
+    /// The outcome as the store keeps it: encrypted when the door encrypts at rest.
+    pub(crate) stored: Bytes,
     pub(crate) retention: Duration,
     /// Shared with the claim's holder and the operation's context: what became of the commit.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
@@ -106,6 +109,13 @@ impl SealedOutcome {
     #[must_use]
     pub fn outcome(&self) -> &Bytes {
         &self.outcome
+    }
+
+    /// The outcome as the store keeps it: [`outcome`](Self::outcome), encrypted when the front
+    /// door encrypts at rest.
+    #[must_use]
+    pub fn stored(&self) -> &Bytes {
+        &self.stored
     }
 
     /// How long the outcome is kept.

@@ -1,5 +1,6 @@
 //! [`PostgresStore`]: records in PostgreSQL, the durable authority.
 
+mod admin;
 mod listener;
 mod outcomes;
 mod schema;
@@ -18,10 +19,7 @@ use sqlx::{PgPool, Row as _, postgres::PgRow};
 
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
 pub use self::{
-    outcomes::DurableOutcomes,
-    schema::TableNameError,
-    steps::RecoveryPoints,
-    sweeper::{AbandonedClaim, LapsedClaims},
+    outcomes::DurableOutcomes, schema::TableNameError, steps::RecoveryPoints, sweeper::LapsedClaims,
 };
 use super::{
     Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription,

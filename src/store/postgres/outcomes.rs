@@ -94,7 +94,7 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
         let query = sqlx::query_scalar::<_, i32>(insert)
             .bind(sealed.key().as_str())
             .bind(&sealed.fingerprint().as_bytes()[..])
-            .bind(&sealed.outcome()[..])
+            .bind(&sealed.stored()[..])
             .bind(millis(sealed.retention()));
         let timeout = self.command_timeout;
         let written = match bounded(timeout, query.fetch_optional(&mut *transaction)).await {

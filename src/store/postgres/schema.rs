@@ -20,6 +20,8 @@ pub(super) struct Statements {
     pub(super) sweep: String,
     pub(super) lapsed: String,
     pub(super) abandoned: String,
+    pub(super) inspect: String,
+    pub(super) forget: String,
 }
 
 impl Statements {
@@ -29,10 +31,32 @@ impl Statements {
             let placeholders: Vec<String> = (1..=arguments).map(|i| format!("${i}")).collect();
             format!("SELECT * FROM {table}_{function}({})", placeholders.join(", "))
         };
+        let channel = format!("{table}_settled");
+        // A row past its expiry is absent, whatever it holds; so is an abandoned claim's marker.
+        let live = "expires_at > clock_timestamp() AND state IN ('P', 'C')";
         Self {
             table: table.to_owned(),
             schema: super::PostgresStore::SCHEMA.replace(DEFAULT_TABLE, table),
-            channel: format!("{table}_settled"),
+            // `$2`: the response too.
+            inspect: format!(
+                "SELECT state::text, fingerprint, coalesce(octet_length(response), 0), \
+                 CASE WHEN $2 THEN response END, \
+                 (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::int8, \
+                 (extract(epoch FROM lease_until - clock_timestamp()) * 1000)::int8, waited \
+                 FROM {table} WHERE key = $1 AND {live}"
+            ),
+            // `$2`: force. The row is locked, then deleted when completed, lapsed, or forced;
+            // the third column says whether it was waited for.
+            forget: format!(
+                "WITH found AS (SELECT state, lease_until, waited FROM {table} \
+                     WHERE key = $1 AND {live} FOR UPDATE), \
+                 gone AS (DELETE FROM {table} t USING found WHERE t.key = $1 \
+                     AND (found.state = 'C' OR found.lease_until <= clock_timestamp() OR $2) \
+                     RETURNING found.waited) \
+                 SELECT (SELECT count(*) FROM found)::int4, (SELECT count(*) FROM gone)::int4, \
+                 coalesce((SELECT bool_or(waited) FROM gone), false)"
+            ),
+            channel,
             claim: call("claim", 7),
             complete: call("complete", 5),
             release: call("release", 2),

@@ -8,7 +8,11 @@ use sqlx::PgPool;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{PostgresStore, bounded, millis, schema::Statements};
-use crate::{fingerprint::Fingerprint, key::RecordKey, store::StoreError};
+use crate::{
+    fingerprint::Fingerprint,
+    key::RecordKey,
+    store::{AbandonedClaim, StoreError},
+};
 
 /// What [`PostgresStore::lapsed_claims`](super::PostgresStore::lapsed_claims) found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -90,20 +94,6 @@ pub(super) async fn lapsed(pool: &PgPool, statement: &str) -> Result<LapsedClaim
     })
 }
 
-/// An in-progress record whose holder's lease lapsed and that no claim took over since, as
-/// [`PostgresStore::abandoned_claims`] lists it.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub struct AbandonedClaim {
-    /// The record's key (its [`hash`](RecordKey::hash) is what the operation's context
-    /// called `key_hash`, and what its outbox row is keyed by).
-    pub key: RecordKey,
-    /// The fingerprint of the request that claimed it: a takeover must bring the same.
-    pub fingerprint: Fingerprint,
-    /// How long ago its lease lapsed, by the database's clock.
-    pub lapsed_for: Duration,
-}
-
 impl PostgresStore {
     /// Deletes expired rows, at most `batch` (at least 1) at a time until none is left, and
     /// returns how many. Rows locked by a claim meanwhile are skipped, never waited for: no
@@ -155,11 +145,11 @@ impl PostgresStore {
             .map(|(key, fingerprint, lapsed_ms)| {
                 let unreadable =
                     || StoreError::CorruptRecord("an abandoned claim's key or fingerprint".into());
-                Ok(AbandonedClaim {
-                    key: RecordKey::from_stored(key).ok_or_else(unreadable)?,
-                    fingerprint: Fingerprint::from_stored(&fingerprint).ok_or_else(unreadable)?,
-                    lapsed_for: Duration::from_millis(u64::try_from(lapsed_ms).unwrap_or(0)),
-                })
+                Ok(AbandonedClaim::new(
+                    RecordKey::from_stored(key).ok_or_else(unreadable)?,
+                    Fingerprint::from_stored(&fingerprint).ok_or_else(unreadable)?,
+                    Duration::from_millis(u64::try_from(lapsed_ms).unwrap_or(0)),
+                ))
             })
             .collect()
     }

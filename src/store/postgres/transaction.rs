@@ -93,7 +93,7 @@ impl PostgresStore {
             .bind(sealed.key().as_str())
             .bind(sealed.owner().as_bytes())
             .bind(sealed.fingerprint().as_bytes())
-            .bind(&sealed.outcome()[..])
+            .bind(&sealed.stored()[..])
             .bind(millis(sealed.retention()));
         let row = bounded(self.command_timeout, query.fetch_one(&mut **transaction)).await?;
         let outcome: i32 = row.try_get(0).map_err(corrupt)?;

@@ -1,5 +1,6 @@
 //! [`RedisStore`]: records in Redis, shared by every instance of the service.
 
+mod admin;
 mod builders;
 mod clock;
 #[cfg(feature = "cluster")]

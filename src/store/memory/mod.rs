@@ -1,5 +1,7 @@
 //! [`MemoryStore`]: records in this process.
 
+mod admin;
+
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex, MutexGuard, PoisonError},
