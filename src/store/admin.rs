@@ -31,7 +31,9 @@ pub trait Admin: Store {
     /// Deletes the record under `key`, so that the client's next retry runs as new: a
     /// completed record, or an in-progress one whose lease lapsed. One whose lease runs is
     /// refused ([`Forgotten::Running`]) unless `force`: its operation may be running now, and
-    /// a retry would run it a second time beside it. Whoever waits for the record is woken.
+    /// a retry would run it a second time beside it. Whoever waits for the record is woken. A
+    /// forced-out operation that finishes before any retry claims the key stores its outcome
+    /// as the one answer, as one whose lease lapsed does.
     fn forget(
         &self,
         key: &RecordKey,
