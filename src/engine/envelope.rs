@@ -17,6 +17,9 @@ pub(crate) enum Format {
     HttpUntimed = 1,
     /// An HTTP response (`crate::http::record`).
     Http = 2,
+    /// An HTTP response stored minimally: its status, its headers and the handler's small
+    /// value in place of its body (`crate::http::Minimal`); a hook rebuilds the replay.
+    HttpMinimal = 3,
     /// A consumer result, JSON without a completion time (written by earlier versions).
     JsonUntimed = b'j',
     /// A consumer result: JSON (`crate::consumer::stored`).
@@ -31,8 +34,14 @@ pub(crate) enum Format {
 
 impl Format {
     /// The formats a door opens: every one but [`Encrypted`](Self::Encrypted).
-    const ALL: [Self; 5] =
-        [Self::HttpUntimed, Self::Http, Self::JsonUntimed, Self::Json, Self::NotStored];
+    const ALL: [Self; 6] = [
+        Self::HttpUntimed,
+        Self::Http,
+        Self::HttpMinimal,
+        Self::JsonUntimed,
+        Self::Json,
+        Self::NotStored,
+    ];
 
     /// Whether the format carries its completion time (u64 ms since the Unix epoch).
     fn is_timed(self) -> bool {

@@ -169,6 +169,11 @@ impl<St> Engine<St> {
     pub(crate) fn retention(&self) -> Duration {
         self.settings.retention
     }
+
+    /// The longest a front door's hook into the system of record may take.
+    pub(crate) fn recovery_timeout(&self) -> Duration {
+        self.settings.recovery.timeout
+    }
 }
 
 impl<St: Store> Engine<St> {

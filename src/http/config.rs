@@ -3,7 +3,7 @@
 
 use http::{HeaderName, Method, StatusCode};
 
-use super::{fingerprinting::Intent, record::HeaderFilter, recover::Hook};
+use super::{fingerprinting::Intent, minimal::RebuildHook, record::HeaderFilter, recover::Hook};
 
 /// Decides from the status whether a response is stored for replay (`true`) or the key is
 /// released so that a retry runs the handler again (`false`).
@@ -46,6 +46,8 @@ pub(super) struct Config {
     /// Say on stored and replayed responses when the key's record expires.
     pub(super) advertise_expiry: bool,
     pub(super) recover: Option<Hook>,
+    /// Rebuilds the replay of a minimal record.
+    pub(super) rebuild: Option<RebuildHook>,
 }
 
 impl Default for Config {
@@ -66,6 +68,7 @@ impl Default for Config {
             fail_open: false,
             advertise_expiry: false,
             recover: None,
+            rebuild: None,
         }
     }
 }

@@ -12,18 +12,19 @@ use axum::{
     response::Response,
 };
 use bytes::Bytes;
-use http::{HeaderValue, Request, StatusCode};
+use http::{Request, StatusCode};
 use http_body::Body as HttpBody;
 use tower::ServiceExt as _;
 use tower_service::Service;
 
 use super::{
-    BoxError, REPLAYED_HEADER,
+    BoxError, Minimal,
     body::{CollectedBody, Streamed, Teed, collect_response, forward, read_body, tee},
     config::Config,
     problem::{ProblemType, problem, problem_retry_after},
     record,
     recover::lookup_request,
+    replay::Replay,
     scope::ScopeExtractor,
     seal::{not_stored, settle_sealed},
 };
@@ -99,8 +100,14 @@ where
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,
             Ok(Claimed::Replay(blob)) => {
-                let expiry = config.advertise_expiry.then(|| self.engine.retention());
-                return Ok(replay(blob, &hash, &route, &parts.headers, expiry));
+                let answer = Replay {
+                    config,
+                    route: &route,
+                    request: &parts.headers,
+                    retention: self.engine.retention(),
+                    rebuild_timeout: self.engine.recovery_timeout(),
+                };
+                return Ok(answer.replay(blob, &hash).await);
             }
             Ok(Claimed::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");
@@ -147,11 +154,12 @@ where
             Some(hook) if holder.needs_recovery() => {
                 let lookup = Lookup::new(context.clone(), lookup_request(&parts, &body));
                 let (config, headers) = (config.clone(), parts.headers.clone());
-                let route = route.clone();
+                let (route, timeout) = (route.clone(), self.engine.recovery_timeout());
                 Some(Recovering {
                     lookup: hook.ask(lookup),
                     happened: move |holder, response, answer| {
-                        settle_recovered(config, holder, response, route, headers, answer)
+                        let request = (route, headers, timeout);
+                        settle_recovered(config, holder, response, request, answer)
                     },
                 })
             }
@@ -163,13 +171,15 @@ where
         // its handler (nor its recovery) nor leaves its key claimed until the lease ends.
         let handler = self.inner.oneshot(Request::from_parts(parts, Body::from(body)));
         let config = self.config.clone();
+        let rebuild_timeout = self.engine.recovery_timeout();
         let settle = move |holder, response, answer| async move {
             match context.commit() {
                 // The handler committed its response in its own transaction (`seal`), or
                 // tried to: the layer writes nothing of its own.
                 Some(commit) => {
                     let commit = commit.clone();
-                    settle_sealed(&config, holder, commit, response, &route, answer).await;
+                    let route = (&*route, rebuild_timeout);
+                    settle_sealed(&config, holder, commit, response, route, answer).await;
                 }
                 None => settle_response(config, holder, response, answer).await,
             }
@@ -199,14 +209,19 @@ async fn settle_recovered<St: Store, E>(
     config: Arc<Config>,
     holder: Holder<St>,
     response: Response<Bytes>,
-    route: Arc<str>,
-    request: http::HeaderMap,
+    (route, request, rebuild_timeout): (Arc<str>, http::HeaderMap, Duration),
     answer: Answer<Response, E>,
 ) {
     let (head, body) = response.into_parts();
-    let blob = record::encode(head.status, &head.headers, &config.header_filter, &body);
-    let expiry = config.advertise_expiry.then(|| holder.retention());
-    let response = replay(blob.clone(), holder.key().hash(), &route, &request, expiry);
+    let blob = record::encode_response(&head, &config.header_filter, &body);
+    let replay = Replay {
+        config: &config,
+        route: &route,
+        request: &request,
+        retention: holder.retention(),
+        rebuild_timeout,
+    };
+    let response = replay.replay(blob.clone(), holder.key().hash()).await;
     holder.complete(blob, move || answer.send(response)).await;
 }
 
@@ -226,6 +241,15 @@ async fn settle_response<St: Store, E, ResBody>(
     if let Some(why) = not_stored(&config, &head, &body) {
         holder.release(why).await;
         return answer.send(Response::from_parts(head, body));
+    }
+    // Stored minimally: the record needs nothing of the body, which streams to the client
+    // whatever its size.
+    if head.extensions.get::<Minimal>().is_some() {
+        let blob = record::encode_response(&head, &config.header_filter, &[]);
+        let mut head = head;
+        let expiry = config.advertise_expiry.then(|| holder.retention());
+        record::advertise_expiry(&mut head.headers, SystemTime::now(), expiry);
+        return holder.complete(blob, move || answer.send(Response::from_parts(head, body))).await;
     }
     // A body of known size is read whole and stored before the client gets it, so that the
     // client's own next retry finds the record. Any other body streams through.
@@ -314,47 +338,6 @@ fn outcome_name<St>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
         Ok(Claimed::Mismatch) => "mismatch",
         Err(error) if error.is_unavailable() => "store_unavailable",
         Err(_) => "corrupt_record",
-    }
-}
-
-/// The stored response in `blob`, as a replay; with its expiry when the layer advertises it
-/// (`retention`).
-fn replay(
-    blob: Bytes,
-    hash: &str,
-    route: &str,
-    request: &http::HeaderMap,
-    retention: Option<Duration>,
-) -> Response {
-    match record::decode(blob, route) {
-        Ok(stored) if !record::encoding_acceptable(&stored.headers, request) => {
-            // A compression layer inside this one stored an encoded body, and this retry does
-            // not accept that encoding. The handler ran already: refuse, never run it again.
-            tracing::warn!(
-                key_hash = hash,
-                "idempotency: the stored response's encoding is not acceptable to the retry; put compression outside the idempotency layer"
-            );
-            problem(StatusCode::NOT_ACCEPTABLE, ProblemType::EncodingNotAcceptable, None)
-        }
-        Ok(stored) => {
-            tracing::debug!(key_hash = hash, "idempotency: replayed");
-            let mut response = Response::new(Body::from(stored.body));
-            *response.status_mut() = stored.status;
-            *response.headers_mut() = stored.headers;
-            response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-            if let Some(completed_at) = stored.completed_at {
-                record::advertise_expiry(response.headers_mut(), completed_at, retention);
-            }
-            response
-        }
-        Err(error) => {
-            tracing::error!(
-                key_hash = hash,
-                reason = error.0,
-                "idempotency: stored response is unreadable"
-            );
-            problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::CorruptRecord, None)
-        }
     }
 }
 

@@ -257,6 +257,41 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self.recover(super::recover::Durable(outcomes)).recover_every_claim(true)
     }
 
+    /// Rebuilds the replay of a response its handler stored minimally ([`Minimal`]: the
+    /// status, the kept headers and a small value): `hook` gets them as a [`Rebuild`], reads
+    /// the system of record, and returns the whole response, which the retry gets with
+    /// `Idempotency-Replayed: true`. Bounded by the recovery timeout
+    /// ([`recovery_timeout`](Self::recovery_timeout), 5 seconds by default). A hook that fails,
+    /// panics or times out is answered 503 problem+json (`rebuild-failed`) with `Retry-After`,
+    /// and never runs the handler again; a minimal record without a hook, 500.
+    ///
+    /// ```
+    /// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::Rebuild};
+    ///
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).rebuild(|stored: Rebuild| async move {
+    ///     // SELECT * FROM orders WHERE id = stored.value
+    ///     let order = format!(r#"{{"id":{}}}"#, String::from_utf8_lossy(&stored.value));
+    ///     let mut response = http::Response::new(bytes::Bytes::from(order));
+    ///     *response.status_mut() = stored.status;
+    ///     *response.headers_mut() = stored.headers;
+    ///     Ok(response)
+    /// });
+    /// ```
+    ///
+    /// [`Minimal`]: super::Minimal
+    /// [`Rebuild`]: super::Rebuild
+    pub fn rebuild<F, Fut>(mut self, hook: F) -> Self
+    where
+        F: Fn(super::Rebuild) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<
+                Output = Result<http::Response<bytes::Bytes>, crate::recovery::BoxError>,
+            > + Send
+            + 'static,
+    {
+        self.config().rebuild = Some(super::minimal::RebuildHook::new(hook));
+        self
+    }
+
     /// When the store is unavailable, runs the request without idempotency instead of
     /// answering 503. Defaults to `false` (fail closed): a payment is better refused than
     /// run twice.

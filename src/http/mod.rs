@@ -12,7 +12,8 @@
 // - `fingerprinting.rs`: what the fingerprint covers; `key_header.rs`: the key header;
 //   `scope.rs`: whose key it is; `record.rs`: the stored response; `problem.rs`: the layer's
 //   own answers; `recover.rs`: the recovery hook and the `IdempotencyContext` extractor;
-//   `seal.rs`: a response committed in the handler's own transaction.
+//   `seal.rs`: a response committed in the handler's own transaction; `minimal.rs`: a
+//   response stored as its status, headers and a small value, rebuilt by a hook.
 
 mod body;
 mod config;
@@ -21,9 +22,11 @@ mod future;
 mod handle;
 mod key_header;
 mod layer;
+mod minimal;
 mod problem;
 pub(crate) mod record;
 mod recover;
+mod replay;
 pub mod scope;
 mod seal;
 mod service;
@@ -34,6 +37,7 @@ pub use self::{
     future::ResponseFuture,
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
+    minimal::{Minimal, Rebuild},
     seal::{SealedResponse, seal},
     service::Idempotency,
 };

@@ -19,12 +19,13 @@ pub(crate) enum ProblemType {
     HandlerFailed,
     EncodingNotAcceptable,
     RecoveryFailed,
+    RebuildFailed,
 }
 
 impl ProblemType {
     /// Every type, for the test that holds the README's table to them.
     #[cfg(test)]
-    const ALL: [Self; 12] = [
+    const ALL: [Self; 13] = [
         Self::KeyMissing,
         Self::KeyMalformed,
         Self::ScopeMissing,
@@ -37,6 +38,7 @@ impl ProblemType {
         Self::HandlerFailed,
         Self::EncodingNotAcceptable,
         Self::RecoveryFailed,
+        Self::RebuildFailed,
     ];
 
     fn uri_and_title(self) -> (&'static str, &'static str) {
@@ -82,6 +84,10 @@ impl ProblemType {
             Self::RecoveryFailed => (
                 "urn:axum-idempotency:problem:recovery-failed",
                 "An earlier attempt's outcome could not be checked; the request did not run",
+            ),
+            Self::RebuildFailed => (
+                "urn:axum-idempotency:problem:rebuild-failed",
+                "The stored response could not be rebuilt from the system of record; the request did not run",
             ),
             Self::HandlerFailed => {
                 ("urn:axum-idempotency:problem:handler-failed", "The request handler failed")

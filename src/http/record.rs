@@ -27,7 +27,10 @@ pub(crate) struct StoredResponse {
     pub(crate) completed_at: Option<SystemTime>,
     pub(crate) status: StatusCode,
     pub(crate) headers: HeaderMap,
+    /// The body; a minimal record's value ([`super::Minimal`]) when `minimal`.
     pub(crate) body: Bytes,
+    /// Stored minimally: `body` is the handler's value, and a hook rebuilds the replay.
+    pub(crate) minimal: bool,
 }
 
 /// Why a stored blob could not be read back.
@@ -41,11 +44,36 @@ pub(crate) fn encode(
     filter: &HeaderFilter,
     body: &[u8],
 ) -> Bytes {
+    encode_as(Format::Http, status, headers, filter, body)
+}
+
+/// Encodes a response as the layer stores it: whole, or minimally when the handler put a
+/// [`Minimal`](super::Minimal) in it (its value in place of `body`).
+pub(crate) fn encode_response(
+    head: &http::response::Parts,
+    filter: &HeaderFilter,
+    body: &[u8],
+) -> Bytes {
+    match head.extensions.get::<super::Minimal>() {
+        Some(minimal) => {
+            encode_as(Format::HttpMinimal, head.status, &head.headers, filter, &minimal.0)
+        }
+        None => encode(head.status, &head.headers, filter, body),
+    }
+}
+
+fn encode_as(
+    format: Format,
+    status: StatusCode,
+    headers: &HeaderMap,
+    filter: &HeaderFilter,
+    body: &[u8],
+) -> Bytes {
     let kept: Vec<(&HeaderName, &HeaderValue)> =
         headers.iter().filter(|(name, _)| filter.keeps(name, headers)).collect();
     let size =
         4 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
-    let mut out = envelope::seal(Format::Http, size);
+    let mut out = envelope::seal(format, size);
     out.extend_from_slice(&status.as_u16().to_be_bytes());
     // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the casts
     // cannot truncate.
@@ -114,9 +142,12 @@ pub(crate) fn decode(blob: Bytes, route: &str) -> Result<StoredResponse, DecodeE
 /// Decodes a record whose envelope was read.
 pub(crate) fn decode_opened(opened: Opened) -> Result<StoredResponse, DecodeError> {
     let (completed_at, mut blob) = match opened.format {
-        Format::Http | Format::HttpUntimed => (opened.completed_at, opened.payload),
+        Format::Http | Format::HttpUntimed | Format::HttpMinimal => {
+            (opened.completed_at, opened.payload)
+        }
         _ => return Err(DecodeError("unknown response format")),
     };
+    let minimal = opened.format == Format::HttpMinimal;
     if blob.remaining() < 4 {
         return Err(DecodeError("truncated header"));
     }
@@ -138,7 +169,7 @@ pub(crate) fn decode_opened(opened: Opened) -> Result<StoredResponse, DecodeErro
             .map_err(|_| DecodeError("invalid header value"))?;
         headers.try_append(name, value).map_err(|_| DecodeError("too many headers"))?;
     }
-    Ok(StoredResponse { completed_at, status, headers, body: blob })
+    Ok(StoredResponse { completed_at, status, headers, body: blob, minimal })
 }
 
 /// Takes one length-prefixed field whose length is `width` bytes wide.

@@ -1,7 +1,10 @@
 //! [`seal`]: a response encoded as the HTTP door stores it, for the handler to commit in its own
 //! transaction beside its side effect; and how the door settles a claim whose handler did.
 
-use std::{fmt, time::SystemTime};
+use std::{
+    fmt,
+    time::{Duration, SystemTime},
+};
 
 use axum::{
     body::Body,
@@ -12,10 +15,10 @@ use http::StatusCode;
 use http_body::Body as HttpBody;
 
 use super::{
-    BoxError,
+    BoxError, Minimal,
     body::{CollectedBody, collect_response},
     config::Config,
-    record,
+    record, replay,
 };
 use crate::{
     context::IdempotencyContext,
@@ -98,12 +101,17 @@ pub async fn seal(
     if let Some(why) = not_stored(config, &head, &body) {
         return Err(SealError::NotStored(why));
     }
-    let body = match collect_response(body, config.stored_body_limit).await {
+    // A minimal record stores nothing of the body: no stored limit applies to it.
+    let limit = match head.extensions.get::<Minimal>() {
+        Some(_) => usize::MAX,
+        None => config.stored_body_limit,
+    };
+    let body = match collect_response(body, limit).await {
         CollectedBody::Whole(body) => body,
         CollectedBody::TooLarge(_) => return Err(SealError::NotStored(OVER_BODY_LIMIT)),
         CollectedBody::Failed(_) => return Err(SealError::NotStored("the response body failed")),
     };
-    let outcome = record::encode(head.status, &head.headers, &config.header_filter, &body);
+    let outcome = record::encode_response(&head, &config.header_filter, &body);
     let outcome = context.sealed(outcome)?;
     Ok(SealedResponse { outcome, head, body })
 }
@@ -126,7 +134,9 @@ pub(super) fn not_stored<B: HttpBody>(
         > config.stored_headers_limit
     {
         Some("the response headers are over the stored limit")
-    } else if body.size_hint().lower() > config.stored_body_limit as u64 {
+    } else if head.extensions.get::<super::Minimal>().is_none()
+        && body.size_hint().lower() > config.stored_body_limit as u64
+    {
         Some(OVER_BODY_LIMIT)
     } else {
         None
@@ -142,7 +152,7 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
     holder: Holder<St>,
     commit: Commit,
     response: Response<ResBody>,
-    route: &str,
+    (route, rebuild_timeout): (&str, Duration),
     answer: Answer<Response, E>,
 ) where
     ResBody: HttpBody<Data = Bytes> + Send + 'static,
@@ -157,36 +167,40 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
         }
     };
     let (head, body) = response.into_parts();
-    let returned = match collect_response(body, config.stored_body_limit).await {
-        CollectedBody::Whole(body) => Some(body),
-        CollectedBody::TooLarge(_) | CollectedBody::Failed(_) => None,
+    // The returned response is the committed one when it encodes to the same record: a
+    // minimal one by its head alone (its body streams on), any other by its body too.
+    let returned = match head.extensions.get::<Minimal>() {
+        Some(_) => Some((Body::new(body), Bytes::new())),
+        None => match collect_response(body, config.stored_body_limit).await {
+            CollectedBody::Whole(body) => Some((Body::from(body.clone()), body)),
+            CollectedBody::TooLarge(_) | CollectedBody::Failed(_) => None,
+        },
     };
-    let same = returned.as_ref().is_some_and(|body| {
-        let own = record::encode(head.status, &head.headers, &config.header_filter, body);
+    let same = returned.as_ref().is_some_and(|(_, stored)| {
+        let own = record::encode_response(&head, &config.header_filter, stored);
         envelope::same_payload(&own, &committed)
     });
     let mut response = match returned {
-        Some(body) if same => Response::from_parts(head, Body::from(body)),
+        Some((body, _)) if same => Response::from_parts(head, body),
         _ => {
             tracing::warn!(
                 key_hash = holder.key().hash(),
                 "idempotency: the handler returned another response than it committed; the committed one is answered"
             );
-            match record::decode(committed.clone(), route) {
+            let committed = match record::decode(committed.clone(), route) {
                 Ok(stored) => {
-                    let mut response = Response::new(Body::from(stored.body));
-                    *response.status_mut() = stored.status;
-                    *response.headers_mut() = stored.headers;
-                    response
+                    let hash = holder.key().hash();
+                    replay::response(config, route, rebuild_timeout, stored, hash).await
                 }
                 // The layer encoded it a moment ago: unreachable, and answered as any
                 // unreadable record would be.
-                Err(_) => super::problem::problem(
+                Err(_) => Err(super::problem::problem(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     super::problem::ProblemType::CorruptRecord,
                     None,
-                ),
-            }
+                )),
+            };
+            committed.unwrap_or_else(|problem| problem)
         }
     };
     let expiry = config.advertise_expiry.then(|| holder.retention());
