@@ -33,6 +33,7 @@ const SIZES: [usize; 3] = [256, 16 * 1024, 256 * 1024];
 /// Most requests one load may send, whatever its duration.
 const MAX_REQUESTS_PER_LOAD: usize = 5_000_000;
 
+mod at_rest;
 mod matrix;
 mod postgres;
 mod storm;
@@ -59,11 +60,15 @@ fn main() -> Result<(), Error> {
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
         ["storm"] => runtime.block_on(storm::storm()),
+        ["at-rest"] => {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            runtime.block_on(at_rest::run())
+        }
         ["postgres"] => runtime.block_on(postgres::run(true)),
         ["postgres", "ratios"] => runtime.block_on(postgres::run(false)),
         ["postgres", "transactional"] => runtime.block_on(postgres::transactional()),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load at-rest | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 
