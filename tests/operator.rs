@@ -21,6 +21,7 @@ every_store!(
     forget_lets_the_next_retry_run_and_refuses_a_running_one_unless_forced,
     a_forced_forget_wakes_the_duplicate_that_waits,
     the_consumer_door_inspects_and_forgets_by_scope_and_key,
+    an_abandoned_claims_marker_is_no_record_and_is_left_alone,
     ; redis stores:
     a_value_the_layer_did_not_write_is_reported_and_left,
 );
@@ -195,6 +196,24 @@ where
     let again = deliver().await.unwrap();
     assert!(matches!(&again, Outcome::Ran(value) if value["charge"] == 2), "{again:?}");
     assert_eq!(runs.get(), 2);
+}
+
+async fn an_abandoned_claims_marker_is_no_record_and_is_left_alone<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    // A claim whose answer was lost, abandoned before it landed: the stores whose claims can
+    // land late leave a marker under the absent key, which refuses that claim.
+    let (store, key) = (h.store(), global("marker"));
+    let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
+    let owner = OwnerToken::random();
+    store.abandon(&key, &owner, &fingerprint, Lease::new(Duration::from_secs(60))).await.unwrap();
+    let marked = h.held(&key).await;
+    assert!(matches!(marked, None | Some(Held::Abandoned)), "{marked:?}");
+    assert!(store.inspect(&key, true).await.unwrap().is_none());
+    assert_eq!(store.forget(&key, true).await.unwrap(), Forgotten::Absent);
+    assert_eq!(h.held(&key).await, marked, "the marker is left: it still refuses the late claim");
+    assert!(store.abandoned(Duration::ZERO, 10).await.unwrap().is_empty());
 }
 
 async fn a_value_the_layer_did_not_write_is_reported_and_left<H: RawHarness>(h: H)
