@@ -190,6 +190,12 @@ async fn the_caching_store_over_memory_passes_the_kit() {
     conformance::check_all(&axum_idempotency::store::CachingStore::new(MemoryStore::new())).await;
 }
 
+#[tokio::test]
+async fn the_memory_stores_pass_the_operators_check() {
+    conformance::check_admin(&MemoryStore::new()).await;
+    conformance::check_admin(&axum_idempotency::store::CachingStore::new(MemoryStore::new())).await;
+}
+
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_stores_pass_the_kit() {
@@ -198,6 +204,7 @@ async fn redis_stores_pass_the_kit() {
     // Without a subscriber: waiters are polled, the answers are the same.
     conformance::check_all(&axum_idempotency::RedisStore::new(server.pool())).await;
     conformance::check_all(&axum_idempotency::store::CachingStore::new(server.store())).await;
+    conformance::check_admin(&server.store()).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -211,6 +218,8 @@ async fn postgres_stores_pass_the_kit() {
     let named = PostgresStore::with_table(harness.pool(), "payment_keys").unwrap();
     named.migrate().await.unwrap();
     conformance::check_all(&named).await;
+    conformance::check_admin(&named).await;
+    conformance::check_admin(&common::Harness::store(&harness)).await;
 }
 
 #[cfg(feature = "cluster")]
@@ -218,6 +227,7 @@ async fn postgres_stores_pass_the_kit() {
 async fn a_redis_cluster_passes_the_kit() {
     let cluster = <common::ClusterHarness as common::Harness>::start().await;
     conformance::check_all(&common::Harness::store(&cluster)).await;
+    conformance::check_admin(&common::Harness::store(&cluster)).await;
 }
 
 /// Runs one check against `store` and says whether it failed (panicked).

@@ -22,7 +22,8 @@
 //! # fn main() {}
 //! ```
 //!
-//! or every check in one test: `conformance::check_all(&store).await`.
+//! or every check in one test: `conformance::check_all(&store).await`. A store that implements
+//! the operator's calls ([`Admin`](crate::store::Admin)) runs [`check_admin`] too.
 //!
 //! Each check uses keys of its own (a random scope), so checks may share one backend and run
 //! in parallel. They take about a second in all: leases of 150 ms are left to lapse. They
@@ -33,12 +34,14 @@
 //! leave it alone), and a claim landing late after its caller gave up (a store whose claims can
 //! arrive late implements [`Store::abandon`] and tests it against its backend).
 
+mod admin;
 mod checks;
 
 use std::time::Duration;
 
 use bytes::Bytes;
 
+pub use self::admin::check_admin;
 pub use self::checks::*;
 use crate::{
     fingerprint::Fingerprint,
