@@ -237,7 +237,16 @@ mod tests {
             assert_eq!(stored[0], b'E');
             assert_eq!(at_rest.open(&key, stored.clone()).unwrap(), outcome);
             let other = RecordKey::new("t", b"", b"other");
-            assert!(matches!(at_rest.open(&other, stored), Err(StoreError::CorruptRecord(_))));
+            let moved = at_rest.open(&other, stored.clone()).unwrap_err().to_string();
+            assert!(moved.ends_with("failing authentication under the key id \"k1\""), "{moved}");
+            let dropped = AtRest::encrypted(keys("k2", 5)).open(&key, stored).unwrap_err();
+            let dropped = dropped.to_string();
+            assert!(
+                dropped.contains("the key id \"k1\", which the keyring does not list"),
+                "{dropped}"
+            );
+            let clear = at_rest.open(&key, outcome).unwrap_err().to_string();
+            assert!(clear.contains("stored in clear"), "{clear}");
         }
     }
 }
