@@ -9,7 +9,7 @@ use super::{
 };
 use crate::{
     key::RecordKey,
-    store::{Admin, Inspection, KeyReport, RecordStatus, StoreError},
+    store::{Admin, KeyReport, StoreError},
 };
 
 impl<St: Admin> Engine<St> {
@@ -23,17 +23,17 @@ impl<St: Admin> Engine<St> {
         with_outcome: bool,
         reader: impl FnOnce(Opened) -> Result<T, StoreError>,
     ) -> Result<Option<KeyReport<T>>, StoreError> {
-        let completed = |inspection: &Inspection| inspection.state == RecordStatus::Completed;
         let Some(mut record) = self.store().inspect(key, true).await? else { return Ok(None) };
         let stored = record.outcome.take();
+        // Only a completed record has an outcome.
         let opened = match stored {
-            Some(stored) if completed(&record) => {
+            Some(stored) => {
                 let opened = self.settings.at_rest.open(key, stored)?;
                 Some(envelope::read(opened).ok_or_else(|| {
                     StoreError::CorruptRecord("no front door's outcome".to_owned())
                 })?)
             }
-            _ => None,
+            None => None,
         };
         let completed_ago = opened
             .as_ref()
