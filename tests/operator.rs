@@ -44,6 +44,7 @@ where
     let RecordStatus::Running { lease_left } = running.record.state else { panic!("{running:?}") };
     assert!(lease_left > Duration::ZERO && lease_left <= Duration::from_secs(30), "{lease_left:?}");
     assert_eq!((running.record.size, running.outcome.is_none()), (0, true));
+    assert!(!running.record.waited_for, "nobody waits for it yet");
     assert_eq!(running.completed_ago, None);
     assert_eq!(running.key_hash, global("k1").hash());
     assert_eq!(first.await.unwrap().status, 201);

@@ -40,6 +40,7 @@ pub async fn check_admin<St: Admin>(store: &St) {
         "a running claim's outcome"
     );
     assert_eq!(inspected.fingerprint, fp("1"), "a running claim's fingerprint");
+    assert!(!inspected.waited_for, "a running claim nobody waits for is not waited for");
 
     claimed(store, &lapsed, &fp("2"), windowed(SHORT), "a claim left to lapse").await;
     tokio::time::sleep(PAST_SHORT).await;

@@ -150,3 +150,17 @@ pub(crate) fn in_progress(lease_left_ms: i64) -> RecordStatus {
         false => RecordStatus::Lapsed { lapsed_for: millis },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lease_ending_now_has_lapsed_as_a_claim_sees_it() {
+        let ms = Duration::from_millis;
+        assert_eq!(in_progress(1), RecordStatus::Running { lease_left: ms(1) });
+        assert_eq!(in_progress(0), RecordStatus::Lapsed { lapsed_for: ms(0) });
+        assert_eq!(in_progress(-250), RecordStatus::Lapsed { lapsed_for: ms(250) });
+        assert_eq!(in_progress(i64::MIN), RecordStatus::Lapsed { lapsed_for: ms(1 << 63) });
+    }
+}
