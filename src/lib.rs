@@ -19,6 +19,7 @@ pub mod completer;
 pub mod conformance;
 pub mod consumer;
 mod context;
+pub mod dedup;
 #[cfg(feature = "encryption")]
 pub mod encryption;
 mod engine;

@@ -103,6 +103,8 @@ where
     assert_eq!((retry.status, &retry.body), (first.status, &first.body));
     assert_eq!(retry.header("x-payment"), Some("pay_1"));
     assert_eq!(retry.header("content-type"), Some("application/json"));
+    // The fingerprint is compared as it is stored, without decrypting: another payload is 409.
+    send(&app, keyed("POST", "/payments", "k1", "{}")).await.assert_problem(409, "key-reused");
     assert_eq!(calls.get(), 1);
 
     let stored = h.stored_bytes(&global("k1")).await;

@@ -1,4 +1,6 @@
-//! Where idempotency records live: the [`Store`] trait and its two implementations.
+//! Where idempotency records live: the [`Store`] trait and its implementations ([`MemoryStore`],
+//! [`RedisStore`], `PostgresStore`, [`CachingStore`], each passing one behaviour suite); beside
+//! it, the operator's calls ([`Admin`]) and the `dedup` door's ([`DedupStore`]).
 //!
 //! A record moves through three transitions, each one atomic in the store:
 //!
@@ -13,13 +15,12 @@
 //! `complete`, `release` and `touch` are *fenced* by the owner token: a holder whose lease
 //! lapsed, and whose key was then claimed by another request, cannot overwrite or delete the
 //! new owner's record.
-//!
-//! [`MemoryStore`] and [`RedisStore`] pass one behaviour suite (`tests/behaviour.rs`).
 
 mod admin;
 mod caching;
 #[cfg(any(feature = "redis", feature = "postgres"))]
 mod clock;
+mod dedup;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
@@ -34,8 +35,8 @@ use bytes::Bytes;
 
 pub use self::admin::{AbandonedClaim, Admin, Forgotten, Inspection, KeyReport, RecordStatus};
 pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
-pub use self::memory::RecordState;
-pub use self::memory::{DEFAULT_CAPACITY, MemoryStore};
+pub use self::dedup::{BucketEntry, DedupStore};
+pub use self::memory::{DEFAULT_CAPACITY, MemoryStore, RecordState};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{
     DurableOutcomes, LapsedClaims, PostgresStore, RecoveryPoints, TableNameError,
@@ -46,8 +47,7 @@ pub use self::redis::RedisStore;
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
 pub(crate) use self::sealed::{Commit, CommitSlot};
 pub use self::sealed::{SealError, SealedOutcome};
-pub use self::subscription::Subscription;
-pub use self::subscription::{OnLastLeave, Waiters};
+pub use self::subscription::{OnLastLeave, Subscription, Waiters};
 use crate::fingerprint::Fingerprint;
 pub use crate::key::RecordKey;
 /// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.

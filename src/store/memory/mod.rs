@@ -1,6 +1,7 @@
 //! [`MemoryStore`]: records in this process.
 
 mod admin;
+mod dedup;
 
 use std::{
     collections::HashMap,
@@ -34,6 +35,8 @@ pub const DEFAULT_CAPACITY: usize = 100_000;
 pub struct MemoryStore {
     inner: Arc<Mutex<Records>>,
     waiters: Waiters,
+    /// The `dedup` door's markers and bucket sets.
+    seen: Arc<Mutex<dedup::Seen>>,
 }
 
 #[derive(Debug)]

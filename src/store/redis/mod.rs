@@ -6,6 +6,7 @@ mod clock;
 #[cfg(feature = "cluster")]
 mod cluster;
 mod connection;
+mod dedup;
 mod scripts;
 mod subscriber;
 
