@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::tower_service_shim::oneshot;
 use axum::{
     Json, Router,
     body::Body,
@@ -21,7 +22,6 @@ use axum_idempotency::{
 };
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use super::tower_service_shim::oneshot;
 
 use super::{ChildGuard, Error, bare, request_body};
 
@@ -36,7 +36,13 @@ fn layered<St: Store>(store: St, encrypted: bool) -> Router {
 }
 
 /// µs per request over `requests` requests of `size` bytes.
-async fn per_request(app: &Router, scenario: &str, size: usize, requests: usize, round: usize) -> Result<f64, Error> {
+async fn per_request(
+    app: &Router,
+    scenario: &str,
+    size: usize,
+    requests: usize,
+    round: usize,
+) -> Result<f64, Error> {
     let body = request_body(size);
     let replay_key = format!("replay-{size}-{round}");
     let send = |key: String| {
@@ -73,7 +79,9 @@ fn median(mut values: Vec<f64>) -> f64 {
 pub(crate) async fn run() -> Result<(), Error> {
     let redis = ChildGuard::redis_server(false)?;
     let redis_url = format!("redis://127.0.0.1:{}", redis.port);
-    println!("load at-rest: in process, one thread; the median of {ROUNDS} rounds, clear and encrypted interleaved\n");
+    println!(
+        "load at-rest: in process, one thread; the median of {ROUNDS} rounds, clear and encrypted interleaved\n"
+    );
     println!("| store | scenario | body | clear µs/req | encrypted µs/req | encrypted / clear |");
     println!("|---|---|---:|---:|---:|---:|");
     for store in ["memory", "redis"] {

@@ -34,6 +34,7 @@ const SIZES: [usize; 3] = [256, 16 * 1024, 256 * 1024];
 const MAX_REQUESTS_PER_LOAD: usize = 5_000_000;
 
 mod at_rest;
+mod dedup;
 mod matrix;
 mod postgres;
 mod storm;
@@ -60,6 +61,7 @@ fn main() -> Result<(), Error> {
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
         ["storm"] => runtime.block_on(storm::storm()),
+        ["dedup"] => runtime.block_on(dedup::run()),
         ["at-rest"] => {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(at_rest::run())
@@ -68,7 +70,7 @@ fn main() -> Result<(), Error> {
         ["postgres", "ratios"] => runtime.block_on(postgres::run(false)),
         ["postgres", "transactional"] => runtime.block_on(postgres::transactional()),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load at-rest | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load at-rest | load dedup | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 
@@ -107,15 +109,17 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
         // refuses claims with 503 once a few cells have filled it.
         "memory" => bare().layer(IdempotencyLayer::new(MemoryStore::with_capacity(5_000_000))),
         "redis" => bare().layer(IdempotencyLayer::new(RedisStore::from_url(redis_url)?)),
-        "cached" => bare().layer(IdempotencyLayer::new(CachingStore::new(RedisStore::from_url(
-            redis_url,
-        )?))),
+        "cached" => {
+            bare().layer(IdempotencyLayer::new(CachingStore::new(RedisStore::from_url(redis_url)?)))
+        }
         "peer" => {
             let store =
                 idempotent::store::valkey::ValkeyStore::with_url(redis_url).try_build().await?;
             bare().layer(idempotent::middleware::IdempotencyLayer::new(store))
         }
-        "postgres" | "pg-floor" | "pg-row" | "pg-txn" | "pg-split" => postgres::app(target, redis_url).await?,
+        "postgres" | "pg-floor" | "pg-row" | "pg-txn" | "pg-split" => {
+            postgres::app(target, redis_url).await?
+        }
         other => return Err(format!("unknown target {other}").into()),
     })
 }
@@ -286,9 +290,7 @@ async fn send(sender: &mut Sender, key: Option<String>, body: Bytes) -> Result<S
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }
-    let response = sender
-        .send_request(request.body(Full::new(body))?)
-        .await?;
+    let response = sender.send_request(request.body(Full::new(body))?).await?;
     let status = response.status();
     response.into_body().collect().await?;
     Ok(status)

@@ -14,7 +14,10 @@ use std::{
 };
 
 use axum::{body::Body, http::Request};
-use axum_idempotency::{Fingerprint, RedisStore, store::{OwnerToken, RecordKey, Store}};
+use axum_idempotency::{
+    Fingerprint, RedisStore,
+    store::{OwnerToken, RecordKey, Store},
+};
 
 use crate::{
     ChildGuard, Error, REQUEST_BODY, SCENARIOS, SIZES, TARGETS, app, free_port, request_body,
@@ -195,8 +198,7 @@ pub(crate) async fn run() -> Result<(), Error> {
             // Every request sent in the cell, warm-up included, over what Redis saw and what
             // the CPU clocks counted over the same span.
             let per = |names: &[&str]| {
-                names.iter().map(|n| stats.get(*n).copied().unwrap_or(0)).sum::<u64>() as f64
-                    / sent
+                names.iter().map(|n| stats.get(*n).copied().unwrap_or(0)).sum::<u64>() as f64 / sent
             };
             runs.entry((size, connections, scenario, target)).or_default().push(Cell {
                 spread: 0.0,
@@ -287,7 +289,12 @@ fn print_tables(concurrencies: &[usize], cells: &BTreeMap<CellKey, Cell>) {
                 if c.redis_us < 0.5 {
                     format!("{:.1}", c.server_us)
                 } else {
-                    format!("{:.1} + {:.1} = {:.1}", c.server_us, c.redis_us, c.server_us + c.redis_us)
+                    format!(
+                        "{:.1} + {:.1} = {:.1}",
+                        c.server_us,
+                        c.redis_us,
+                        c.server_us + c.redis_us
+                    )
                 }
             })
             .collect();

@@ -34,7 +34,9 @@ use axum_idempotency::{
 };
 use bytes::Bytes;
 
-use crate::{ChildGuard, Error, REQUEST_BODY, bare, free_port, handler, tower_service_shim::oneshot};
+use crate::{
+    ChildGuard, Error, REQUEST_BODY, bare, free_port, handler, tower_service_shim::oneshot,
+};
 
 /// A pool as the README advises: no ping before each checkout.
 fn pool(url: &str) -> Result<PgPool, Error> {
@@ -53,7 +55,11 @@ pub(crate) async fn app(target: &str, url: &str) -> Result<Router, Error> {
             let store = PostgresStore::new(pool.clone());
             store.migrate().await?;
             let sealed = target == "pg-txn";
-            let router = Router::new().route("/pay", post(payment)).with_state((pool, store.clone(), sealed));
+            let router = Router::new().route("/pay", post(payment)).with_state((
+                pool,
+                store.clone(),
+                sealed,
+            ));
             match target {
                 "pg-row" => router,
                 _ => router.layer(IdempotencyLayer::new(store)),
@@ -149,9 +155,9 @@ impl Database {
         let admin = std::env::var("DATABASE_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
         let name = format!("axum_idempotency_bench_{}", std::process::id());
-        let pool = PgPool::connect(&admin)
-            .await
-            .map_err(|e| format!("the benchmark needs PostgreSQL at DATABASE_URL ({admin}): {e}"))?;
+        let pool = PgPool::connect(&admin).await.map_err(|e| {
+            format!("the benchmark needs PostgreSQL at DATABASE_URL ({admin}): {e}")
+        })?;
         sqlx::raw_sql(&format!("CREATE DATABASE {name}")).execute(&pool).await?;
         let (base, _) = admin.rsplit_once('/').ok_or("DATABASE_URL has no database")?;
         Ok(Self { url: format!("{base}/{name}"), admin, name })
@@ -167,9 +173,23 @@ impl Database {
 }
 
 /// One measured load: 2xx/s, p99 in µs.
-async fn drive(exe: &std::path::Path, port: u16, scenario: &str, connections: usize, seconds: u64) -> Result<(f64, u64), Error> {
+async fn drive(
+    exe: &std::path::Path,
+    port: u16,
+    scenario: &str,
+    connections: usize,
+    seconds: u64,
+) -> Result<(f64, u64), Error> {
     let output = std::process::Command::new(exe)
-        .args(["drive", &port.to_string(), scenario, &connections.to_string(), &(seconds * 1000).to_string(), "500", "256"])
+        .args([
+            "drive",
+            &port.to_string(),
+            scenario,
+            &connections.to_string(),
+            &(seconds * 1000).to_string(),
+            "500",
+            "256",
+        ])
         .output()?;
     if !output.status.success() {
         return Err(format!("drive {scenario}: {}", String::from_utf8_lossy(&output.stderr)).into());
@@ -185,8 +205,10 @@ async fn drive(exe: &std::path::Path, port: u16, scenario: &str, connections: us
 /// `everything`: the ratios, then the bytes per row and the sweep (`load postgres ratios`: the
 /// ratios alone).
 pub(crate) async fn run(everything: bool) -> Result<(), Error> {
-    let seconds: u64 = std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
-    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let seconds: u64 =
+        std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let rounds: usize =
+        std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
     let database = Database::create().await?;
     let outcome = run_in(&database, seconds, rounds, everything).await;
     database.drop_now().await?;
@@ -195,8 +217,10 @@ pub(crate) async fn run(everything: bool) -> Result<(), Error> {
 
 /// `load postgres transactional`: `pg-row` against `pg-txn`, fresh keys.
 pub(crate) async fn transactional() -> Result<(), Error> {
-    let seconds: u64 = std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
-    let rounds: usize = std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let seconds: u64 =
+        std::env::var("BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let rounds: usize =
+        std::env::var("BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
     let database = Database::create().await?;
     let outcome = side_by_side(&database, ["pg-row", "pg-txn", "pg-split"], seconds, rounds).await;
     database.drop_now().await?;
@@ -204,7 +228,11 @@ pub(crate) async fn transactional() -> Result<(), Error> {
 }
 
 /// The servers of `targets`, each a process of its own, ready.
-fn start(exe: &std::path::Path, database: &Database, targets: &[&'static str]) -> Result<Vec<(&'static str, ChildGuard)>, Error> {
+fn start(
+    exe: &std::path::Path,
+    database: &Database,
+    targets: &[&'static str],
+) -> Result<Vec<(&'static str, ChildGuard)>, Error> {
     let mut servers = Vec::new();
     for &target in targets {
         let port = free_port();
@@ -222,13 +250,20 @@ fn start(exe: &std::path::Path, database: &Database, targets: &[&'static str]) -
     Ok(servers)
 }
 
-async fn side_by_side(database: &Database, targets: [&'static str; 3], seconds: u64, rounds: usize) -> Result<(), Error> {
+async fn side_by_side(
+    database: &Database,
+    targets: [&'static str; 3],
+    seconds: u64,
+    rounds: usize,
+) -> Result<(), Error> {
     let exe = std::env::current_exe()?;
     let servers = start(&exe, database, &targets)?;
     println!(
         "load postgres transactional: {rounds} rounds of {seconds} s per cell after 0.5 s warm-up, the median shown; 256-byte bodies, fresh keys; PostgreSQL at DATABASE_URL, a database of the run's own\n"
     );
-    println!("| connections | row alone 2xx/s | row + record, one transaction 2xx/s | ratio | row, then the layer's own complete 2xx/s | ratio | p99 µs: alone / one transaction / separate |");
+    println!(
+        "| connections | row alone 2xx/s | row + record, one transaction 2xx/s | ratio | row, then the layer's own complete 2xx/s | ratio | p99 µs: alone / one transaction / separate |"
+    );
     println!("|---:|---:|---:|---:|---:|---:|---|");
     for connections in [16, 64] {
         let mut figures = Vec::new();
@@ -240,7 +275,9 @@ async fn side_by_side(database: &Database, targets: [&'static str; 3], seconds: 
             runs.sort_by(|a, b| a.0.total_cmp(&b.0));
             figures.push(runs[runs.len() / 2]);
         }
-        let [(alone, alone_p99), (ours, our_p99), (split, split_p99)] = figures[..] else { unreachable!() };
+        let [(alone, alone_p99), (ours, our_p99), (split, split_p99)] = figures[..] else {
+            unreachable!()
+        };
         println!(
             "| {connections} | {alone:.0} | {ours:.0} | {:.2} | {split:.0} | {:.2} | {alone_p99} / {our_p99} / {split_p99} |",
             ours / alone,
@@ -250,13 +287,20 @@ async fn side_by_side(database: &Database, targets: [&'static str; 3], seconds: 
     Ok(())
 }
 
-async fn run_in(database: &Database, seconds: u64, rounds: usize, everything: bool) -> Result<(), Error> {
+async fn run_in(
+    database: &Database,
+    seconds: u64,
+    rounds: usize,
+    everything: bool,
+) -> Result<(), Error> {
     let exe = std::env::current_exe()?;
     let servers = start(&exe, database, &["pg-floor", "postgres"])?;
     println!(
         "load postgres: {rounds} rounds of {seconds} s per cell after 0.5 s warm-up, the median shown; 256-byte bodies; PostgreSQL at DATABASE_URL, a database of the run's own\n"
     );
-    println!("| scenario | connections | floor 2xx/s | PostgresStore 2xx/s | ratio | floor p99 µs | PostgresStore p99 µs |");
+    println!(
+        "| scenario | connections | floor 2xx/s | PostgresStore 2xx/s | ratio | floor p99 µs | PostgresStore p99 µs |"
+    );
     println!("|---|---:|---:|---:|---:|---:|---:|");
     for scenario in ["fresh", "replay"] {
         for connections in [16, 64] {
@@ -349,7 +393,9 @@ async fn sweep_beside_claims(url: &str, exe: &std::path::Path, seconds: u64) -> 
     let took = started.elapsed();
     println!("\n| claims (fresh, 16 connections) | 2xx/s | p99 µs |\n|---|---:|---:|");
     println!("| no sweep | {quiet:.0} | {quiet_p99} |");
-    println!("| beside a sweep of 1,000,000 expired rows (1,000 a statement) | {busy:.0} | {busy_p99} |");
+    println!(
+        "| beside a sweep of 1,000,000 expired rows (1,000 a statement) | {busy:.0} | {busy_p99} |"
+    );
     println!("\nthe sweep deleted {swept} rows in {:.1} s", took.as_secs_f64());
     let _ = Duration::ZERO;
     Ok(())
