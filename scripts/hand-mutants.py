@@ -27,6 +27,8 @@ SQL = "sql/postgres.sql"
 OPERATOR_REDIS = ["--test", "operator", "--", "redis::", "cluster::"]
 OPERATOR_MEMORY = ["--test", "operator", "--", "memory::"]
 OPERATOR_PG = ["--test", "operator", "--", "postgres::"]
+DEDUP_REDIS = ["--test", "dedup", "--", "redis", "cluster"]
+DEDUP_MEMORY = ["--test", "dedup", "--", "memory"]
 # Not mutated, being equivalent: dropping `state = 'P'` from release's or touch's WHERE, since a
 # completed row's owner is NULL and `owner = p_owner` is never true on it; nor from the
 # abandoned claims' listing, since a completed row and a marker have a NULL `lease_until`.
@@ -262,6 +264,18 @@ MUTANTS = [
     ("MemoryStore abandoned newest first", "src/store/memory/admin.rs",
      "lapsed.sort_by_key(|claim| std::cmp::Reverse(claim.lapsed_for));",
      "lapsed.sort_by_key(|claim| claim.lapsed_for);", OPERATOR_MEMORY),
+    # The dedup door's stores: a marker set only when absent, a bucket entry added only when
+    # absent from its three sets, and the set's expiry.
+    ("dedup.lua checking its own bucket alone", "lua/dedup.lua",
+     "for i = 1, 3 do", "for i = 2, 2 do", DEDUP_REDIS),
+    ("dedup.lua without the set's expiry", "lua/dedup.lua",
+     "redis.call('PEXPIREAT', KEYS[2], ARGV[2])\n", "", DEDUP_REDIS),
+    ("RedisStore marker set whether or not present", "src/store/redis/dedup.rs",
+     '.arg("NX")\n', "\n", DEDUP_REDIS),
+    ("MemoryStore dedup checking its own bucket alone", "src/store/memory/dedup.rs",
+     "if entry.sets.iter().any(", "if entry.sets[1..2].iter().any(", DEDUP_MEMORY),
+    ("MemoryStore marker set whether or not present", "src/store/memory/dedup.rs",
+     "Some(at) if *at > now => false,", "Some(at) if false && *at > now => false,", DEDUP_MEMORY),
     ("RedisStore abandoned whatever the lapse", "src/store/redis/admin.rs",
      "&& lapsed >= lapsed_for", "&& lapsed >= Duration::ZERO", OPERATOR_REDIS),
 ]

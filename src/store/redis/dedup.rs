@@ -1,5 +1,5 @@
 //! [`DedupStore`] for [`RedisStore`]: a marker is `SET NX PX`; a bucket entry is
-//! `lua/dedup_add.lua` over its three sets. A batch's commands go at once on the shared
+//! `lua/dedup.lua` over its three sets. A batch's commands go at once on the shared
 //! multiplexed connection (on a Cluster, each to its own slot's master): pipelined, one round
 //! trip's wait per node.
 

@@ -22,7 +22,7 @@ macro_rules! script {
 pub(super) static ABANDON: LazyLock<Script> = script!("abandon.lua");
 pub(super) static CLAIM: LazyLock<Script> = script!("claim.lua");
 pub(super) static COMPLETE: LazyLock<Script> = script!("complete.lua");
-pub(super) static DEDUP_ADD: LazyLock<Script> = script!("dedup_add.lua");
+pub(super) static DEDUP_ADD: LazyLock<Script> = script!("dedup.lua");
 pub(super) static FORGET: LazyLock<Script> = script!("forget.lua");
 pub(super) static INSPECT: LazyLock<Script> = script!("inspect.lua");
 pub(super) static RELEASE: LazyLock<Script> = script!("release.lua");
