@@ -1,14 +1,27 @@
--- Add an event to its bucket set unless a neighbouring bucket holds it (the dedup door).
--- KEYS[1..3]  the sets of the bucket before, the event's own bucket, the bucket after; one
+-- Add a page's events (one shard's) to their bucket set unless a neighbouring bucket holds them
+-- (the dedup door's bucketed sets).
+-- KEYS[1..3]  the sets of the bucket before, the events' own bucket, the bucket after; one
 --             hash tag, so one Cluster slot
--- ARGV[1]     the event's member (16 bytes of its hash)
--- ARGV[2]     when the event's own set expires, in milliseconds since the Unix epoch
--- Returns 1 when the event was in none of the sets (it is new, and now added), 0 otherwise.
-for i = 1, 3 do
-  if redis.call('SISMEMBER', KEYS[i], ARGV[1]) == 1 then
-    return 0
+-- ARGV[1]     when the events' own set expires, in milliseconds since the Unix epoch
+-- ARGV[2..]   the events' members (16 bytes of each one's hash)
+-- Returns, for each member in order, 1 when it was in none of the sets (it is new, and now
+-- added), 0 otherwise.
+local fresh, added = {}, false
+for j = 2, #ARGV do
+  local new = 1
+  for i = 1, 3 do
+    if redis.call('SISMEMBER', KEYS[i], ARGV[j]) == 1 then
+      new = 0
+      break
+    end
   end
+  if new == 1 then
+    redis.call('SADD', KEYS[2], ARGV[j])
+    added = true
+  end
+  fresh[j - 1] = new
 end
-redis.call('SADD', KEYS[2], ARGV[1])
-redis.call('PEXPIREAT', KEYS[2], ARGV[2])
-return 1
+if added then
+  redis.call('PEXPIREAT', KEYS[2], ARGV[1])
+end
+return fresh

@@ -8,9 +8,16 @@
 //! - [`Strategy::Markers`]: one key per event (`SET NX PX`), exact, one round trip; the most
 //!   memory (a Redis key each).
 //! - [`Strategy::Buckets`]: event ids as 16-byte members of one set per window-long bucket and
-//!   shard, exact (but for a 128-bit hash collision); far fewer keys. An event is remembered for
-//!   at least the window and at most three windows (its bucket is checked by the buckets
-//!   before and after it, so that instances whose clocks differ by less than a window agree).
+//!   shard, exact (but for a 128-bit hash collision); far fewer keys.
+//! - [`Strategy::Bloom`]: a Bloom filter per bucket and shard, sized for the events a window
+//!   brings and a false-positive rate: a bit or two an event, **approximate** (a new event is
+//!   now and then taken for a duplicate and dropped; a duplicate is never taken for new).
+//!
+//! Both bucketed strategies check an event against its own bucket and the ones before and
+//! after it, and keep a bucket for two windows and a quarter from its start: an event is
+//! remembered for at least the window (and forgotten within three), and instances whose
+//! clocks (and the store's) differ by less than a quarter window agree. A page of events
+//! (a broker's batch) is one script per shard.
 //!
 //! **Never use a deduplication door for a payment, an order or a security event**: it stores
 //! no outcome, and a record lost (an eviction, a restart without persistence) lets the event
@@ -31,7 +38,7 @@
 //! ```
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     hash::Hash,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -39,8 +46,14 @@ use std::{
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{BucketEntry, DedupStore, StoreError},
+    store::{BucketBatch, DedupStore, FilterBatch, StoreError},
 };
+
+mod bloom;
+
+/// Sets, or filters, per bucket unless given: enough that one hot bucket is not one Cluster
+/// slot.
+const SHARDS: u16 = 16;
 
 /// How [`Dedup`] remembers the events it saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +73,18 @@ pub enum Strategy {
         /// Sets per bucket, each its own Cluster slot.
         shards: u16,
     },
+    /// One Bloom filter per `window`-long bucket and shard: approximate (see
+    /// [`Strategy::bloom`]).
+    Bloom {
+        /// The bucket's length: an event is remembered for at least this long.
+        window: Duration,
+        /// Filters per bucket, each its own Cluster slot.
+        shards: u16,
+        /// Each filter's size in bits (at most 2³², what one Redis string holds).
+        bits: u64,
+        /// The bits one event sets, in each filter.
+        hashes: u32,
+    },
 }
 
 impl Strategy {
@@ -72,7 +97,51 @@ impl Strategy {
     /// Buckets of `window`, in 16 shards.
     #[must_use]
     pub const fn buckets(window: Duration) -> Self {
-        Self::Buckets { window, shards: 16 }
+        Self::Buckets { window, shards: SHARDS }
+    }
+
+    /// Bloom filters for buckets of `window`, in 16 shards, sized so that a bucket holding
+    /// `events_per_window` answers a new event "seen" with the probability
+    /// `false_positive_rate`: `-ln(rate) / (ln 2)²` bits an event (9.6 at 1 %, 14.4 at 0.1 %),
+    /// allocated in full for every bucket kept.
+    ///
+    /// **Approximate.** A new event is dropped as a duplicate now and then. The rate is the
+    /// filter's at its design load: it grows with the load (see
+    /// [`false_positive_rate`](Self::false_positive_rate): twice the events sized for turn
+    /// 1 % into 16 %), and an event is checked against the bucket before its own too. A
+    /// duplicate is never taken for new within the window.
+    ///
+    /// # Panics
+    ///
+    /// When `false_positive_rate` is not strictly between 0 and 1, or a filter would need
+    /// more than 2³² bits (split it with more [`Strategy::Bloom::shards`]).
+    #[must_use]
+    pub fn bloom(window: Duration, events_per_window: u64, false_positive_rate: f64) -> Self {
+        assert!(
+            false_positive_rate > 0.0 && false_positive_rate < 1.0,
+            "a Bloom filter's false-positive rate is strictly between 0 and 1, not {false_positive_rate}"
+        );
+        let (bits, hashes) =
+            bloom::size(events_per_window.div_ceil(u64::from(SHARDS)), false_positive_rate);
+        assert!(
+            bits <= bloom::MAX_BITS,
+            "a Bloom filter of {bits} bits is over the 2^32 one Redis string holds: use more shards"
+        );
+        Self::Bloom { window, shards: SHARDS, bits, hashes }
+    }
+
+    /// The probability that a new event is taken for one seen, when a bucket holds
+    /// `events_per_window`: zero for the exact strategies, `(1 - e^(-kn/m))^k` of one filter
+    /// for [`Strategy::Bloom`] (an event is checked against its own bucket's filter and the
+    /// one before, so the door's rate lies between that of the fuller one and their sum).
+    #[must_use]
+    pub fn false_positive_rate(&self, events_per_window: u64) -> f64 {
+        match *self {
+            Self::Markers { .. } | Self::Buckets { .. } => 0.0,
+            Self::Bloom { shards, bits, hashes, .. } => {
+                bloom::rate(bits, hashes, events_per_window as f64 / f64::from(shards.max(1)))
+            }
+        }
     }
 }
 
@@ -109,9 +178,9 @@ impl<St: DedupStore> Dedup<St> {
         Ok(seen.first().copied().unwrap_or(false))
     }
 
-    /// [`first_seen`](Self::first_seen) for a page of ids (a broker's batch), in one pipelined
-    /// batch: for each, in order, whether it is new. An id twice in the page is new the first
-    /// time only.
+    /// [`first_seen`](Self::first_seen) for a page of ids (a broker's batch): markers in one
+    /// pipelined batch, buckets and filters one script per shard. For each id, in order,
+    /// whether it is new. An id twice in the page is new the first time only.
     ///
     /// # Errors
     ///
@@ -138,7 +207,7 @@ impl<St: DedupStore> Dedup<St> {
         ids: &[impl AsRef<[u8]>],
         at: SystemTime,
     ) -> Result<Vec<bool>, StoreError> {
-        let answers = match self.strategy {
+        let fresh = match self.strategy {
             Strategy::Markers { window } => {
                 let prefix = format!("{}:m", self.prefix);
                 let keys = ids.iter().map(|id| {
@@ -146,48 +215,146 @@ impl<St: DedupStore> Dedup<St> {
                 });
                 let (keys, firsts) = once_each(keys);
                 let marked = self.store.mark(&keys, window).await?;
-                firsts.into_iter().map(|first| first.is_some_and(|i| marked[i])).collect()
+                return answers(&firsts, &marked);
             }
             Strategy::Buckets { window, shards } => {
-                let entries =
-                    ids.iter().map(|id| self.bucket_entry(scope, id.as_ref(), window, shards, at));
-                let (entries, firsts) = once_each(entries);
-                let added = self.store.add_unseen(&entries).await?;
-                firsts.into_iter().map(|first| first.is_some_and(|i| added[i])).collect()
+                let events = Events::of(scope, ids, shards);
+                let bucket = Bucket::at(at, window);
+                let batches: Vec<BucketBatch> = events
+                    .shards
+                    .iter()
+                    .map(|(shard, members)| BucketBatch {
+                        sets: self.keys("b", scope, &shard.to_be_bytes(), bucket.number),
+                        members: members.iter().map(|&i| member(&events.hashes[i])).collect(),
+                        expire_at: bucket.expire_at,
+                    })
+                    .collect();
+                (events, self.store.add_unseen(&batches).await?)
+            }
+            Strategy::Bloom { window, shards, bits, hashes } => {
+                let events = Events::of(scope, ids, shards);
+                let bucket = Bucket::at(at, window);
+                // A filter resized is another filter: its positions would not match.
+                let mut sizing = [0; 14];
+                sizing[2..10].copy_from_slice(&bits.to_be_bytes());
+                sizing[10..].copy_from_slice(&hashes.to_be_bytes());
+                let batches: Vec<FilterBatch> = events
+                    .shards
+                    .iter()
+                    .map(|(shard, members)| {
+                        sizing[..2].copy_from_slice(&shard.to_be_bytes());
+                        let mut positions = Vec::with_capacity(members.len() * hashes as usize);
+                        for &i in members {
+                            bloom::positions(&events.hashes[i], bits, hashes, &mut positions);
+                        }
+                        FilterBatch {
+                            filters: self.keys("f", scope, &sizing, bucket.number),
+                            bits,
+                            hashes,
+                            positions,
+                            expire_at: bucket.expire_at,
+                        }
+                    })
+                    .collect();
+                (events, self.store.set_unseen(&batches).await?)
             }
         };
-        Ok(answers)
+        let (events, by_shard) = fresh;
+        answers(&events.firsts, &events.scatter(&by_shard)?)
     }
 
-    /// The bucket entry of `id` seen `at`: its shard's sets of the buckets around `at`.
-    fn bucket_entry(
-        &self,
-        scope: &str,
-        id: &[u8],
-        window: Duration,
-        shards: u16,
-        at: SystemTime,
-    ) -> BucketEntry {
-        let hash = Fingerprint::of_fields(&[scope.as_bytes(), id]);
-        let hash = hash.as_bytes();
-        let window_ms = window.as_millis().max(1);
-        let bucket = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() / window_ms;
-        // The shard's record key is the sets' hash tag: one Cluster slot per scope and shard.
-        let shard = u16::from_be_bytes([hash[0], hash[1]]) % shards.max(1);
-        let tag =
-            RecordKey::new(&format!("{}:b", self.prefix), scope.as_bytes(), &shard.to_be_bytes());
-        let set = |bucket: u128| format!("{}:{bucket}", tag.as_str());
-        // Kept while the bucket after it may check it, and a window more for clocks that
-        // differ between instances.
-        let expire_ms = u64::try_from((bucket + 3) * window_ms).unwrap_or(u64::MAX);
-        let mut member = [0; 16];
-        member.copy_from_slice(&hash[16..]);
-        BucketEntry {
-            sets: [set(bucket.saturating_sub(1)), set(bucket), set(bucket + 1)],
-            member,
-            expire_at: UNIX_EPOCH + Duration::from_millis(expire_ms),
-        }
+    /// The keys of the sets (`kind` `b`) or filters (`f`) of the buckets before, at and after
+    /// `bucket`, for a shard: they share the hash tag `shard` makes, one Cluster slot.
+    fn keys(&self, kind: &str, scope: &str, shard: &[u8], bucket: u128) -> [String; 3] {
+        let tag = RecordKey::new(&format!("{}:{kind}", self.prefix), scope.as_bytes(), shard);
+        let key = |bucket: u128| format!("{}:{bucket}", tag.as_str());
+        [key(bucket.saturating_sub(1)), key(bucket), key(bucket + 1)]
     }
+}
+
+/// A page's events for a bucketed strategy: each distinct one's hash, grouped by shard.
+struct Events {
+    /// Each distinct event's hash, in the order first met.
+    hashes: Vec<[u8; 32]>,
+    /// For each event of the page, the index of its hash (`None` for a repeat in the page).
+    firsts: Vec<Option<usize>>,
+    /// Each shard met, with its events' indices in `hashes`, in order.
+    shards: Vec<(u16, Vec<usize>)>,
+}
+
+impl Events {
+    fn of(scope: &str, ids: &[impl AsRef<[u8]>], shards: u16) -> Self {
+        let hashes = ids.iter().map(|id| {
+            let hash = Fingerprint::of_fields(&[scope.as_bytes(), id.as_ref()]);
+            *hash.as_bytes()
+        });
+        let (hashes, firsts) = once_each(hashes);
+        let mut grouped: Vec<(u16, Vec<usize>)> = Vec::new();
+        let mut group_of: HashMap<u16, usize> = HashMap::new();
+        for (i, hash) in hashes.iter().enumerate() {
+            let shard = u16::from_be_bytes([hash[0], hash[1]]) % shards.max(1);
+            let group = *group_of.entry(shard).or_insert_with(|| {
+                grouped.push((shard, Vec::new()));
+                grouped.len() - 1
+            });
+            grouped[group].1.push(i);
+        }
+        Self { hashes, firsts, shards: grouped }
+    }
+
+    /// The store's answers, one list per shard, put back in the order of `hashes`.
+    fn scatter(&self, by_shard: &[Vec<bool>]) -> Result<Vec<bool>, StoreError> {
+        let mut fresh = vec![false; self.hashes.len()];
+        let answered = by_shard.iter().map(Vec::len).eq(self.shards.iter().map(|(_, e)| e.len()));
+        if !answered {
+            return Err(StoreError::Unavailable("the store answered for other events".into()));
+        }
+        for ((_, events), answers) in self.shards.iter().zip(by_shard) {
+            for (&i, &new) in events.iter().zip(answers) {
+                fresh[i] = new;
+            }
+        }
+        Ok(fresh)
+    }
+}
+
+/// The bucket an event seen `at` falls in, and when its set or filter expires.
+struct Bucket {
+    number: u128,
+    expire_at: SystemTime,
+}
+
+impl Bucket {
+    fn at(at: SystemTime, window: Duration) -> Self {
+        let window_ms = window.as_millis().max(1);
+        let number = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() / window_ms;
+        // Kept while the bucket after it checks it, and a quarter window more for clocks that
+        // differ between instances and the store.
+        let expire_ms = (number + 2) * window_ms + window_ms / 4;
+        let expire_ms = u64::try_from(expire_ms).unwrap_or(u64::MAX);
+        Self { number, expire_at: UNIX_EPOCH + Duration::from_millis(expire_ms) }
+    }
+}
+
+/// An event's member in a bucket set: the half of its hash that the shard does not use.
+fn member(hash: &[u8; 32]) -> [u8; 16] {
+    let mut member = [0; 16];
+    member.copy_from_slice(&hash[16..]);
+    member
+}
+
+/// For each event of a page, whether it is new: its first occurrence's answer, and `false`
+/// for a repeat in the page.
+fn answers(firsts: &[Option<usize>], fresh: &[bool]) -> Result<Vec<bool>, StoreError> {
+    firsts
+        .iter()
+        .map(|first| match first {
+            None => Ok(false),
+            Some(i) => fresh.get(*i).copied().ok_or_else(|| {
+                StoreError::Unavailable("the store answered for fewer events".into())
+            }),
+        })
+        .collect()
 }
 
 /// `items` once each, in order, and for each item where its first occurrence is among them

@@ -35,7 +35,7 @@ use bytes::Bytes;
 
 pub use self::admin::{AbandonedClaim, Admin, Forgotten, Inspection, KeyReport, RecordStatus};
 pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
-pub use self::dedup::{BucketEntry, DedupStore};
+pub use self::dedup::{BucketBatch, DedupStore, FilterBatch};
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore, RecordState};
 #[cfg(feature = "postgres")]
 pub use self::postgres::{

@@ -211,6 +211,13 @@ pub struct ClusterHarness {
     _turn: tokio::sync::MutexGuard<'static, ()>,
 }
 
+impl ClusterHarness {
+    /// The shared cluster, for what a test reads on its nodes.
+    pub fn cluster(&self) -> &RedisCluster {
+        self.cluster
+    }
+}
+
 impl Harness for ClusterHarness {
     type Store = RedisStore;
 

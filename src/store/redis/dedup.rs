@@ -1,18 +1,22 @@
-//! [`DedupStore`] for [`RedisStore`]: a marker is `SET NX PX`; a bucket entry is
-//! `lua/dedup.lua` over its three sets. A batch's commands go at once on the shared
-//! multiplexed connection (on a Cluster, each to its own slot's master): pipelined, one round
-//! trip's wait per node.
+//! [`DedupStore`] for [`RedisStore`]: a marker is `SET NX PX`; a shard's page of bucket
+//! members is `lua/dedup.lua` over its three sets, of filter positions `lua/bloom.lua` over
+//! its three filters. A call's commands go at once on the shared multiplexed connection (on a
+//! Cluster, each to its own slot's master): pipelined, one round trip's wait per node.
 
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use deadpool_redis::redis::{Value, cmd};
+use deadpool_redis::redis::{Script, Value, cmd};
 use futures_util::future::try_join_all;
 
 use super::{
     RedisStore,
-    scripts::{DEDUP_ADD, millis},
+    scripts::{BLOOM, DEDUP, millis},
 };
-use crate::store::{BucketEntry, DedupStore, StoreError};
+use crate::store::{BucketBatch, DedupStore, FilterBatch, StoreError};
+
+/// The most events one script takes: Redis runs nothing else while a script runs, and a longer
+/// page is split into scripts of this many.
+const EVENTS_PER_SCRIPT: usize = 256;
 
 impl DedupStore for RedisStore {
     async fn mark(&self, keys: &[String], ttl: Duration) -> Result<Vec<bool>, StoreError> {
@@ -34,15 +38,47 @@ impl DedupStore for RedisStore {
         try_join_all(marks).await
     }
 
-    async fn add_unseen(&self, entries: &[BucketEntry]) -> Result<Vec<bool>, StoreError> {
-        let adds = entries.iter().map(|entry| async move {
-            let expire_at = entry.expire_at.duration_since(UNIX_EPOCH).unwrap_or_default();
-            let expire_at = u64::try_from(expire_at.as_millis()).unwrap_or(u64::MAX).to_string();
-            let keys = [entry.sets[0].as_str(), entry.sets[1].as_str(), entry.sets[2].as_str()];
-            let added: i64 =
-                self.invoke(&DEDUP_ADD, &keys, &[&entry.member, expire_at.as_bytes()]).await?;
-            Ok::<_, StoreError>(added == 1)
+    async fn add_unseen(&self, batches: &[BucketBatch]) -> Result<Vec<Vec<bool>>, StoreError> {
+        let batches = batches.iter().map(|batch| {
+            let chunks = batch.members.chunks(EVENTS_PER_SCRIPT).map(|members| {
+                let members = members.iter().map(|member| member.to_vec());
+                self.page(&DEDUP, &batch.sets, batch.expire_at, members)
+            });
+            async { Ok::<_, StoreError>(try_join_all(chunks).await?.concat()) }
         });
-        try_join_all(adds).await
+        try_join_all(batches).await
+    }
+
+    async fn set_unseen(&self, batches: &[FilterBatch]) -> Result<Vec<Vec<bool>>, StoreError> {
+        let batches = batches.iter().map(|batch| {
+            let hashes = usize::try_from(batch.hashes.max(1)).unwrap_or(1);
+            let chunks = batch.positions.chunks(EVENTS_PER_SCRIPT * hashes).map(move |positions| {
+                let args = std::iter::once(hashes.to_string().into_bytes())
+                    .chain(positions.iter().map(|bit| bit.to_string().into_bytes()));
+                self.page(&BLOOM, &batch.filters, batch.expire_at, args)
+            });
+            async { Ok::<_, StoreError>(try_join_all(chunks).await?.concat()) }
+        });
+        try_join_all(batches).await
+    }
+}
+
+impl RedisStore {
+    /// Runs one page script over a bucket's three keys with the expiry and then `args`: for
+    /// each event, whether it is new.
+    async fn page(
+        &self,
+        script: &'static Script,
+        keys: &[String; 3],
+        expire_at: SystemTime,
+        args: impl Iterator<Item = Vec<u8>>,
+    ) -> Result<Vec<bool>, StoreError> {
+        let expire_at = expire_at.duration_since(UNIX_EPOCH).unwrap_or_default();
+        let expire_at = u64::try_from(expire_at.as_millis()).unwrap_or(u64::MAX).to_string();
+        let args: Vec<Vec<u8>> = std::iter::once(expire_at.into_bytes()).chain(args).collect();
+        let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
+        let keys = [keys[0].as_str(), keys[1].as_str(), keys[2].as_str()];
+        let fresh: Vec<i64> = self.invoke(script, &keys, &args).await?;
+        Ok(fresh.into_iter().map(|new| new == 1).collect())
     }
 }

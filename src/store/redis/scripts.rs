@@ -20,9 +20,10 @@ macro_rules! script {
 }
 
 pub(super) static ABANDON: LazyLock<Script> = script!("abandon.lua");
+pub(super) static BLOOM: LazyLock<Script> = script!("bloom.lua");
 pub(super) static CLAIM: LazyLock<Script> = script!("claim.lua");
 pub(super) static COMPLETE: LazyLock<Script> = script!("complete.lua");
-pub(super) static DEDUP_ADD: LazyLock<Script> = script!("dedup.lua");
+pub(super) static DEDUP: LazyLock<Script> = script!("dedup.lua");
 pub(super) static FORGET: LazyLock<Script> = script!("forget.lua");
 pub(super) static INSPECT: LazyLock<Script> = script!("inspect.lua");
 pub(super) static RELEASE: LazyLock<Script> = script!("release.lua");
