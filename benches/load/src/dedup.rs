@@ -1,9 +1,11 @@
-//! `load dedup`: the dedup door's strategies on a private Redis, side by side in one run:
-//! memory per event (`used_memory` after a million events, less before), and events per second
-//! single (64 concurrent callers) and batched (pages of 1,000), against a floor: raw pipelined
-//! `SET NX PX` on one multiplexed connection.
+//! `load dedup [EVENTS]`: the dedup door's strategies on a private Redis, side by side in one
+//! run: memory per event (`used_memory` after EVENTS events in one bucket, less before), and
+//! events per second batched (pages of 1,000) and single (64 concurrent callers), against a
+//! floor: raw pipelined `SET NX PX` on one multiplexed connection. Then, with no EVENTS given
+//! (a million), the Bloom filters' false-positive rates measured against the theory, at their
+//! design load and at twice it, and their false negatives.
 
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use axum_idempotency::{
     RedisStore,
@@ -12,10 +14,11 @@ use axum_idempotency::{
 
 use super::{ChildGuard, Error};
 
-const EVENTS: usize = 1_000_000;
 const PAGE: usize = 1_000;
 const SINGLE: usize = 100_000;
 const WINDOW: Duration = Duration::from_secs(3600);
+/// The worked example: 50,000 events a second over a one-hour window.
+const EXAMPLE_EVENTS: f64 = 50_000.0 * 3600.0;
 
 async fn used_memory(control: &mut redis::aio::MultiplexedConnection) -> Result<i64, Error> {
     let info: String = redis::cmd("INFO").arg("memory").query_async(control).await?;
@@ -23,63 +26,90 @@ async fn used_memory(control: &mut redis::aio::MultiplexedConnection) -> Result<
     Ok(line.trim().parse()?)
 }
 
-fn ids(from: usize, count: usize) -> Vec<String> {
-    (from..from + count).map(|i| format!("evt_{i:012}")).collect()
+fn ids(kind: &str, from: usize, count: usize) -> Vec<String> {
+    (from..from + count).map(|i| format!("{kind}_{i:012}")).collect()
 }
 
-pub(crate) async fn run() -> Result<(), Error> {
+/// Asks `count` ids in pages at `at`: how many were new.
+async fn ask(
+    door: &Dedup<RedisStore>,
+    scope: &str,
+    kind: &str,
+    count: usize,
+    at: SystemTime,
+) -> Result<usize, Error> {
+    let mut new = 0;
+    for page in 0..count.div_ceil(PAGE) {
+        let ids = ids(kind, page * PAGE, PAGE.min(count - page * PAGE));
+        new += door.first_seen_at(scope, &ids, at).await?.iter().filter(|n| **n).count();
+    }
+    Ok(new)
+}
+
+pub(crate) async fn run(events: usize, rates: bool) -> Result<(), Error> {
     let redis = ChildGuard::redis_server(false)?;
     let url = format!("redis://127.0.0.1:{}", redis.port);
     let mut control = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
     println!(
-        "load dedup: {EVENTS} events in pages of {PAGE}, then {SINGLE} single calls from 64 tasks; one private redis-server\n"
+        "load dedup: {events} events in one bucket in pages of {PAGE}, then {SINGLE} single calls from 64 tasks; one private redis-server\n"
     );
-    println!("| strategy | bytes per event | batched events/s | single events/s | keys |");
-    println!("|---|---:|---:|---:|---:|");
-    for name in ["floor", "markers", "buckets"] {
+    println!(
+        "| strategy | bytes per event | batched events/s | single events/s | keys | 50k/s over 1 h: peak memory |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|");
+    let strategies: [(&str, Option<Strategy>); 5] = [
+        ("floor (SET NX PX)", None),
+        ("markers", Some(Strategy::markers(WINDOW))),
+        ("buckets", Some(Strategy::buckets(WINDOW))),
+        ("bloom 1 %", Some(Strategy::bloom(WINDOW, events as u64, 0.01))),
+        ("bloom 0.1 %", Some(Strategy::bloom(WINDOW, events as u64, 0.001))),
+    ];
+    let at = SystemTime::now();
+    for (name, strategy) in strategies {
         let () = redis::cmd("FLUSHALL").query_async(&mut control).await?;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let before = used_memory(&mut control).await?;
-        let store = RedisStore::from_url(&url)?;
-        let door = match name {
-            "buckets" => Dedup::new(store, Strategy::buckets(WINDOW)),
-            _ => Dedup::new(store, Strategy::markers(WINDOW)),
-        };
+        let door = strategy.map(|strategy| Dedup::new(RedisStore::from_url(&url).unwrap(), strategy));
         let mut floor =
             redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
         let started = Instant::now();
-        for page in 0..EVENTS / PAGE {
-            let ids = ids(page * PAGE, PAGE);
-            if name == "floor" {
-                let mut pipe = redis::pipe();
-                for id in &ids {
-                    pipe.cmd("SET").arg(id).arg(1).arg("NX").arg("PX").arg(3_600_000).ignore();
+        match &door {
+            Some(door) => {
+                ask(door, "clicks", "evt", events, at).await?;
+            }
+            None => {
+                for page in 0..events / PAGE {
+                    let mut pipe = redis::pipe();
+                    for id in ids("evt", page * PAGE, PAGE) {
+                        pipe.cmd("SET").arg(id).arg(1).arg("NX").arg("PX").arg(3_600_000).ignore();
+                    }
+                    let () = pipe.query_async(&mut floor).await?;
                 }
-                let () = pipe.query_async(&mut floor).await?;
-            } else {
-                door.first_seen_batch("clicks", &ids).await?;
             }
         }
-        let batched = EVENTS as f64 / started.elapsed().as_secs_f64();
+        let batched = events as f64 / started.elapsed().as_secs_f64();
         let after = used_memory(&mut control).await?;
         let keys: i64 = redis::cmd("DBSIZE").query_async(&mut control).await?;
         let started = Instant::now();
         let tasks: Vec<_> = (0..64)
             .map(|task| {
-                let (door, mut floor, name) = (door.clone(), floor.clone(), name);
+                let (door, mut floor) = (door.clone(), floor.clone());
                 tokio::spawn(async move {
-                    for id in ids(EVENTS + task * (SINGLE / 64), SINGLE / 64) {
-                        if name == "floor" {
-                            let _: Option<String> = redis::cmd("SET")
-                                .arg(&id)
-                                .arg(1)
-                                .arg("NX")
-                                .arg("PX")
-                                .arg(3_600_000)
-                                .query_async(&mut floor)
-                                .await?;
-                        } else {
-                            door.first_seen("clicks", &id).await?;
+                    for id in ids("single", task * (SINGLE / 64), SINGLE / 64) {
+                        match &door {
+                            Some(door) => {
+                                door.first_seen("clicks", &id).await?;
+                            }
+                            None => {
+                                let _: Option<String> = redis::cmd("SET")
+                                    .arg(&id)
+                                    .arg(1)
+                                    .arg("NX")
+                                    .arg("PX")
+                                    .arg(3_600_000)
+                                    .query_async(&mut floor)
+                                    .await?;
+                            }
                         }
                     }
                     Ok::<_, Error>(())
@@ -90,11 +120,57 @@ pub(crate) async fn run() -> Result<(), Error> {
             task.await??;
         }
         let single = (SINGLE / 64 * 64) as f64 / started.elapsed().as_secs_f64();
+        let per_event = (after - before) as f64 / events as f64;
+        // What is kept at the peak: markers one window of events; bucket sets two windows and
+        // the quarter of a third; filters are whole from their first event, three of them
+        // during a quarter window.
+        let peak = match strategy {
+            None | Some(Strategy::Markers { .. }) => per_event * EXAMPLE_EVENTS,
+            Some(Strategy::Buckets { .. }) => 2.25 * per_event * EXAMPLE_EVENTS,
+            Some(Strategy::Bloom { .. }) | Some(_) => 3.0 * per_event * EXAMPLE_EVENTS,
+        };
         println!(
-            "| {name} | {:.0} | {batched:.0} | {single:.0} | {keys} |",
-            (after - before) as f64 / EVENTS as f64
+            "| {name} | {per_event:.1} | {batched:.0} | {single:.0} | {keys} | {:.2} GB |",
+            peak / 1e9
         );
     }
+    if rates {
+        false_positives(&url, &mut control, events, at).await?;
+    }
     drop(redis);
+    Ok(())
+}
+
+/// The Bloom filters' false-positive rates at their design load and twice it: `events` (or
+/// twice as many) added in one bucket, then fresh ids asked in the next, where the full
+/// filter is the one before (their own filter's rate, filling with them, is printed beside);
+/// and the added ids asked again there, each of which must be a duplicate.
+async fn false_positives(
+    url: &str,
+    control: &mut redis::aio::MultiplexedConnection,
+    events: usize,
+    at: SystemTime,
+) -> Result<(), Error> {
+    println!("\n| filter | load | fresh ids asked | taken for seen | measured rate | theory | own filter's rate at the end | false negatives |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for (rate, asked) in [(0.01, 100_000), (0.001, 400_000)] {
+        for load in [1, 2] {
+            let () = redis::cmd("FLUSHALL").query_async(control).await?;
+            let strategy = Strategy::bloom(WINDOW, events as u64, rate);
+            let door = Dedup::new(RedisStore::from_url(url)?, strategy);
+            ask(&door, "clicks", "evt", load * events, at).await?;
+            let new = ask(&door, "clicks", "fresh", asked, at + WINDOW).await?;
+            let again = ask(&door, "clicks", "evt", load * events, at + WINDOW).await?;
+            let measured = (asked - new) as f64 / asked as f64;
+            println!(
+                "| {rate} | {load}× ({}) | {asked} | {} | {:.4} % | {:.4} % | {:.6} % | {again} |",
+                load * events,
+                asked - new,
+                100.0 * measured,
+                100.0 * strategy.false_positive_rate((load * events) as u64),
+                100.0 * strategy.false_positive_rate(asked as u64),
+            );
+        }
+    }
     Ok(())
 }

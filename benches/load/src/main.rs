@@ -61,7 +61,8 @@ fn main() -> Result<(), Error> {
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
         ["storm"] => runtime.block_on(storm::storm()),
-        ["dedup"] => runtime.block_on(dedup::run()),
+        ["dedup"] => runtime.block_on(dedup::run(1_000_000, true)),
+        ["dedup", events] => runtime.block_on(dedup::run(events.parse()?, false)),
         ["at-rest"] => {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             runtime.block_on(at_rest::run())
@@ -70,7 +71,7 @@ fn main() -> Result<(), Error> {
         ["postgres", "ratios"] => runtime.block_on(postgres::run(false)),
         ["postgres", "transactional"] => runtime.block_on(postgres::transactional()),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load at-rest | load dedup | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load at-rest | load dedup [EVENTS] | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 

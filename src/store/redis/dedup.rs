@@ -53,7 +53,10 @@ impl DedupStore for RedisStore {
         let batches = batches.iter().map(|batch| {
             let hashes = usize::try_from(batch.hashes.max(1)).unwrap_or(1);
             let chunks = batch.positions.chunks(EVENTS_PER_SCRIPT * hashes).map(move |positions| {
-                let args = std::iter::once(hashes.to_string().into_bytes())
+                let sizes = [hashes.to_string(), batch.bits.div_ceil(8).to_string()];
+                let args = sizes
+                    .into_iter()
+                    .map(String::into_bytes)
                     .chain(positions.iter().map(|bit| bit.to_string().into_bytes()));
                 self.page(&BLOOM, &batch.filters, batch.expire_at, args)
             });
