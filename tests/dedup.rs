@@ -328,6 +328,10 @@ async fn redis_holds_a_key_per_event_for_markers_and_a_set_per_shard_for_buckets
             "{key}: {bytes} bytes of {bits} bits"
         );
         assert!(ones > 0 && ones <= 7 * 100, "{key}: {ones} bits set");
+        // Allocated whole: a filter grown bit by bit would take up to twice its bytes.
+        let usage: u64 =
+            ::redis::cmd("MEMORY").arg("USAGE").arg(key).query_async(&mut control).await.unwrap();
+        assert!(usage < bytes * 5 / 4 + 100, "{key}: {usage} bytes for a filter of {bytes}");
         let pttl: i64 = ::redis::cmd("PTTL").arg(key).query_async(&mut control).await.unwrap();
         let window = WINDOW.as_millis() as i64;
         assert!(pttl > window * 5 / 4 && pttl <= window * 9 / 4, "{key}: {pttl} ms left");

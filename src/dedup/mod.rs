@@ -15,9 +15,11 @@
 //!
 //! Both bucketed strategies check an event against its own bucket and the ones before and
 //! after it, and keep a bucket for two windows and a quarter from its start: an event is
-//! remembered for at least the window (and forgotten within three), and instances whose
-//! clocks (and the store's) differ by less than a quarter window agree. A page of events
-//! (a broker's batch) is one script per shard.
+//! remembered for at least the window, and forgotten within three. Between instances whose
+//! clocks differ by δ (under a window), a duplicate reaching the one behind is still caught
+//! (the bucket after is checked), and one reaching the one ahead is caught within the window
+//! less δ; an instance's clock more than a quarter window off the store's shortens that. A
+//! page of events (a broker's batch) is one script per shard.
 //!
 //! **Never use a deduplication door for a payment, an order or a security event**: it stores
 //! no outcome, and a record lost (an eviction, a restart without persistence) lets the event
