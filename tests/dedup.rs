@@ -190,11 +190,12 @@ fn bucket_of(at: SystemTime) -> u128 {
 /// negative within the window, never "seen" for an id never seen or seen more than a bucket
 /// away (for the Bloom filter too: sized for far more events than a case holds). Each case in
 /// a scope of its own on the one store, for each bucketed strategy.
-fn buckets_never_miss_an_event_within_the_window<St: DedupStore>(store: St) {
-    // One runtime for both: the store's connection lives on it.
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+fn buckets_never_miss_an_event_within_the_window<St: DedupStore>(
+    runtime: &tokio::runtime::Runtime,
+    store: St,
+) {
     for strategy in bucketed() {
-        never_miss_an_event_within_the_window(&runtime, store.clone(), strategy);
+        never_miss_an_event_within_the_window(runtime, store.clone(), strategy);
     }
 }
 
@@ -248,31 +249,80 @@ fn never_miss_an_event_within_the_window<St: DedupStore>(
     }
 }
 
+/// Random pages of ids (repeats within a page and across pages), within one window, against a
+/// model, for every strategy: an exact one answers exactly as the model (new the first time
+/// only); the Bloom filter, sized far above these few events, too. Each case in a scope of its
+/// own on the one store.
+fn every_strategy_matches_a_model_within_the_window<St: DedupStore>(
+    runtime: &tokio::runtime::Runtime,
+    store: St,
+) {
+    use proptest::test_runner::{Config, TestRunner};
+    let strategies = [Strategy::markers(WINDOW), bucketed()[0], bucketed()[1]];
+    let mut runner = TestRunner::new(Config { cases: 32, ..Config::default() });
+    let pages = proptest::collection::vec(proptest::collection::vec(0u8..24, 1..12), 1..10);
+    let case = std::sync::atomic::AtomicUsize::new(0);
+    let result = runner.run(&pages, |pages| {
+        let case = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        runtime.block_on(async {
+            for strategy in strategies {
+                let door = Dedup::new(store.clone(), strategy);
+                let scope = format!("model-{case}-{}", rand_suffix());
+                let mut seen = std::collections::HashSet::new();
+                for page in &pages {
+                    let ids: Vec<[u8; 1]> = page.iter().map(|id| [*id]).collect();
+                    let answers = match ids.len() {
+                        1 => vec![door.first_seen(&scope, ids[0]).await.unwrap()],
+                        _ => door.first_seen_batch(&scope, &ids).await.unwrap(),
+                    };
+                    let expected: Vec<bool> = page.iter().map(|id| seen.insert(*id)).collect();
+                    prop_assert!(answers == expected, "{strategy:?}: {page:?}: {answers:?}");
+                }
+            }
+            Ok(())
+        })
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+}
+
 fn rand_suffix() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_nanos() as u64
 }
 
+/// Each store's properties on one runtime: the store's connections live on it.
 mod properties {
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
+    }
+
     #[test]
     fn on_memory() {
-        super::buckets_never_miss_an_event_within_the_window(axum_idempotency::MemoryStore::new());
+        let runtime = runtime();
+        let store = axum_idempotency::MemoryStore::new();
+        super::buckets_never_miss_an_event_within_the_window(&runtime, store.clone());
+        super::every_strategy_matches_a_model_within_the_window(&runtime, store);
     }
 
     #[cfg(feature = "redis")]
     #[test]
     fn on_redis() {
+        let runtime = runtime();
         let server = crate::common::RedisServer::start();
-        super::buckets_never_miss_an_event_within_the_window(server.store());
+        super::buckets_never_miss_an_event_within_the_window(&runtime, server.store());
+        super::every_strategy_matches_a_model_within_the_window(&runtime, server.store());
     }
 
     #[cfg(feature = "cluster")]
     #[test]
     fn on_a_cluster() {
-        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let runtime = runtime();
         let harness =
             runtime.block_on(<crate::common::ClusterHarness as crate::common::Harness>::start());
         let store = crate::common::Harness::store(&harness);
-        super::buckets_never_miss_an_event_within_the_window(store);
+        super::buckets_never_miss_an_event_within_the_window(&runtime, store.clone());
+        super::every_strategy_matches_a_model_within_the_window(&runtime, store);
         drop(harness);
     }
 }
