@@ -5,7 +5,7 @@
 pub(super) const MAX_BITS: u64 = 1 << 32;
 
 /// The most bits one event sets: past 30 the rate gained is below any load's noise.
-const MAX_HASHES: u32 = 30;
+pub(super) const MAX_HASHES: u32 = 30;
 
 /// The optimal size for `events` at `rate`: bits `m = -n ln p / (ln 2)²`, hashes
 /// `k = (m / n) ln 2`.

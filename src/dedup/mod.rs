@@ -174,7 +174,9 @@ impl<St: DedupStore> Dedup<St> {
     ///
     /// # Errors
     ///
-    /// The store's: the event's fate is then unknown, as for any failed call.
+    /// The store's. The event's fate is then unknown: a call whose answer was lost (a timeout)
+    /// may have remembered it, and asked again it is a duplicate. Where losing an event is
+    /// worse than counting one twice, take an error as "new" rather than asking again.
     pub async fn first_seen(&self, scope: &str, id: impl AsRef<[u8]>) -> Result<bool, StoreError> {
         let seen = self.first_seen_at(scope, &[id], SystemTime::now()).await?;
         Ok(seen.first().copied().unwrap_or(false))
@@ -186,7 +188,8 @@ impl<St: DedupStore> Dedup<St> {
     ///
     /// # Errors
     ///
-    /// The store's.
+    /// The store's, for the whole page: as for [`first_seen`](Self::first_seen), part or all
+    /// of it may have been remembered.
     pub async fn first_seen_batch(
         &self,
         scope: &str,
@@ -234,6 +237,9 @@ impl<St: DedupStore> Dedup<St> {
                 (events, self.store.add_unseen(&batches).await?)
             }
             Strategy::Bloom { window, shards, bits, hashes } => {
+                // A variant built by hand is held to what `Strategy::bloom` makes.
+                let (bits, hashes) =
+                    (bits.clamp(64, bloom::MAX_BITS), hashes.clamp(1, bloom::MAX_HASHES));
                 let events = Events::of(scope, ids, shards);
                 let bucket = Bucket::at(at, window);
                 // A filter resized is another filter: its positions would not match.
