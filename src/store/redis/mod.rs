@@ -144,14 +144,7 @@ impl RedisStore {
     ) -> Result<T, StoreError> {
         self.connections
             .run(self.command_timeout, |mut connection| async move {
-                let mut invocation = script.prepare_invoke();
-                for key in keys {
-                    invocation.key(*key);
-                }
-                for arg in args {
-                    invocation.arg(*arg);
-                }
-                invocation.invoke_async(&mut connection).await
+                scripts::evalsha(&mut connection, script, keys, args).await
             })
             .await
     }
@@ -212,20 +205,16 @@ impl RedisStore {
             .run(timeout, |mut connection| async move {
                 // After the connection is had: a new one has just sampled the clock.
                 let deadline = clock.claim_deadline(timeout, slack).to_string();
-                let mut invocation = CLAIM.prepare_invoke();
-                invocation.key(key.as_str());
-                for arg in [
-                    fingerprint.as_bytes(),
+                let args = [
+                    fingerprint.as_bytes().as_slice(),
                     owner.as_bytes(),
                     lease.as_bytes(),
                     RECORD_VERSION.as_bytes(),
                     waiting,
                     window.as_bytes(),
                     deadline.as_bytes(),
-                ] {
-                    invocation.arg(arg);
-                }
-                invocation.invoke_async(&mut connection).await
+                ];
+                scripts::evalsha(&mut connection, &CLAIM, &[key.as_str()], &args).await
             })
             .await
     }
