@@ -416,3 +416,17 @@ async fn a_clusters_masters_each_hold_part_of_a_bucket() {
         harness.cluster().flush().await;
     }
 }
+
+/// The rate a Bloom strategy gives at a load: its design rate at its design load (spread over
+/// its shards), about sixteen times that at twice the load, none for the exact strategies.
+#[test]
+fn a_bloom_strategy_states_its_rate_at_any_load() {
+    let bloom = Strategy::bloom(WINDOW, 1_600_000, 0.01);
+    let at_design = bloom.false_positive_rate(1_600_000);
+    assert!((at_design - 0.01).abs() < 0.0005, "{at_design}");
+    let doubled = bloom.false_positive_rate(3_200_000);
+    assert!((0.15..0.17).contains(&doubled), "{doubled}");
+    assert!(bloom.false_positive_rate(0) < 1e-12);
+    assert_eq!(Strategy::markers(WINDOW).false_positive_rate(1_600_000), 0.0);
+    assert_eq!(Strategy::buckets(WINDOW).false_positive_rate(1_600_000), 0.0);
+}
