@@ -76,4 +76,17 @@ mod tests {
         positions(&hash, 1_000, 7, &mut other);
         assert_ne!(into, other);
     }
+
+    #[test]
+    fn a_second_word_of_zero_or_one_still_spreads_the_bits() {
+        // The step is made odd: a step of zero would put every bit in one place.
+        for last in [0, 1] {
+            let mut hash = [0; 32];
+            hash[31] = last;
+            let mut into = Vec::new();
+            positions(&hash, 1_000, 7, &mut into);
+            let distinct: std::collections::HashSet<_> = into.iter().collect();
+            assert_eq!(distinct.len(), 7, "{into:?}");
+        }
+    }
 }
