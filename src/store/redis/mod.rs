@@ -193,18 +193,20 @@ impl RedisStore {
         lease: Lease,
         waiting: bool,
     ) -> Result<Value, StoreError> {
-        let window = whole_millis(lease.recovery_window).to_string();
+        let (mut window, mut lease_ms) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let window = window.format(whole_millis(lease.recovery_window));
         // Half a lease of slack: a claim applied within it is still met by its guard, which
         // tries to abandon it for a whole lease after the claim's timeout.
         let slack = lease.duration / 2;
         let timeout = self.command_timeout;
-        let lease = millis(lease.duration).to_string();
+        let lease = lease_ms.format(millis(lease.duration));
         let waiting: &[u8] = if waiting { b"1" } else { b"0" };
         let clock = &self.connections.clock;
         self.connections
             .run(timeout, |mut connection| async move {
                 // After the connection is had: a new one has just sampled the clock.
-                let deadline = clock.claim_deadline(timeout, slack).to_string();
+                let mut deadline = itoa::Buffer::new();
+                let deadline = deadline.format(clock.claim_deadline(timeout, slack));
                 let args = [
                     fingerprint.as_bytes().as_slice(),
                     owner.as_bytes(),
@@ -271,7 +273,8 @@ impl Store for RedisStore {
         response: Bytes,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        let retention = millis(retention).to_string();
+        let mut retention_ms = itoa::Buffer::new();
+        let retention = retention_ms.format(millis(retention));
         let args: [&[u8]; 6] = [
             owner.as_bytes(),
             fingerprint.as_bytes(),
