@@ -132,9 +132,10 @@ impl<St: Store> Engine<St> {
     /// Spawns a claimed operation's task: on the configured `TaskTracker`, or with
     /// `tokio::spawn`. The task is detached: a caller that goes away does not cancel it.
     pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
-        // Boxed here, so that the caller's future does not carry the task's state inline; in
-        // the caller's span, so that its events nest where the request's do.
-        let task = Box::pin(tracing::Instrument::in_current_span(task));
+        // Boxed here, so that the caller's future does not carry the task's state inline, and
+        // before it is wrapped, so that its kilobytes are copied once; in the caller's span, so
+        // that its events nest where the request's do.
+        let task = tracing::Instrument::in_current_span(Box::pin(task));
         match &self.settings.tasks {
             Some(tracker) => drop(tracker.spawn(task)),
             None => drop(tokio::spawn(task)),

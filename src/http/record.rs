@@ -69,8 +69,7 @@ fn encode_as(
     filter: &HeaderFilter,
     body: &[u8],
 ) -> Bytes {
-    let kept: Vec<(&HeaderName, &HeaderValue)> =
-        headers.iter().filter(|(name, _)| filter.keeps(name, headers)).collect();
+    let kept: Vec<(&HeaderName, &HeaderValue)> = filter.kept(headers).collect();
     let size =
         4 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
     let mut out = envelope::seal(format, size);
@@ -90,11 +89,7 @@ fn encode_as(
 
 /// The bytes the headers that `filter` lets through take in a stored record.
 pub(crate) fn stored_headers_len(headers: &HeaderMap, filter: &HeaderFilter) -> usize {
-    headers
-        .iter()
-        .filter(|(name, _)| filter.keeps(name, headers))
-        .map(|(name, value)| 6 + name.as_str().len() + value.len())
-        .sum()
+    filter.kept(headers).map(|(name, value)| 6 + name.as_str().len() + value.len()).sum()
 }
 
 /// Whether a stored response may be replayed to a request with these headers: a body stored
@@ -241,15 +236,24 @@ impl HeaderFilter {
         self.excluded.retain(|n| n != name);
     }
 
-    fn keeps(&self, name: &HeaderName, headers: &HeaderMap) -> bool {
-        if self.excluded.contains(name) {
-            return false;
-        }
-        // Headers named in `Connection` are hop-by-hop for this response.
-        !headers.get_all(header::CONNECTION).iter().any(|listed| {
-            listed.to_str().is_ok_and(|list| {
-                list.split(',').any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
-            })
+    /// The headers of `headers` that are stored.
+    fn kept<'a>(
+        &'a self,
+        headers: &'a HeaderMap,
+    ) -> impl Iterator<Item = (&'a HeaderName, &'a HeaderValue)> + 'a {
+        // Headers named in `Connection` are hop-by-hop for this response. Looked up once, not
+        // once per header: most responses have no `Connection` header.
+        let connection = headers.get_all(header::CONNECTION);
+        let hop_by_hop = connection.iter().next().is_some();
+        headers.iter().filter(move |(name, _)| {
+            !self.excluded.contains(name)
+                && !(hop_by_hop
+                    && connection.iter().any(|listed| {
+                        listed.to_str().is_ok_and(|list| {
+                            list.split(',')
+                                .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
+                        })
+                    }))
         })
     }
 }

@@ -109,6 +109,13 @@ impl Connections {
         if let Some(connection) = cached {
             return Ok(connection);
         }
+        // Boxed: a pool checkout's future is kilobytes, and unboxed it made every store
+        // operation's future as large, copied on each move, for a step taken once per connection.
+        Box::pin(self.connect()).await
+    }
+
+    /// A new connection from the pool, checked and shared.
+    async fn connect(&self) -> Result<SharedConnection, StoreError> {
         let mut connection = match &self.source {
             Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
             #[cfg(feature = "cluster")]
@@ -159,9 +166,7 @@ impl Connections {
             let connection = self.connection().await?;
             op(connection).await.map_err(StoreError::from)
         };
-        // Boxed: the pool checkout and redis-rs futures are large, and unboxed they made every
-        // future of the layer that awaits the store several kilobytes, copied on each move.
-        let result = match Box::pin(tokio::time::timeout(timeout, attempt)).await {
+        let result = match tokio::time::timeout(timeout, attempt).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(timeout)),
         };
