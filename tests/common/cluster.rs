@@ -39,27 +39,35 @@ impl RedisCluster {
         std::fs::create_dir_all(&dir).expect("cluster directory");
         let nodes: Vec<RedisServer> = (0..masters * (1 + replicas))
             .map(|_| {
-                let port = free_port();
-                let config = dir.join(format!("nodes-{port}.conf"));
-                RedisServer::start_on(
-                    port,
-                    &[
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        config.to_str().unwrap(),
-                        "--cluster-node-timeout",
-                        "1000",
-                        // Live shards keep serving while one is down.
-                        "--cluster-require-full-coverage",
-                        "no",
-                        // Replicas sync at once rather than after the default 5 s.
-                        "--repl-diskless-sync-delay",
-                        "0",
-                        "--dir",
-                        dir.to_str().unwrap(),
-                    ],
-                )
+                // A port whose cluster bus (the port + 10,000) is out of range or taken makes
+                // the node exit: another port is tried.
+                let node = |port: u16| {
+                    let config = dir.join(format!("nodes-{port}.conf"));
+                    RedisServer::try_start_on(
+                        port,
+                        &[
+                            "--cluster-enabled",
+                            "yes",
+                            "--cluster-config-file",
+                            config.to_str().unwrap(),
+                            "--cluster-node-timeout",
+                            "1000",
+                            // Live shards keep serving while one is down.
+                            "--cluster-require-full-coverage",
+                            "no",
+                            // Replicas sync at once rather than after the default 5 s.
+                            "--repl-diskless-sync-delay",
+                            "0",
+                            "--dir",
+                            dir.to_str().unwrap(),
+                        ],
+                    )
+                };
+                (0..10)
+                    .map(|_| free_port())
+                    .filter(|port| *port <= u16::MAX - 10_000)
+                    .find_map(node)
+                    .expect("a cluster node on a free port")
             })
             .collect();
         let addresses: Vec<String> =

@@ -86,13 +86,8 @@ impl RedisServer {
         panic!("no redis-server could be started on a free port");
     }
 
-    /// Starts a server on `port`; panics if it cannot listen there.
-    pub fn start_on(port: u16, extra: &[&str]) -> Self {
-        Self::try_start_on(port, extra)
-            .unwrap_or_else(|| panic!("redis-server could not listen on port {port}"))
-    }
-
-    fn try_start_on(port: u16, extra: &[&str]) -> Option<Self> {
+    /// Starts a server on `port`; `None` when it cannot listen there.
+    pub fn try_start_on(port: u16, extra: &[&str]) -> Option<Self> {
         let child = Self::spawn(port, extra);
         let mut server = Self { child, port };
         server.wait_until_up().then_some(server)
