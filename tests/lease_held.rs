@@ -349,3 +349,89 @@ async fn a_renewal_on_the_wire_never_lands_after_the_settle() {
     assert_eq!(next, Claim::TakenOver, "a renewal landed after the hand-back");
     assert_eq!(calls.get(), 0);
 }
+
+/// A router whose handler counts its calls, then holds its request for `hold` (asleep, or
+/// blocking its thread when `blocking`) before it answers 201.
+fn slow_app(calls: &Arc<AtomicUsize>, hold: Duration, blocking: bool) -> Router {
+    let calls = calls.clone();
+    let handler = move || async move {
+        calls.fetch_add(1, Ordering::SeqCst);
+        match blocking {
+            true => std::thread::sleep(hold),
+            false => tokio::time::sleep(hold).await,
+        }
+        (http::StatusCode::CREATED, "charged")
+    };
+    Router::new().route("/pay", post(handler))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_blocks_its_thread_past_the_lease_keeps_the_key() {
+    // The renewals run beside the request's task, not in it: a handler that blocks its thread
+    // (where it should await) for three leases stops none of them on a multi-threaded runtime.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
+        .lease(LEASE)
+        .wait_for_in_progress(Duration::ZERO);
+    let app = slow_app(&calls, 3 * LEASE, true).layer(layer);
+    let first = send_in_background(&app, keyed("POST", "/pay", "k1", "{}"));
+    tokio::time::sleep(LEASE * 2).await;
+    let during = send(&app, keyed("POST", "/pay", "k1", "{}")).await;
+    during.assert_problem(202, "in-progress");
+    let ran = first.await.unwrap();
+    assert_eq!(ran.status, 201);
+    assert!(!ran.replayed());
+    let after = send(&app, keyed("POST", "/pay", "k1", "{}")).await;
+    assert!(after.replayed());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_task_renews_every_running_claim_of_a_layer() {
+    // Twenty requests run past their lease at once, through a router used as tests use one
+    // (not made a service first: axum wraps the handler in the layer again on every request).
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
+        .lease(LEASE)
+        .wait_for_in_progress(Duration::ZERO);
+    let app = slow_app(&calls, 4 * LEASE, false).layer(layer);
+    let metrics = tokio::runtime::Handle::current().metrics();
+    let before = metrics.num_alive_tasks();
+    let keys: Vec<String> = (0..20).map(|n| format!("k{n}")).collect();
+    let requests: Vec<_> =
+        keys.iter().map(|key| send_in_background(&app, keyed("POST", "/pay", key, "{}"))).collect();
+    tokio::time::sleep(LEASE * 2).await;
+    // Each request, its claimed task, and one task renewing all twenty (a renewal on the wire
+    // now and then): a task per claim's renewals would be twenty more.
+    let alive = metrics.num_alive_tasks() - before;
+    assert!((41..50).contains(&alive), "{alive} tasks for 20 running requests");
+    for key in &keys {
+        send(&app, keyed("POST", "/pay", key, "{}")).await.assert_problem(202, "in-progress");
+    }
+    for request in requests {
+        assert_eq!(request.await.unwrap().status, 201);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 20);
+}
+
+#[test]
+fn a_layer_whose_first_runtime_ended_renews_on_the_next() {
+    // The renewals' task starts on the runtime of the layer's first claim and ends with it;
+    // the next claim, on another runtime, starts it again there.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
+        .lease(LEASE)
+        .wait_for_in_progress(Duration::ZERO);
+    let app = slow_app(&calls, 3 * LEASE, false).layer(layer);
+    let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let first = runtime().block_on(send(&app, keyed("POST", "/pay", "k0", "{}")));
+    assert_eq!(first.status, 201);
+    runtime().block_on(async {
+        let slow = send_in_background(&app, keyed("POST", "/pay", "k1", "{}"));
+        tokio::time::sleep(LEASE * 2).await;
+        let during = send(&app, keyed("POST", "/pay", "k1", "{}")).await;
+        during.assert_problem(202, "in-progress");
+        assert_eq!(slow.await.unwrap().status, 201);
+    });
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}

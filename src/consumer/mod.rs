@@ -75,7 +75,10 @@ use self::seal::settle_sealed;
 pub(crate) use self::seal::stored_form;
 use crate::{
     context::{Completion, IdempotencyContext},
-    engine::{Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, Settings, engine_setters},
+    engine::{
+        Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, RenewalsCell, Settings,
+        engine_setters,
+    },
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     recovery::{Lookup, NoRecovery, Recover},
     store::Store,
@@ -92,6 +95,8 @@ pub struct Idempotent<St, H = NoRecovery> {
     prefix: String,
     stored_limit: usize,
     hook: Option<Arc<H>>,
+    /// Where the leases of this door's running operations are renewed.
+    renewals: RenewalsCell<St>,
 }
 
 impl<St: Clone, H> Clone for Idempotent<St, H> {
@@ -103,6 +108,7 @@ impl<St: Clone, H> Clone for Idempotent<St, H> {
             prefix: self.prefix.clone(),
             stored_limit: self.stored_limit,
             hook: self.hook.clone(),
+            renewals: self.renewals.clone(),
         }
     }
 }
@@ -151,6 +157,7 @@ impl<St: Store> Idempotent<St> {
             prefix: "idempotency-consumer".to_owned(),
             stored_limit: 1024 * 1024,
             hook: None,
+            renewals: RenewalsCell::default(),
         }
     }
 }
@@ -168,13 +175,15 @@ impl<St: Store, H> Idempotent<St, H> {
     /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
     /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
     pub fn recover<H2>(self, hook: H2) -> Idempotent<St, H2> {
-        let Self { store, mut settings, fingerprint, prefix, stored_limit, hook: _ } = self;
+        let Self { store, mut settings, fingerprint, prefix, stored_limit, .. } = self;
         Arc::make_mut(&mut settings).recovering = true;
-        let hook = Some(Arc::new(hook));
-        Idempotent { store, settings, fingerprint, prefix, stored_limit, hook }
+        let (hook, renewals) = (Some(Arc::new(hook)), RenewalsCell::default());
+        Idempotent { store, settings, fingerprint, prefix, stored_limit, hook, renewals }
     }
 
     fn settings(&mut self) -> &mut Settings {
+        // New settings, new renewals: a lease changed after an operation ran is renewed as set.
+        self.renewals = RenewalsCell::default();
         Arc::make_mut(&mut self.settings)
     }
 
@@ -261,7 +270,7 @@ impl<St: Store, H> Idempotent<St, H> {
         if key.as_ref().is_empty() {
             return Err(Error::EmptyKey);
         }
-        let engine = Engine::new(self.store.clone(), self.settings.clone());
+        let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         let record_key = self.record_key(scope, key.as_ref());
         let fingerprint = self.fingerprint.of(payload.as_ref());
         let hash = record_key.hash().to_owned();

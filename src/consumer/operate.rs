@@ -30,7 +30,7 @@ impl<St: Admin, H> Idempotent<St, H> {
         key: impl AsRef<[u8]>,
         with_result: bool,
     ) -> Result<Option<KeyReport<serde_json::Value>>, StoreError> {
-        let engine = Engine::new(self.store.clone(), self.settings.clone());
+        let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         let reader = |opened: Opened| match opened.format {
             Format::Json | Format::JsonUntimed => serde_json::from_slice(&opened.payload)
                 .map_err(|error| StoreError::CorruptRecord(error.to_string())),

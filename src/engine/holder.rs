@@ -4,17 +4,17 @@ use std::{any::Any, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, tim
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
-use tokio::{sync::oneshot, task::JoinHandle};
 
 use super::{
     Settings, observe,
+    renewals::{Renewals, Renewing},
     settle::{complete_with_retries, release},
 };
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
     recovery::{BoxError, Recovered},
-    store::{CommitSlot, Fenced, Lease, OwnerToken, Store},
+    store::{CommitSlot, Lease, OwnerToken, Store},
 };
 
 /// A panic's payload, carried to where it is resumed.
@@ -24,9 +24,9 @@ pub(crate) type Panic = Box<dyn Any + Send>;
 /// or [`release`](Self::release) consume it.
 ///
 /// From the claim to the settle, whatever runs in between (the recovery hook, the operation,
-/// a response body), a task of its own renews the lease every third of a lease, for at most
-/// the keep-alive ceiling from the claim. The settle stops it first, and waits for a renewal
-/// on the wire, so that no renewal lands after the settle.
+/// a response body), the engine's [`Renewals`] renew the lease every third of a lease, for at
+/// most the keep-alive ceiling from the claim. The settle stops them first, and waits for a
+/// renewal on the wire, so that no renewal lands after the settle.
 pub(crate) struct Holder<St> {
     store: St,
     key: RecordKey,
@@ -37,17 +37,11 @@ pub(crate) struct Holder<St> {
     route: Arc<str>,
     /// The claim took over from a holder whose lease lapsed.
     taken_over: bool,
-    /// The lease's renewal, when keep-alive is on; it stops when the holder settles or is
+    /// The lease's renewals, when keep-alive is on; they stop when the holder settles or is
     /// dropped.
-    renewal: Option<Renewal>,
+    renewal: Option<Renewing<St>>,
     /// Where a store says that the operation committed its outcome in its own transaction.
     commit: Arc<CommitSlot>,
-}
-
-/// The task that renews a holder's lease, and the way to stop it.
-struct Renewal {
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<()>,
 }
 
 /// What a recovery hook's answer leaves the holder to do.
@@ -77,28 +71,19 @@ impl<St: Store> Holder<St> {
         fingerprint: Fingerprint,
         owner: OwnerToken,
         settings: Arc<Settings>,
-        route: Arc<str>,
-        taken_over: bool,
+        (route, taken_over): (Arc<str>, bool),
+        renewals: Option<&Renewals<St>>,
     ) -> Self {
         let commit = Arc::<CommitSlot>::default();
-        let renewal = settings.keep_alive.map(|ceiling| {
-            let (stop, stopped) = oneshot::channel();
-            let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
-            let (lease, route) = (settings.lease(), route.clone());
-            let watch = Watch { ceiling, commit: commit.clone(), stopped };
-            let task = tokio::spawn(renew(store, key, owner, lease, route, watch));
-            Renewal { stop, task }
-        });
+        let renewal = renewals.map(|renewals| renewals.register(&key, &owner, &route, &commit));
         Self { store, key, fingerprint, owner, settings, route, taken_over, renewal, commit }
     }
 
-    /// Stops the lease's renewal, and waits for a renewal on the wire: before a settle, so
+    /// Stops the lease's renewals, and waits for a renewal on the wire: before a settle, so
     /// that no renewal lands after it.
     async fn stop_renewal(&mut self) {
-        if let Some(Renewal { stop, task }) = self.renewal.take() {
-            let _ = stop.send(());
-            // Err only when the runtime shuts down: nothing is renewing then either.
-            let _ = task.await;
+        if let Some(renewal) = self.renewal.take() {
+            renewal.stop().await;
         }
     }
 
@@ -257,67 +242,6 @@ impl<St: Store> Holder<St> {
     }
 }
 
-/// What a lease renewal watches besides the store: its ceiling, the operation's commit, and
-/// the holder's stop.
-struct Watch {
-    ceiling: Duration,
-    commit: Arc<CommitSlot>,
-    stopped: oneshot::Receiver<()>,
-}
-
-/// Renews the lease of `owner`'s claim every third of a lease, until `stopped`, until the key
-/// is lost, or until `ceiling` has passed since the claim.
-async fn renew<St: Store>(
-    store: St,
-    key: RecordKey,
-    owner: OwnerToken,
-    lease: Lease,
-    route: Arc<str>,
-    watch: Watch,
-) {
-    let Watch { ceiling, commit, mut stopped } = watch;
-    let hash = key.hash();
-    let period = (lease.duration / 3).max(Duration::from_millis(1));
-    let give_up_at = super::after(ceiling);
-    loop {
-        let next = super::after(period);
-        tokio::select! {
-            biased;
-            // A stop, or the holder dropped unsettled.
-            _ = &mut stopped => return,
-            () = tokio::time::sleep_until(next) => {}
-        }
-        if next >= give_up_at {
-            return tracing::warn!(
-                key_hash = hash,
-                "idempotency: keep-alive ceiling reached; the lease will lapse"
-            );
-        }
-        match store.touch(&key, &owner, lease).await {
-            Ok(Fenced::Applied) => {}
-            // The operation's own transaction settled the record (the renewal waited on its
-            // row lock): not a lease lost.
-            Ok(Fenced::Rejected) if commit.begun() => {
-                return tracing::debug!(
-                    key_hash = hash,
-                    "idempotency: the record was settled in the operation's transaction"
-                );
-            }
-            Ok(Fenced::Rejected) => {
-                return tracing::warn!(
-                    key_hash = hash,
-                    "idempotency: lease lost to another request"
-                );
-            }
-            // The next period tries again; the lease has two more periods to run.
-            Err(error) => {
-                observe::store_error(&route, "touch");
-                tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed");
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::{
@@ -370,7 +294,7 @@ mod tests {
                     keep_alive: Some(Duration::from_secs(5)),
                     ..Settings::default()
                 };
-                let engine = Engine::new(store.clone(), Arc::new(settings));
+                let engine = Engine::new(store.clone(), Arc::new(settings), &Default::default());
                 let (key, fingerprint) =
                     (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
                 let Ok(Claimed::Run(holder)) =

@@ -21,6 +21,7 @@ pub(crate) mod envelope;
 mod holder;
 pub(crate) mod observe;
 mod operate;
+mod renewals;
 mod run;
 mod setters;
 mod settle;
@@ -32,6 +33,7 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub(crate) use self::holder::{Holder, Panic, Recovery};
+pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Answer, Ended, Recovering};
 pub(crate) use self::setters::engine_setters;
 use self::settle::abandon;
@@ -140,6 +142,8 @@ impl Default for Settings {
 pub(crate) struct Engine<St> {
     store: St,
     settings: Arc<Settings>,
+    /// Where the leases of running claims are renewed; `None` when keep-alive is off.
+    renewals: Option<Renewals<St>>,
 }
 
 /// What a claim found.
@@ -156,11 +160,15 @@ pub(crate) enum Claimed<St> {
     Mismatch,
 }
 
-impl<St> Engine<St> {
-    pub(crate) fn new(store: St, settings: Arc<Settings>) -> Self {
-        Self { store, settings }
+impl<St: Clone> Engine<St> {
+    /// An engine for a door whose claims' leases `renewals` renew.
+    pub(crate) fn new(store: St, settings: Arc<Settings>, renewals: &RenewalsCell<St>) -> Self {
+        let renewals = renewals.get(&store, &settings);
+        Self { store, settings, renewals }
     }
+}
 
+impl<St> Engine<St> {
     pub(crate) fn store(&self) -> &St {
         &self.store
     }
@@ -212,8 +220,8 @@ impl<St: Store> Engine<St> {
                     fingerprint,
                     owner,
                     settings,
-                    route,
-                    taken_over,
+                    (route, taken_over),
+                    self.renewals.as_ref(),
                 ))
             }
             Claim::Replay { response: stored, .. } => {

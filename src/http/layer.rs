@@ -12,7 +12,7 @@ use super::{
     service::Idempotency,
 };
 use crate::{
-    engine::{DEFAULT_HTTP_WAIT, Engine, Settings, engine_setters},
+    engine::{DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters},
     fingerprint::{PayloadRules, payload_rule_setters},
     key::RecordKey,
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, Store, StoreError},
@@ -54,6 +54,8 @@ pub struct IdempotencyLayer<St, Sc = GlobalScope> {
     scope: Sc,
     config: Arc<Config>,
     settings: Arc<Settings>,
+    /// Where the leases of the claims of every service this layer wraps are renewed.
+    renewals: RenewalsCell<St>,
 }
 
 impl<St: Store> IdempotencyLayer<St> {
@@ -64,6 +66,7 @@ impl<St: Store> IdempotencyLayer<St> {
             scope: GlobalScope,
             config: Arc::new(Config::default()),
             settings: Arc::new(Settings { wait: Some(DEFAULT_HTTP_WAIT), ..Settings::default() }),
+            renewals: RenewalsCell::default(),
         }
     }
 }
@@ -78,6 +81,8 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     }
 
     fn settings(&mut self) -> &mut Settings {
+        // New settings, new renewals: a lease changed after a claim is renewed as set.
+        self.renewals = RenewalsCell::default();
         Arc::make_mut(&mut self.settings)
     }
 
@@ -86,7 +91,8 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// Sets how a request's scope is found (see [`ScopeExtractor`]). Defaults to
     /// [`GlobalScope`].
     pub fn scope<Sc2: ScopeExtractor>(self, scope: Sc2) -> IdempotencyLayer<St, Sc2> {
-        IdempotencyLayer { store: self.store, scope, config: self.config, settings: self.settings }
+        let Self { store, config, settings, renewals, .. } = self;
+        IdempotencyLayer { store, scope, config, settings, renewals }
     }
 
     /// Sets the methods made idempotent. Defaults to POST and PATCH.
@@ -316,7 +322,7 @@ impl<S, St: Store, Sc: Clone> Layer<S> for IdempotencyLayer<St, Sc> {
     type Service = Idempotency<S, St, Sc>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        let engine = Engine::new(self.store.clone(), self.settings.clone());
+        let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         Idempotency::from_parts(inner, engine, self.scope.clone(), self.config.clone())
     }
 }
@@ -340,7 +346,7 @@ impl<St: Admin, Sc> IdempotencyLayer<St, Sc> {
         key: &str,
         with_response: bool,
     ) -> Result<Option<KeyReport<http::Response<bytes::Bytes>>>, StoreError> {
-        let engine = Engine::new(self.store.clone(), self.settings.clone());
+        let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         let reader = |opened| {
             let stored = super::record::decode_opened(opened)
                 .map_err(|error| StoreError::CorruptRecord(error.0.to_owned()))?;

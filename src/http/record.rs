@@ -245,15 +245,18 @@ impl HeaderFilter {
         // once per header: most responses have no `Connection` header.
         let connection = headers.get_all(header::CONNECTION);
         let hop_by_hop = connection.iter().next().is_some();
+        let named_by_connection = move |name: &HeaderName| {
+            connection.iter().any(|listed| {
+                listed.to_str().is_ok_and(|list| {
+                    list.split(',').any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
+                })
+            })
+        };
         headers.iter().filter(move |(name, _)| {
-            !self.excluded.contains(name)
-                && !(hop_by_hop
-                    && connection.iter().any(|listed| {
-                        listed.to_str().is_ok_and(|list| {
-                            list.split(',')
-                                .any(|token| token.trim().eq_ignore_ascii_case(name.as_str()))
-                        })
-                    }))
+            if self.excluded.contains(name) {
+                return false;
+            }
+            !hop_by_hop || !named_by_connection(name)
         })
     }
 }

@@ -1,0 +1,329 @@
+//! [`Renewals`]: the leases of one engine's running claims, renewed by one task for them all.
+//!
+//! A claim registers here ([`Renewals::register`]: a lock and a slab slot) and is renewed every
+//! third of a lease, from the claim to its settle, for at most the keep-alive ceiling. One task
+//! per engine looks over the claims every twelfth of a lease and sends each due renewal in a
+//! task of its own; a claim settled first costs no task and no timer of its own. The renewals
+//! run beside the request's task, not in it, so that an operation that holds its thread for
+//! longer than a lease (blocking where it should await) does not stop them on a multi-threaded
+//! runtime.
+//!
+//! A settle stops its claim's renewals and waits for one on the wire ([`Renewing::stop`]), so
+//! that no renewal lands after the settle: a hand-back (a lease ended now) would otherwise be
+//! undone by a renewal landing after it, and the key held for another lease.
+
+use std::{
+    sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak},
+    time::Duration,
+};
+
+use slab::Slab;
+use tokio::{sync::oneshot, task::JoinHandle, time::Instant};
+
+use super::{Settings, observe};
+use crate::{
+    key::RecordKey,
+    store::{CommitSlot, Fenced, Lease, OwnerToken, Store},
+};
+
+/// A door's renewals: made on its first claim, for its settings then, and shared by every
+/// engine the door makes (the HTTP layer makes one per service it wraps, an axum `Router` not
+/// turned into a service first one per request; the consumer door one per operation). A door
+/// whose settings change starts a new cell.
+pub(crate) struct RenewalsCell<St>(Arc<OnceLock<Option<Renewals<St>>>>);
+
+impl<St> Default for RenewalsCell<St> {
+    fn default() -> Self {
+        Self(Arc::default())
+    }
+}
+
+impl<St> Clone for RenewalsCell<St> {
+    fn clone(&self) -> Self {
+        Self(self.0.clone())
+    }
+}
+
+impl<St> std::fmt::Debug for RenewalsCell<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("RenewalsCell").field(&self.0.get().is_some()).finish()
+    }
+}
+
+impl<St: Clone> RenewalsCell<St> {
+    /// The renewals of claims on `store` under `settings`: `None` when keep-alive is off.
+    pub(crate) fn get(&self, store: &St, settings: &Settings) -> Option<Renewals<St>> {
+        let renewals = self.0.get_or_init(|| {
+            let ceiling = settings.keep_alive?;
+            Some(Renewals::new(store.clone(), settings.lease(), ceiling))
+        });
+        renewals.clone()
+    }
+}
+
+/// The renewals of one door's claims; clones share them.
+pub(crate) struct Renewals<St> {
+    shared: Arc<Shared<St>>,
+}
+
+impl<St> Clone for Renewals<St> {
+    fn clone(&self) -> Self {
+        Self { shared: self.shared.clone() }
+    }
+}
+
+impl<St> std::fmt::Debug for Renewals<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Renewals").field("lease", &self.shared.lease).finish_non_exhaustive()
+    }
+}
+
+struct Shared<St> {
+    store: St,
+    /// The lease each renewal sets.
+    lease: Lease,
+    /// How long after the last renewal (or the claim) the next is due: a third of the lease,
+    /// so that a failed renewal is tried again while the lease still runs.
+    period: Duration,
+    /// How long from its claim a claim is renewed at most.
+    ceiling: Duration,
+    state: Mutex<State>,
+}
+
+struct State {
+    claims: Slab<Entry>,
+    /// Tells a slot's claims apart over time, so that a settled claim's ticket never reaches
+    /// the claim that took its slot.
+    serial: u64,
+    /// The task that looks over the claims; spawned on the first claim, and again when the
+    /// runtime it ran on is gone.
+    task: Option<JoinHandle<()>>,
+}
+
+/// One running claim.
+struct Entry {
+    serial: u64,
+    key: RecordKey,
+    owner: OwnerToken,
+    route: Arc<str>,
+    commit: Arc<CommitSlot>,
+    /// The claim, then each renewal's sending.
+    renewed_at: Instant,
+    give_up_at: Instant,
+    /// A renewal is on the wire.
+    touching: bool,
+    /// The claim settled (or its holder was dropped) while a renewal was on the wire: the
+    /// renewal's end removes it, and tells the settle, which waits, here.
+    ended: Option<Option<oneshot::Sender<()>>>,
+}
+
+/// A claim's place among the renewals.
+#[derive(Debug, Clone, Copy)]
+struct Ticket {
+    index: usize,
+    serial: u64,
+}
+
+impl<St> Renewals<St> {
+    /// Renewals of claims on `store` with `lease`, each for at most `ceiling` from its claim.
+    fn new(store: St, lease: Lease, ceiling: Duration) -> Self {
+        let period = (lease.duration / 3).max(Duration::from_millis(1));
+        let state = State { claims: Slab::new(), serial: 0, task: None };
+        Self {
+            shared: Arc::new(Shared { store, lease, period, ceiling, state: Mutex::new(state) }),
+        }
+    }
+}
+
+impl<St: Store> Renewals<St> {
+    /// Renews `owner`'s claim of `key` until the returned [`Renewing`] stops or is dropped.
+    pub(crate) fn register(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        route: &Arc<str>,
+        commit: &Arc<CommitSlot>,
+    ) -> Renewing<St> {
+        let now = Instant::now();
+        let give_up_at = super::after(self.shared.ceiling);
+        let (key, owner, route, commit) =
+            (key.clone(), owner.clone(), route.clone(), commit.clone());
+        let mut state = self.shared.lock();
+        state.serial += 1;
+        let serial = state.serial;
+        let entry = Entry {
+            serial,
+            key,
+            owner,
+            route,
+            commit,
+            renewed_at: now,
+            give_up_at,
+            touching: false,
+            ended: None,
+        };
+        let index = state.claims.insert(entry);
+        if state.task.as_ref().is_none_or(JoinHandle::is_finished) {
+            let shared = Arc::downgrade(&self.shared);
+            state.task = Some(tokio::spawn(look_over(shared, self.shared.period)));
+        }
+        drop(state);
+        Renewing { renewals: Some(self.clone()), ticket: Ticket { index, serial } }
+    }
+}
+
+impl<St> Shared<St> {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl State {
+    fn entry(&mut self, ticket: Ticket) -> Option<&mut Entry> {
+        self.claims.get_mut(ticket.index).filter(|entry| entry.serial == ticket.serial)
+    }
+
+    /// Ends `ticket`'s renewals: at once, or, with a renewal on the wire, when it ends. Then,
+    /// when `wait`, the receiver hears that end.
+    fn end(&mut self, ticket: Ticket, wait: bool) -> Option<oneshot::Receiver<()>> {
+        let entry = self.entry(ticket)?;
+        if entry.touching {
+            let (waiter, on_the_wire) = match wait {
+                true => {
+                    let (waiter, on_the_wire) = oneshot::channel();
+                    (Some(waiter), Some(on_the_wire))
+                }
+                false => (None, None),
+            };
+            entry.ended = Some(waiter);
+            return on_the_wire;
+        }
+        self.claims.remove(ticket.index);
+        None
+    }
+}
+
+/// A claim's renewals; dropped, they stop (without waiting for one on the wire).
+pub(crate) struct Renewing<St> {
+    renewals: Option<Renewals<St>>,
+    ticket: Ticket,
+}
+
+impl<St> Renewing<St> {
+    /// Stops the renewals, and waits for one on the wire: before a settle, so that no renewal
+    /// lands after it.
+    pub(crate) async fn stop(mut self) {
+        let Some(renewals) = self.renewals.take() else { return };
+        let on_the_wire = renewals.shared.lock().end(self.ticket, true);
+        if let Some(on_the_wire) = on_the_wire {
+            // Err when the renewal's task was dropped with its runtime: nothing is on the wire.
+            let _ = on_the_wire.await;
+        }
+    }
+}
+
+impl<St> Drop for Renewing<St> {
+    fn drop(&mut self) {
+        if let Some(renewals) = self.renewals.take() {
+            renewals.shared.lock().end(self.ticket, false);
+        }
+    }
+}
+
+/// Every twelfth of a lease (a quarter of a period, so that a renewal is sent within a
+/// quarter period of its due time, and a failed one is tried again while the lease runs),
+/// sends the due renewals. Ends when the engine and every claim of it are gone.
+async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration) {
+    let tick = (period / 4).max(Duration::from_millis(1));
+    loop {
+        tokio::time::sleep(tick).await;
+        let Some(shared) = shared.upgrade() else { return };
+        let now = Instant::now();
+        let mut state = shared.lock();
+        let mut given_up = Vec::new();
+        for (index, entry) in &mut state.claims {
+            if entry.touching || now.duration_since(entry.renewed_at) < shared.period {
+                continue;
+            }
+            if now >= entry.give_up_at {
+                tracing::warn!(
+                    key_hash = entry.key.hash(),
+                    "idempotency: keep-alive ceiling reached; the lease will lapse"
+                );
+                given_up.push(index);
+                continue;
+            }
+            entry.touching = true;
+            entry.renewed_at = now;
+            let ticket = Ticket { index, serial: entry.serial };
+            // Made before the task, so that a task the runtime drops unstarted still ends it.
+            let touched = Touched { shared: shared.clone(), ticket, keep: true };
+            let touch = (entry.key.clone(), entry.owner.clone());
+            let (route, commit) = (entry.route.clone(), entry.commit.clone());
+            drop(tokio::spawn(renew(touched, touch, route, commit)));
+        }
+        for index in given_up {
+            state.claims.remove(index);
+        }
+    }
+}
+
+/// One renewal of one claim.
+async fn renew<St: Store>(
+    mut touched: Touched<St>,
+    (key, owner): (RecordKey, OwnerToken),
+    route: Arc<str>,
+    commit: Arc<CommitSlot>,
+) {
+    let hash = key.hash();
+    match touched.shared.store.touch(&key, &owner, touched.shared.lease).await {
+        Ok(Fenced::Applied) => {}
+        // The operation's own transaction settled the record (the renewal waited on its row
+        // lock): not a lease lost.
+        Ok(Fenced::Rejected) if commit.begun() => {
+            touched.keep = false;
+            tracing::debug!(
+                key_hash = hash,
+                "idempotency: the record was settled in the operation's transaction"
+            );
+        }
+        Ok(Fenced::Rejected) => {
+            touched.keep = false;
+            tracing::warn!(key_hash = hash, "idempotency: lease lost to another request");
+        }
+        // The next is due a period on; the lease has two more periods to run.
+        Err(error) => {
+            observe::store_error(&route, "touch");
+            tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed");
+        }
+    }
+}
+
+/// The end of a renewal on the wire, however it ends (answered, or its task dropped): the
+/// claim is renewed again when due, or removed (lost, or settled meanwhile, whose settle is
+/// told).
+struct Touched<St> {
+    shared: Arc<Shared<St>>,
+    ticket: Ticket,
+    /// Whether the claim is still to be renewed.
+    keep: bool,
+}
+
+impl<St> Drop for Touched<St> {
+    fn drop(&mut self) {
+        let mut state = self.shared.lock();
+        let Some(entry) = state.entry(self.ticket) else { return };
+        entry.touching = false;
+        match entry.ended.take() {
+            Some(waiter) => {
+                state.claims.remove(self.ticket.index);
+                drop(state);
+                if let Some(waiter) = waiter {
+                    let _ = waiter.send(());
+                }
+            }
+            None if !self.keep => drop(state.claims.remove(self.ticket.index)),
+            None => {}
+        }
+    }
+}
