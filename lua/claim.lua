@@ -17,14 +17,15 @@
 --   lease deadline: milliseconds since the Unix epoch by the server's clock, in decimal; an
 --   in-progress record of exactly 50 bytes (written before deadlines) has none, and lives
 --   exactly as long as its lease
--- Returns one of:
---   {0}                 claimed: the caller owns the key for the lease
---   {1, record, ttl}    completed with the same fingerprint: the whole record, to replay, and
---                       its remaining time to live in milliseconds
+-- Returns one of (the hot answers a single value: redis-rs reads an array's reply at about
+-- twice the cost of a lone value's):
+--   0                   claimed: the caller owns the key for the lease
+--   'ttl:record'        completed with the same fingerprint: its remaining time to live in
+--                       milliseconds (-1 for none), in decimal, then the whole record, to replay
 --   {2}                 a different fingerprint holds the key: mismatch
 --   {3, remaining_ms}   in progress under another owner
 --   {4, reason}         the value was not written by this layer (or by another version)
---   {5}                 taken over: the same fingerprint's lease lapsed within its recovery
+--   5                   taken over: the same fingerprint's lease lapsed within its recovery
 --                       window; the caller owns the key for the lease
 --   {6}                 refused, nothing written: the claim arrived after its deadline, or
 --                       the caller's own token abandoned it before it arrived
@@ -50,7 +51,7 @@ if not record then
     return {6}
   end
   hold('P', now)
-  return {0}
+  return 0
 end
 if type(record) == 'table' then
   return {4, 'not a string'}
@@ -67,7 +68,7 @@ if state == 'X' and #record == 50 then
     return {6}
   end
   hold('P', now)
-  return {0}
+  return 0
 end
 local deadline = nil
 if state == 'P' or state == 'W' then
@@ -84,7 +85,7 @@ if string.sub(record, 3, 34) ~= ARGV[1] then
   return {2}
 end
 if state == 'C' then
-  return {1, record, redis.call('PTTL', key)}
+  return redis.call('PTTL', key) .. ':' .. record
 end
 if deadline ~= nil then
   local now = now_ms()
@@ -95,7 +96,7 @@ if deadline ~= nil then
     -- The lease lapsed: the caller takes over. A 'W' mark stays, so the settle still
     -- publishes to whoever waits.
     hold(state, now)
-    return {5}
+    return 5
   end
   if state == 'P' and ARGV[5] == '1' then
     redis.call('SETRANGE', key, 1, 'W')

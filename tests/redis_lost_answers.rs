@@ -174,7 +174,7 @@ async fn a_claim_arriving_after_its_deadline_writes_nothing() {
     assert_eq!(before, after, "a late takeover rewrote the record");
     // In time, the same claims land.
     let reply: Value = claim(&absent, now_ms + 60_000).invoke_async(&mut redis).await.unwrap();
-    assert_eq!(reply, Value::Array(vec![Value::Int(0)]));
+    assert_eq!(reply, Value::Int(0));
     let reply: Value = claim(&lapsed, now_ms + 60_000).invoke_async(&mut redis).await.unwrap();
-    assert_eq!(reply, Value::Array(vec![Value::Int(5)]));
+    assert_eq!(reply, Value::Int(5));
 }
