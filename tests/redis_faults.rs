@@ -314,3 +314,21 @@ async fn a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so() {
     server.signal("-CONT");
     assert_eq!(calls.get(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_timeout_longer_than_redis_rs_default_is_waited_out() {
+    // redis-rs gives up on a reply after 500 ms unless told otherwise: a store whose command
+    // timeout is two seconds waits out a Redis paused for 900 ms, and runs the handler once.
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 2000)));
+    assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
+    server.signal("-STOP");
+    let during = send_in_background(&app, keyed("POST", "/payments", "k1", "{}"));
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    server.signal("-CONT");
+    let during = during.await.unwrap();
+    assert_eq!(during.status, 201, "{:?}", during.body);
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(calls.get(), 2);
+}

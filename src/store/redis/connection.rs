@@ -84,6 +84,19 @@ impl ConnectionLike for SharedConnection {
     }
 }
 
+impl SharedConnection {
+    /// Bounds the wait for each reply by `timeout`. redis-rs gives up after its own otherwise
+    /// (500 ms unless told): the store's timeout is the one that holds, however long. A Cluster
+    /// connection keeps the node timeouts it was built with (see `cluster.rs`).
+    fn bound_replies(&mut self, timeout: Duration) {
+        match self {
+            Self::Standalone(connection) => connection.set_response_timeout(timeout),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(_) => {}
+        }
+    }
+}
+
 /// One shared connection, taken from the pool when there is none or the last one failed.
 pub(super) struct Connections {
     pub(super) source: Source,
@@ -163,8 +176,12 @@ impl Connections {
         Fut: Future<Output = Result<T, RedisError>> + Send,
     {
         let attempt = async {
-            let connection = self.connection().await?;
-            op(connection).await.map_err(StoreError::from)
+            let mut connection = self.connection().await?;
+            connection.bound_replies(timeout);
+            op(connection).await.map_err(|error| match error.is_timeout() {
+                true => StoreError::Timeout(timeout),
+                false => StoreError::from(error),
+            })
         };
         let result = match tokio::time::timeout(timeout, attempt).await {
             Ok(result) => result,
