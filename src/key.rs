@@ -43,21 +43,28 @@ impl RecordKey {
         let digest = Fingerprint::of_fields(&[prefix.as_bytes(), scope, key]);
         let digest = digest.as_bytes();
         let mut full = String::with_capacity(prefix.len() + 3 + 2 * digest.len());
-        for c in prefix.chars() {
-            match c {
-                '{' => full.push_str("%7B"),
-                '}' => full.push_str("%7D"),
-                '%' => full.push_str("%25"),
-                c => full.push(c),
+        // Most prefixes need no escape: written whole, not a character at a time.
+        if prefix.contains(['{', '}', '%']) {
+            for c in prefix.chars() {
+                match c {
+                    '{' => full.push_str("%7B"),
+                    '}' => full.push_str("%7D"),
+                    '%' => full.push_str("%25"),
+                    c => full.push(c),
+                }
             }
+        } else {
+            full.push_str(prefix);
         }
         full.push_str(":{");
         let hash_start = full.len();
         const HEX: &[u8; 16] = b"0123456789abcdef";
-        for byte in digest {
-            full.push(char::from(HEX[usize::from(byte >> 4)]));
-            full.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        let mut hex = [0u8; 64];
+        for (pair, byte) in hex.chunks_exact_mut(2).zip(digest) {
+            pair[0] = HEX[usize::from(byte >> 4)];
+            pair[1] = HEX[usize::from(byte & 0x0f)];
         }
+        full.push_str(std::str::from_utf8(&hex).unwrap_or_default());
         full.push('}');
         Self { full, hash_start }
     }

@@ -299,8 +299,9 @@ impl Store for RedisStore {
         fingerprint: &Fingerprint,
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
-        let window = whole_millis(lease.recovery_window).to_string();
-        let marker = millis(lease.duration).to_string();
+        let (mut window, mut marker) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let window = window.format(whole_millis(lease.recovery_window));
+        let marker = marker.format(millis(lease.duration));
         let args: [&[u8]; 6] = [
             owner.as_bytes(),
             fingerprint.as_bytes(),
@@ -319,8 +320,9 @@ impl Store for RedisStore {
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
         // A zero lease is meant: it ends the lease now.
-        let window = whole_millis(lease.recovery_window).to_string();
-        let lease = whole_millis(lease.duration).to_string();
+        let (mut window, mut lease_ms) = (itoa::Buffer::new(), itoa::Buffer::new());
+        let window = window.format(whole_millis(lease.recovery_window));
+        let lease = lease_ms.format(whole_millis(lease.duration));
         let args: [&[u8]; 4] =
             [owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes(), window.as_bytes()];
         self.fenced(&TOUCH, &[key.as_str()], &args).await
