@@ -13,6 +13,15 @@
 //! false positives it prints (new clicks dropped) are measured against the set of ids the
 //! consumer keeps beside it, and a duplicate never passes. The stream is deleted at the end;
 //! the filters expire within three minutes.
+//!
+//! What a crash costs, before you copy this: the door remembers a page's clicks when it
+//! answers. A consumer that dies after asking and before it counts and acknowledges has the
+//! page delivered again (to another consumer by `XAUTOCLAIM`, or to itself as its pending
+//! entries, read with the id `0` when it starts again), and the door then answers "seen": those
+//! clicks are never counted. That is at most once for the page a crash interrupts, which a
+//! click count can take. Where an event lost costs more than one counted twice, use the consumer
+//! door (`Idempotent::run`, `examples/consumer.rs`): it stores each operation's outcome with its
+//! claim, so a redelivery after a crash runs or replays it, never drops it.
 
 use std::{collections::HashSet, time::Duration};
 

@@ -41,10 +41,16 @@ pub struct FilterBatch {
 }
 
 impl FilterBatch {
-    /// How many events the batch holds.
+    /// How many bit positions each event has in `positions`: `hashes`, and at least one (the
+    /// door never asks for none; a batch built by hand may).
     #[must_use]
-    pub fn events(&self) -> usize {
-        self.positions.len() / (self.hashes.max(1) as usize)
+    pub fn per_event(&self) -> usize {
+        usize::try_from(self.hashes.max(1)).unwrap_or(usize::MAX)
+    }
+
+    /// Each event's bit positions, event after event.
+    pub fn events(&self) -> std::slice::Chunks<'_, u64> {
+        self.positions.chunks(self.per_event())
     }
 }
 

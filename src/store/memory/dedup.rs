@@ -106,12 +106,10 @@ impl DedupStore for MemoryStore {
         let now = SystemTime::now();
         let mut seen = self.seen();
         seen.sweep(now);
-        let hashes = |batch: &FilterBatch| usize::try_from(batch.hashes.max(1)).unwrap_or(1);
         let set = batches.iter().map(|batch| {
             let words = usize::try_from(batch.bits.div_ceil(64)).unwrap_or(usize::MAX);
             batch
-                .positions
-                .chunks(hashes(batch))
+                .events()
                 .map(|positions| {
                     if batch.filters.iter().any(|filter| seen.has_all(filter, positions, now)) {
                         return false;

@@ -51,7 +51,7 @@ impl DedupStore for RedisStore {
 
     async fn set_unseen(&self, batches: &[FilterBatch]) -> Result<Vec<Vec<bool>>, StoreError> {
         let batches = batches.iter().map(|batch| {
-            let hashes = usize::try_from(batch.hashes.max(1)).unwrap_or(1);
+            let hashes = batch.per_event();
             let chunks = batch.positions.chunks(EVENTS_PER_SCRIPT * hashes).map(move |positions| {
                 let sizes = [hashes.to_string(), batch.bits.div_ceil(8).to_string()];
                 let args = sizes
