@@ -85,7 +85,8 @@ if string.sub(record, 3, 34) ~= ARGV[1] then
   return {2}
 end
 if state == 'C' then
-  return redis.call('PTTL', key) .. ':' .. record
+  -- '%.0f', not Lua's own number to text: that writes 1.1258999068426e+15 for 2^50 ms.
+  return string.format('%.0f', redis.call('PTTL', key)) .. ':' .. record
 end
 if deadline ~= nil then
   local now = now_ms()
