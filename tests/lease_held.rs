@@ -277,6 +277,8 @@ async fn the_keep_alive_ceiling_counts_from_the_claim<H: Harness>(h: H) {
 struct SlowRenewals {
     inner: axum_idempotency::MemoryStore,
     delay: Duration,
+    /// The renewals sent (touches with a lease).
+    renewals: Arc<AtomicUsize>,
 }
 
 impl Store for SlowRenewals {
@@ -317,6 +319,7 @@ impl Store for SlowRenewals {
     ) -> Result<axum_idempotency::store::Fenced, axum_idempotency::store::StoreError> {
         // A renewal is slow; the hand-back (a zero lease) is not.
         if !lease.duration.is_zero() {
+            self.renewals.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(self.delay).await;
         }
         self.inner.touch(key, owner, lease).await
@@ -329,7 +332,11 @@ async fn a_renewal_on_the_wire_never_lands_after_the_settle() {
     // 150 ms, and the key is handed back (its lease ended, for the next claim to take over).
     // The hand-back waits for the renewal on the wire; were it sent at once, the renewal would
     // land after it and hold the key for another lease.
-    let store = SlowRenewals { inner: axum_idempotency::MemoryStore::new(), delay: LEASE * 2 / 3 };
+    let store = SlowRenewals {
+        inner: axum_idempotency::MemoryStore::new(),
+        delay: LEASE * 2 / 3,
+        renewals: Arc::default(),
+    };
     let hook = |_lookup: Lookup<Request<Bytes>>| async {
         tokio::time::sleep(LEASE / 2).await;
         Err::<Recovered<Response<Bytes>>, _>(std::io::Error::other("database unreachable"))
@@ -434,4 +441,45 @@ fn a_layer_whose_first_runtime_ended_renews_on_the_next() {
         assert_eq!(slow.await.unwrap().status, 201);
     });
     assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_past_its_ceiling_settling_late_leaves_the_next_claims_renewals_alone() {
+    // The first request outlives its keep-alive ceiling, so its renewals end while it runs;
+    // the second request's claim then takes its place among the renewals. The first settling
+    // afterwards must stop nothing of the second's: the second keeps its key past its lease.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
+        .lease(LEASE)
+        .keep_alive(Some(4 * LEASE))
+        .wait_for_in_progress(Duration::ZERO);
+    let first = slow_app(&calls, 6 * LEASE, false).layer(layer.clone());
+    let second = slow_app(&calls, 7 * LEASE / 2, false).layer(layer);
+    let outlives = send_in_background(&first, keyed("POST", "/pay", "k1", "{}"));
+    tokio::time::sleep(9 * LEASE / 2).await;
+    let held = send_in_background(&second, keyed("POST", "/pay", "k2", "{}"));
+    // The first settles at 6 leases; the second's lease, renewed until then, would lapse by 7.
+    tokio::time::sleep(3 * LEASE).await;
+    let during = send(&second, keyed("POST", "/pay", "k2", "{}")).await;
+    during.assert_problem(202, "in-progress");
+    assert_eq!(outlives.await.unwrap().status, 201);
+    assert_eq!(held.await.unwrap().status, 201);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_renewed_every_third_of_a_lease_not_more() {
+    // A handler of two leases: renewed every third of a lease (sent within a quarter of that
+    // of its due time), about six times; not at every look the renewals' task takes (24).
+    let store = SlowRenewals {
+        inner: axum_idempotency::MemoryStore::new(),
+        delay: Duration::ZERO,
+        renewals: Arc::default(),
+    };
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(store.clone()).lease(LEASE);
+    let app = slow_app(&calls, 2 * LEASE, false).layer(layer);
+    assert_eq!(send(&app, keyed("POST", "/pay", "k1", "{}")).await.status, 201);
+    let renewals = store.renewals.load(Ordering::SeqCst);
+    assert!((3..=8).contains(&renewals), "{renewals} renewals in two leases");
 }
