@@ -94,13 +94,22 @@ pub(super) fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
     let items = match reply {
         Value::Int(0) => return Ok(Claim::Claimed),
         Value::Int(5) => return Ok(Claim::TakenOver),
-        Value::BulkString(replay) => return parse_replay(replay).ok_or_else(unexpected),
         Value::Array(items) => items,
         _ => return Err(unexpected()),
     };
     let mut items = items.into_iter();
     let Some(Value::Int(code)) = items.next() else { return Err(unexpected()) };
     match (code, items.next()) {
+        (1, Some(Value::BulkString(record))) if record.len() >= RESPONSE_OFFSET => {
+            // A record without an expiry (PTTL -1, not written by this layer) has no time left
+            // to be copied for.
+            let remaining = match items.next() {
+                Some(Value::Int(ms)) => Duration::from_millis(u64::try_from(ms).unwrap_or(0)),
+                _ => Duration::ZERO,
+            };
+            let response = Bytes::from(record).slice(RESPONSE_OFFSET..);
+            Ok(Claim::Replay { response, remaining })
+        }
         (2, None) => Ok(Claim::Mismatch),
         (6, None) => Err(StoreError::ClaimAbandoned),
         (3, Some(Value::Int(remaining_ms))) => Ok(Claim::InProgress {
@@ -113,21 +122,6 @@ pub(super) fn parse_claim(reply: Value) -> Result<Claim, StoreError> {
     }
 }
 
-/// Reads a replay's reply, `ttl:record`: the response shares the reply's memory.
-fn parse_replay(replay: Vec<u8>) -> Option<Claim> {
-    // PTTL's answer: a few digits, or -1 for a record without an expiry (not written by this
-    // layer), which has no time left to be copied for.
-    let colon = replay.iter().take(21).position(|&byte| byte == b':')?;
-    let ttl = std::str::from_utf8(&replay[..colon]).ok()?.parse::<i64>().ok()?;
-    let remaining = Duration::from_millis(u64::try_from(ttl).unwrap_or(0));
-    let record = colon + 1;
-    if replay.len() - record < RESPONSE_OFFSET {
-        return None;
-    }
-    let response = Bytes::from(replay).slice(record + RESPONSE_OFFSET..);
-    Some(Claim::Replay { response, remaining })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,26 +129,27 @@ mod tests {
     #[test]
     fn a_claims_reply_is_read_whatever_its_shape() {
         let record = |response: &[u8]| [b"1C".as_slice(), &[7; 32], response].concat();
-        let replay = |ttl: &str, response: &[u8]| {
-            parse_claim(Value::BulkString([ttl.as_bytes(), b":", &record(response)].concat()))
+        let replay = |ttl: i64, record: Vec<u8>| {
+            parse_claim(Value::Array(vec![
+                Value::Int(1),
+                Value::BulkString(record),
+                Value::Int(ttl),
+            ]))
         };
-        let Ok(Claim::Replay { response, remaining }) = replay("86399123", b"4:2 ok") else {
+        let Ok(Claim::Replay { response, remaining }) = replay(86_399_123, record(b"4:2 ok"))
+        else {
             panic!("not a replay")
         };
         assert_eq!((&response[..], remaining), (&b"4:2 ok"[..], Duration::from_millis(86_399_123)));
-        let Ok(Claim::Replay { response, remaining }) = replay("-1", b"") else { panic!() };
+        let Ok(Claim::Replay { response, remaining }) = replay(-1, record(b"")) else { panic!() };
         assert_eq!((&response[..], remaining), (&b""[..], Duration::ZERO));
-        // Neither a number before the colon, nor a record whole after it, is a replay.
-        for corrupt in [replay("12x", b"r"), replay("", b"r")] {
-            assert!(matches!(corrupt, Err(StoreError::CorruptRecord(_))), "{corrupt:?}");
-        }
-        let truncated = parse_claim(Value::BulkString(b"5:1C".to_vec()));
+        let truncated = replay(5, b"1C".to_vec());
         assert!(matches!(truncated, Err(StoreError::CorruptRecord(_))), "{truncated:?}");
-        let no_colon = parse_claim(Value::BulkString(vec![b'9'; 40]));
-        assert!(matches!(no_colon, Err(StoreError::CorruptRecord(_))), "{no_colon:?}");
         assert!(matches!(parse_claim(Value::Int(0)), Ok(Claim::Claimed)));
         assert!(matches!(parse_claim(Value::Int(5)), Ok(Claim::TakenOver)));
         assert!(matches!(parse_claim(Value::Int(1)), Err(StoreError::CorruptRecord(_))));
+        let bulk = parse_claim(Value::BulkString(record(b"r")));
+        assert!(matches!(bulk, Err(StoreError::CorruptRecord(_))), "{bulk:?}");
         let in_progress = parse_claim(Value::Array(vec![Value::Int(3), Value::Int(250)]));
         assert!(
             matches!(in_progress, Ok(Claim::InProgress { remaining }) if remaining.as_millis() == 250)
