@@ -240,7 +240,7 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration) {
         let Some(shared) = shared.upgrade() else { return };
         let now = Instant::now();
         let mut state = shared.lock();
-        let mut given_up = Vec::new();
+        let (mut given_up, mut due) = (Vec::new(), Vec::new());
         for (index, entry) in &mut state.claims {
             if entry.touching || now.duration_since(entry.renewed_at) < shared.period {
                 continue;
@@ -259,11 +259,16 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration) {
             // Made before the task, so that a task the runtime drops unstarted still ends it.
             let touched = Touched { shared: shared.clone(), ticket, keep: true };
             let touch = (entry.key.clone(), entry.owner.clone());
-            let (route, commit) = (entry.route.clone(), entry.commit.clone());
-            drop(tokio::spawn(renew(touched, touch, route, commit)));
+            due.push((touched, touch, entry.route.clone(), entry.commit.clone()));
         }
         for index in given_up {
             state.claims.remove(index);
+        }
+        // Spawned with the lock released: a runtime shutting down drops a task it is given at
+        // once, and its `Touched` takes the lock.
+        drop(state);
+        for (touched, touch, route, commit) in due {
+            drop(tokio::spawn(renew(touched, touch, route, commit)));
         }
     }
 }
