@@ -31,80 +31,72 @@
 --   {6}                 refused, nothing written: the claim arrived after its deadline, or
 --                       the caller's own token abandoned it before it arrived
 local key = KEYS[1]
-local lease = tonumber(ARGV[3])
-local window = tonumber(ARGV[6])
-local not_after = tonumber(ARGV[7]) or 0
-local function now_ms()
-  local time = redis.call('TIME')
-  return tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-end
-local function hold(state, now)
-  redis.call('SET', key, ARGV[4] .. state .. ARGV[1] .. ARGV[2] .. string.format('%.0f', now + lease),
-    'PX', lease + window)
-end
-local function late(now)
-  return not_after > 0 and now > not_after
-end
+-- No local functions, and one write at the end that every claim shares: this script runs on
+-- every new key, and building closures on each run, like each `redis.call`, costs Redis time.
 local record = redis.pcall('GET', key)
-if not record then
-  local now = now_ms()
-  if late(now) then
-    return {6}
+-- What a claim writes: its state, its answer, and the server's time if it was read already.
+local state, answer, now = 'P', 0, nil
+if record then
+  if type(record) == 'table' then
+    return {4, 'not a string'}
   end
-  hold('P', now)
-  return 0
-end
-if type(record) == 'table' then
-  return {4, 'not a string'}
-end
-if string.sub(record, 1, 1) ~= ARGV[4] or #record < 34 then
-  return {4, 'unknown version or truncated'}
-end
-local state = string.sub(record, 2, 2)
-if state == 'X' and #record == 50 then
-  -- An abandoned claim's marker: it refuses that claim, landing late; for any other claim
-  -- the key is absent.
-  local now = now_ms()
-  if string.sub(record, 35, 50) == ARGV[2] or late(now) then
-    return {6}
+  if string.sub(record, 1, 1) ~= ARGV[4] or #record < 34 then
+    return {4, 'unknown version or truncated'}
   end
-  hold('P', now)
-  return 0
-end
-local deadline = nil
-if state == 'P' or state == 'W' then
-  if #record > 50 then
-    deadline = tonumber(string.sub(record, 51))
-  end
-  if #record < 50 or (#record > 50 and deadline == nil) then
-    return {4, 'unknown state'}
-  end
-elseif state ~= 'C' then
-  return {4, 'unknown state'}
-end
-if string.sub(record, 3, 34) ~= ARGV[1] then
-  return {2}
-end
-if state == 'C' then
-  return {1, record, redis.call('PTTL', key)}
-end
-if deadline ~= nil then
-  local now = now_ms()
-  if now >= deadline then
-    if late(now) then
+  state = string.sub(record, 2, 2)
+  if state == 'X' and #record == 50 then
+    -- An abandoned claim's marker: it refuses that claim, landing late; for any other claim
+    -- the key is absent.
+    if string.sub(record, 35, 50) == ARGV[2] then
       return {6}
+    end
+    state = 'P'
+  else
+    local deadline = nil
+    if state == 'P' or state == 'W' then
+      if #record > 50 then
+        deadline = tonumber(string.sub(record, 51))
+      end
+      if #record < 50 or (#record > 50 and deadline == nil) then
+        return {4, 'unknown state'}
+      end
+    elseif state ~= 'C' then
+      return {4, 'unknown state'}
+    end
+    if string.sub(record, 3, 34) ~= ARGV[1] then
+      return {2}
+    end
+    if state == 'C' then
+      return {1, record, redis.call('PTTL', key)}
+    end
+    if deadline == nil then
+      if state == 'P' and ARGV[5] == '1' then
+        redis.call('SETRANGE', key, 1, 'W')
+      end
+      return {3, redis.call('PTTL', key)}
+    end
+    local time = redis.call('TIME')
+    now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+    if now < deadline then
+      if state == 'P' and ARGV[5] == '1' then
+        redis.call('SETRANGE', key, 1, 'W')
+      end
+      return {3, deadline - now}
     end
     -- The lease lapsed: the caller takes over. A 'W' mark stays, so the settle still
     -- publishes to whoever waits.
-    hold(state, now)
-    return 5
+    answer = 5
   end
-  if state == 'P' and ARGV[5] == '1' then
-    redis.call('SETRANGE', key, 1, 'W')
-  end
-  return {3, deadline - now}
 end
-if state == 'P' and ARGV[5] == '1' then
-  redis.call('SETRANGE', key, 1, 'W')
+if now == nil then
+  local time = redis.call('TIME')
+  now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 end
-return {3, redis.call('PTTL', key)}
+local not_after = tonumber(ARGV[7]) or 0
+if not_after > 0 and now > not_after then
+  return {6}
+end
+local lease = tonumber(ARGV[3])
+redis.call('SET', key, ARGV[4] .. state .. ARGV[1] .. ARGV[2] .. string.format('%.0f', now + lease),
+  'PX', lease + tonumber(ARGV[6]))
+return answer

@@ -332,3 +332,41 @@ async fn a_command_timeout_longer_than_redis_rs_default_is_waited_out() {
     assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     assert_eq!(calls.get(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_against_a_paused_redis_ends_within_the_command_timeout() {
+    // More operations than the connection's pipeline channel holds (50): those that wait for
+    // room in it are bounded too, as are those on the wire. redis-rs's own 500 ms reply timer
+    // would answer too late; no bound at all, never.
+    use axum_idempotency::{
+        Fingerprint,
+        store::{Lease, OwnerToken, Store, StoreError},
+    };
+    let server = RedisServer::start();
+    let store = store(&server, 250);
+    let fingerprint = Fingerprint::of_payload(b"{}");
+    let lease = Lease::new(Duration::from_secs(30));
+    let warm = store.claim(&global("warm"), &fingerprint, &OwnerToken::random(), lease).await;
+    assert!(warm.is_ok(), "{warm:?}");
+    server.signal("-STOP");
+    let operations: Vec<_> = (0..200)
+        .map(|i| {
+            let store = store.clone();
+            let fingerprint = fingerprint.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let key = global(&format!("k{i}"));
+                let claim = store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await;
+                (claim, started.elapsed())
+            })
+        })
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for operation in operations {
+        let (claim, took) = operation.await.unwrap();
+        assert!(matches!(claim, Err(StoreError::Timeout(_))), "{claim:?}");
+        slowest = slowest.max(took);
+    }
+    server.signal("-CONT");
+    assert!(slowest < Duration::from_millis(450), "an operation took {slowest:?}");
+}

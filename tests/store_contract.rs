@@ -507,6 +507,18 @@ async fn foreign_values_are_reported_and_never_overwritten<H: RawHarness>(h: H) 
         assert_eq!(h.describe(&k).await, before, "{what}: the value changed");
         assert_eq!(h.pttl(&k).await, -1, "{what}: an expiry was set");
     }
+    // Another version's record under the very owner token that completes it (a claim's
+    // record, its version byte rewritten): still not this layer's to write.
+    let k = key("another version, the same owner");
+    let owner = claimed(&store, &k, &fp("1"), LONG).await;
+    let mut raw = h.raw(&k).await.expect("a record");
+    raw[0] = b'2';
+    h.plant(&k, RawValue::String(raw.clone())).await;
+    assert_eq!(
+        store.complete(&k, &owner, &fp("1"), response("r"), LONG).await.unwrap(),
+        Fenced::Rejected
+    );
+    assert_eq!(h.raw(&k).await, Some(raw));
 }
 
 const WINDOW: Duration = Duration::from_secs(3600);

@@ -9,8 +9,7 @@ use futures_util::future::join_all;
 
 use super::{
     RECORD_VERSION, RedisStore,
-    connection::SharedConnection,
-    scripts::{FORGET, INSPECT, settle_channel},
+    scripts::{FORGET, INSPECT, ScriptCall, settle_channel},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -30,16 +29,23 @@ impl Admin for RedisStore {
         with_outcome: bool,
     ) -> Result<Option<Inspection>, StoreError> {
         let with: &[u8] = if with_outcome { b"1" } else { b"0" };
-        let reply: Value =
-            self.invoke(&INSPECT, &[key.as_str()], &[RECORD_VERSION.as_bytes(), with]).await?;
+        let reply: Value = self
+            .invoke(ScriptCall::new(
+                &INSPECT,
+                &[key.as_str()],
+                &[RECORD_VERSION.as_bytes(), with],
+                0,
+            ))
+            .await?;
         parse_inspection(reply, with_outcome)
     }
 
     async fn forget(&self, key: &RecordKey, force: bool) -> Result<Forgotten, StoreError> {
         let force: &[u8] = if force { b"1" } else { b"0" };
         let args = [RECORD_VERSION.as_bytes(), force, self.publish_command()];
-        let reply: Value =
-            self.invoke(&FORGET, &[key.as_str(), &settle_channel(key)], &args).await?;
+        let reply: Value = self
+            .invoke(ScriptCall::new(&FORGET, &[key.as_str(), &settle_channel(key)], &args, 0))
+            .await?;
         match reply {
             Value::Int(0) => Ok(Forgotten::Absent),
             Value::Int(1) => Ok(Forgotten::Deleted),
@@ -98,15 +104,14 @@ impl RedisStore {
         let timeout = self.command_timeout;
         self.connections
             .run(timeout, |connection| async move {
-                match connection {
-                    #[cfg(feature = "cluster")]
-                    SharedConnection::Cluster(mut cluster) => {
-                        let nodes: String =
-                            cmd("CLUSTER").arg("NODES").query_async(&mut cluster).await?;
-                        Ok(masters(&nodes).into_iter().map(Some).collect())
-                    }
-                    SharedConnection::Standalone(_) => Ok(vec![None]),
+                #[cfg(feature = "cluster")]
+                if let Some(cluster) = { connection }.cluster() {
+                    let nodes: String = cmd("CLUSTER").arg("NODES").query_async(cluster).await?;
+                    return Ok(masters(&nodes).into_iter().map(Some).collect());
                 }
+                #[cfg(not(feature = "cluster"))]
+                drop(connection);
+                Ok(vec![None])
             })
             .await
     }
@@ -119,22 +124,19 @@ impl RedisStore {
         scan.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(SCAN_COUNT);
         let timeout = self.command_timeout;
         self.connections
-            .run(timeout, |connection| async move {
-                match (connection, node) {
-                    #[cfg(feature = "cluster")]
-                    (SharedConnection::Cluster(mut cluster), Some((host, port))) => {
-                        use deadpool_redis::redis::{
-                            FromRedisValue as _,
-                            cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
-                        };
-                        let node =
-                            SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port };
-                        let reply =
-                            cluster.route_command(scan, RoutingInfo::SingleNode(node)).await?;
-                        <(u64, Vec<String>)>::from_redis_value(reply).map_err(Into::into)
-                    }
-                    (mut connection, _) => scan.query_async(&mut connection).await,
+            .run(timeout, |mut connection| async move {
+                #[cfg(feature = "cluster")]
+                if let (Some(cluster), Some((host, port))) = (connection.cluster(), node) {
+                    use deadpool_redis::redis::{
+                        FromRedisValue as _,
+                        cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
+                    };
+                    let node = SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port };
+                    let reply = cluster.route_command(scan, RoutingInfo::SingleNode(node)).await?;
+                    return <(u64, Vec<String>)>::from_redis_value(reply).map_err(Into::into);
                 }
+                let _ = node;
+                scan.query_async(&mut connection).await
             })
             .await
     }

@@ -10,7 +10,7 @@ use futures_util::future::try_join_all;
 
 use super::{
     RedisStore,
-    scripts::{BLOOM, DEDUP, millis},
+    scripts::{BLOOM, DEDUP, ScriptCall, millis},
 };
 use crate::store::{BucketBatch, DedupStore, FilterBatch, StoreError};
 
@@ -81,7 +81,7 @@ impl RedisStore {
         let args: Vec<Vec<u8>> = std::iter::once(expire_at.into_bytes()).chain(args).collect();
         let args: Vec<&[u8]> = args.iter().map(Vec::as_slice).collect();
         let keys = [keys[0].as_str(), keys[1].as_str(), keys[2].as_str()];
-        let fresh: Vec<i64> = self.invoke(script, &keys, &args).await?;
+        let fresh: Vec<i64> = self.invoke(ScriptCall::new(script, &keys, &args, 0)).await?;
         Ok(fresh.into_iter().map(|new| new == 1).collect())
     }
 }

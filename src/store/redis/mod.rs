@@ -15,7 +15,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use bytes::Bytes;
 use deadpool_redis::{
     Pool,
-    redis::{FromRedisValue, Script, Value},
+    redis::{FromRedisValue, Value},
 };
 
 #[cfg(feature = "cluster")]
@@ -23,7 +23,8 @@ pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use self::{
     connection::{Connections, Source},
     scripts::{
-        ABANDON, CLAIM, COMPLETE, RELEASE, TOUCH, millis, parse_claim, settle_channel, whole_millis,
+        ABANDON, CLAIM, COMPLETE, RELEASE, ScriptCall, TOUCH, millis, parse_claim, settle_channel,
+        whole_millis,
     },
     subscriber::{Listen, Subscriber},
 };
@@ -135,29 +136,21 @@ impl RedisStore {
         self
     }
 
-    /// Runs `script` over `keys` with `args`: every transition is one such call.
-    async fn invoke<T: FromRedisValue + Send>(
-        &self,
-        script: &'static Script,
-        keys: &[&str],
-        args: &[&[u8]],
-    ) -> Result<T, StoreError> {
+    /// Runs one script call: every transition is one.
+    async fn invoke<T: FromRedisValue + Send>(&self, call: ScriptCall) -> Result<T, StoreError> {
+        let call = &call;
         self.connections
-            .run(self.command_timeout, |mut connection| async move {
-                scripts::evalsha(&mut connection, script, keys, args).await
-            })
+            .run(
+                self.command_timeout,
+                |mut connection| async move { call.query(&mut connection).await },
+            )
             .await
     }
 
     /// Runs a fenced script: 1 (or 2, see `lua/complete.lua` and `lua/abandon.lua`) when
     /// applied, 0 when another owner holds the key.
-    async fn fenced(
-        &self,
-        script: &'static Script,
-        keys: &[&str],
-        args: &[&[u8]],
-    ) -> Result<Fenced, StoreError> {
-        let reply: i64 = self.invoke(script, keys, args).await?;
+    async fn fenced(&self, call: ScriptCall) -> Result<Fenced, StoreError> {
+        let reply: i64 = self.invoke(call).await?;
         Ok(if reply == 0 { Fenced::Rejected } else { Fenced::Applied })
     }
 
@@ -216,7 +209,7 @@ impl RedisStore {
                     window.as_bytes(),
                     deadline.as_bytes(),
                 ];
-                scripts::evalsha(&mut connection, &CLAIM, &[key.as_str()], &args).await
+                ScriptCall::new(&CLAIM, &[key.as_str()], &args, 0).query(&mut connection).await
             })
             .await
     }
@@ -275,21 +268,19 @@ impl Store for RedisStore {
     ) -> Result<Fenced, StoreError> {
         let mut retention_ms = itoa::Buffer::new();
         let retention = retention_ms.format(millis(retention));
-        let args: [&[u8]; 6] = [
-            owner.as_bytes(),
-            fingerprint.as_bytes(),
-            &response,
-            retention.as_bytes(),
-            RECORD_VERSION.as_bytes(),
-            self.publish_command(),
-        ];
-        self.fenced(&COMPLETE, &[key.as_str(), &settle_channel(key)], &args).await
+        let args: [&[u8]; 3] = [owner.as_bytes(), retention.as_bytes(), self.publish_command()];
+        // The record as it is stored (see `lua/complete.lua`), joined in the command's buffer.
+        let record = [RECORD_VERSION.as_bytes(), b"C", fingerprint.as_bytes(), &response];
+        let keys = [key.as_str(), &settle_channel(key)];
+        let length = record.iter().map(|piece| piece.len()).sum();
+        self.fenced(ScriptCall::new(&COMPLETE, &keys, &args, length).joined(&record)).await
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
         let args: [&[u8]; 3] =
             [owner.as_bytes(), RECORD_VERSION.as_bytes(), self.publish_command()];
-        self.fenced(&RELEASE, &[key.as_str(), &settle_channel(key)], &args).await
+        self.fenced(ScriptCall::new(&RELEASE, &[key.as_str(), &settle_channel(key)], &args, 0))
+            .await
     }
 
     async fn abandon(
@@ -310,7 +301,8 @@ impl Store for RedisStore {
             marker.as_bytes(),
             self.publish_command(),
         ];
-        self.fenced(&ABANDON, &[key.as_str(), &settle_channel(key)], &args).await
+        self.fenced(ScriptCall::new(&ABANDON, &[key.as_str(), &settle_channel(key)], &args, 0))
+            .await
     }
 
     async fn touch(
@@ -325,7 +317,7 @@ impl Store for RedisStore {
         let lease = lease_ms.format(whole_millis(lease.duration));
         let args: [&[u8]; 4] =
             [owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes(), window.as_bytes()];
-        self.fenced(&TOUCH, &[key.as_str()], &args).await
+        self.fenced(ScriptCall::new(&TOUCH, &[key.as_str()], &args, 0)).await
     }
 }
 

@@ -1,11 +1,11 @@
 //! The Lua scripts of a [`RedisStore`](super::RedisStore), one per transition, and how their
 //! arguments and replies are written and read.
 
-use std::{sync::LazyLock, time::Duration};
+use std::{io::Write, sync::LazyLock, time::Duration};
 
 use bytes::Bytes;
 use deadpool_redis::redis::{
-    Cmd, ErrorKind, FromRedisValue, RedisResult, Script, ServerErrorKind, Value,
+    Cmd, ErrorKind, FromRedisValue, RedisResult, RedisWrite, Script, ServerErrorKind, Value,
     aio::ConnectionLike,
 };
 
@@ -32,32 +32,57 @@ pub(super) static INSPECT: LazyLock<Script> = script!("inspect.lua");
 pub(super) static RELEASE: LazyLock<Script> = script!("release.lua");
 pub(super) static TOUCH: LazyLock<Script> = script!("touch.lua");
 
-/// Runs `script` over `keys` and `args` with `EVALSHA`, its command built in one buffer
-/// (redis-rs's `ScriptInvocation` first copies every key and argument into a vector of its
-/// own: two allocations each, a sixth of a fresh request's). On `NOSCRIPT` (a server restarted
-/// or promoted, a `SCRIPT FLUSH`) the script is loaded and the same command sent again.
-pub(super) async fn evalsha<T: FromRedisValue>(
-    connection: &mut (impl ConnectionLike + Send),
-    script: &Script,
-    keys: &[&str],
-    args: &[&[u8]],
-) -> RedisResult<T> {
-    let bytes: usize =
-        keys.iter().map(|key| key.len()).chain(args.iter().map(|arg| arg.len())).sum();
-    let mut call = Cmd::with_capacity(3 + keys.len() + args.len(), 7 + 40 + 4 + bytes);
-    call.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
-    for key in keys {
-        call.arg(*key);
-    }
-    for arg in args {
-        call.arg(*arg);
-    }
-    match call.query_async(connection).await {
-        Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-            script.load_async(connection).await?;
-            call.query_async(connection).await
+/// One `EVALSHA` of a script, its command built in one buffer (redis-rs's `ScriptInvocation`
+/// first copies every key and argument into a vector of its own: two allocations each, a
+/// sixth of a fresh request's).
+pub(super) struct ScriptCall {
+    script: &'static Script,
+    command: Cmd,
+}
+
+impl ScriptCall {
+    /// `script` over `keys` and `args`; `more` bytes are kept free for a
+    /// [`joined`](Self::joined) argument.
+    pub(super) fn new(script: &'static Script, keys: &[&str], args: &[&[u8]], more: usize) -> Self {
+        let bytes: usize =
+            keys.iter().map(|key| key.len()).chain(args.iter().map(|arg| arg.len())).sum();
+        let mut command =
+            Cmd::with_capacity(4 + keys.len() + args.len(), 7 + 40 + 4 + bytes + more);
+        command.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        for key in keys {
+            command.arg(*key);
         }
-        reply => reply,
+        for arg in args {
+            command.arg(*arg);
+        }
+        Self { script, command }
+    }
+
+    /// Appends one argument made of `pieces`, joined in the command's own buffer: a record
+    /// written whole without a copy of its own on either side.
+    pub(super) fn joined(mut self, pieces: &[&[u8]]) -> Self {
+        let mut arg = self.command.writer_for_next_arg();
+        for piece in pieces {
+            // Writing into the command's `Vec` cannot fail.
+            let _ = arg.write_all(piece);
+        }
+        drop(arg);
+        self
+    }
+
+    /// Sends the call. On `NOSCRIPT` (a server restarted or promoted, a `SCRIPT FLUSH`) the
+    /// script is loaded and the same command sent again.
+    pub(super) async fn query<T: FromRedisValue>(
+        &self,
+        connection: &mut (impl ConnectionLike + Send),
+    ) -> RedisResult<T> {
+        match self.command.query_async(connection).await {
+            Err(error) if error.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.script.load_async(connection).await?;
+                self.command.query_async(connection).await
+            }
+            reply => reply,
+        }
     }
 }
 
