@@ -359,6 +359,14 @@ async fn a_renewal_on_the_wire_never_lands_after_the_settle() {
 
 /// A router whose handler counts its calls, then holds its request for `hold` (asleep, or
 /// blocking its thread when `blocking`) before it answers 201.
+/// A layer over a `MemoryStore` with the tests' short lease, answering at once (202) a request
+/// whose original runs.
+fn memory_layer() -> IdempotencyLayer<axum_idempotency::MemoryStore> {
+    IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
+        .lease(LEASE)
+        .wait_for_in_progress(Duration::ZERO)
+}
+
 fn slow_app(calls: &Arc<AtomicUsize>, hold: Duration, blocking: bool) -> Router {
     let calls = calls.clone();
     let handler = move || async move {
@@ -377,9 +385,7 @@ async fn a_handler_that_blocks_its_thread_past_the_lease_keeps_the_key() {
     // The renewals run beside the request's task, not in it: a handler that blocks its thread
     // (where it should await) for three leases stops none of them on a multi-threaded runtime.
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
-        .lease(LEASE)
-        .wait_for_in_progress(Duration::ZERO);
+    let layer = memory_layer();
     let app = slow_app(&calls, 3 * LEASE, true).layer(layer);
     let first = send_in_background(&app, keyed("POST", "/pay", "k1", "{}"));
     tokio::time::sleep(LEASE * 2).await;
@@ -398,9 +404,7 @@ async fn one_task_renews_every_running_claim_of_a_layer() {
     // Twenty requests run past their lease at once, through a router used as tests use one
     // (not made a service first: axum wraps the handler in the layer again on every request).
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
-        .lease(LEASE)
-        .wait_for_in_progress(Duration::ZERO);
+    let layer = memory_layer();
     let app = slow_app(&calls, 4 * LEASE, false).layer(layer);
     let metrics = tokio::runtime::Handle::current().metrics();
     let before = metrics.num_alive_tasks();
@@ -426,9 +430,7 @@ fn a_layer_whose_first_runtime_ended_renews_on_the_next() {
     // The renewals' task starts on the runtime of the layer's first claim and ends with it;
     // the next claim, on another runtime, starts it again there.
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
-        .lease(LEASE)
-        .wait_for_in_progress(Duration::ZERO);
+    let layer = memory_layer();
     let app = slow_app(&calls, 3 * LEASE, false).layer(layer);
     let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
     let first = runtime().block_on(send(&app, keyed("POST", "/pay", "k0", "{}")));
@@ -449,10 +451,7 @@ async fn a_claim_past_its_ceiling_settling_late_leaves_the_next_claims_renewals_
     // the second request's claim then takes its place among the renewals. The first settling
     // afterwards must stop nothing of the second's: the second keeps its key past its lease.
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
-        .lease(LEASE)
-        .keep_alive(Some(4 * LEASE))
-        .wait_for_in_progress(Duration::ZERO);
+    let layer = memory_layer().keep_alive(Some(4 * LEASE));
     let first = slow_app(&calls, 6 * LEASE, false).layer(layer.clone());
     let second = slow_app(&calls, 7 * LEASE / 2, false).layer(layer);
     let outlives = send_in_background(&first, keyed("POST", "/pay", "k1", "{}"));

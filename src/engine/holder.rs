@@ -6,8 +6,8 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 
 use super::{
-    Settings, observe,
-    renewals::{Renewals, Renewing},
+    Engine, Settings, observe,
+    renewals::Renewing,
     settle::{complete_with_retries, release},
 };
 use crate::{
@@ -65,17 +65,22 @@ impl<St> fmt::Debug for Holder<St> {
 }
 
 impl<St: Store> Holder<St> {
+    /// The holder of a claim `engine` just won for `owner`; `taken_over` when it took over a
+    /// lapsed claim. Registers the lease's renewals, when the engine renews.
     pub(super) fn new(
-        store: St,
+        engine: &Engine<St>,
         key: RecordKey,
         fingerprint: Fingerprint,
         owner: OwnerToken,
-        settings: Arc<Settings>,
-        (route, taken_over): (Arc<str>, bool),
-        renewals: Option<&Renewals<St>>,
+        route: Arc<str>,
+        taken_over: bool,
     ) -> Self {
         let commit = Arc::<CommitSlot>::default();
-        let renewal = renewals.map(|renewals| renewals.register(&key, &owner, &route, &commit));
+        let renewal = engine
+            .renewals
+            .as_ref()
+            .map(|renewals| renewals.register(&key, &owner, &route, &commit));
+        let (store, settings) = (engine.store.clone(), engine.settings.clone());
         Self { store, key, fingerprint, owner, settings, route, taken_over, renewal, commit }
     }
 

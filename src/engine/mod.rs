@@ -213,16 +213,7 @@ impl<St: Store> Engine<St> {
                     tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
                     observe::claim(&route, "claimed");
                 }
-                let settings = self.settings.clone();
-                Claimed::Run(Holder::new(
-                    self.store.clone(),
-                    key,
-                    fingerprint,
-                    owner,
-                    settings,
-                    (route, taken_over),
-                    self.renewals.as_ref(),
-                ))
+                Claimed::Run(Holder::new(self, key, fingerprint, owner, route, taken_over))
             }
             Claim::Replay { response: stored, .. } => {
                 observe::claim(&route, "replayed");
