@@ -122,6 +122,28 @@ async fn bodies_at_and_one_byte_over_the_limit() {
     assert_eq!(store.len(), 1);
 }
 
+#[tokio::test]
+async fn a_body_sent_in_chunks_is_the_same_request_as_sent_whole() {
+    // The handler sees the chunks joined, in order; a retry that sends the same bytes in one
+    // piece has the same fingerprint, so it is replayed, not refused.
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(MemoryStore::new()));
+    let chunks = futures_util::stream::iter(
+        [&b"{\"amount\""[..], b":", b"100}"].map(|chunk| Ok::<_, Infallible>(Bytes::from(chunk))),
+    );
+    let request = Request::post("/payments")
+        .header("idempotency-key", "chunks")
+        .body(Body::from_stream(chunks))
+        .unwrap();
+    let first = send(&app, request).await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body, r#"{"call":1,"request":{"amount":100}}"#);
+    let whole = send(&app, keyed("POST", "/payments", "chunks", r#"{"amount":100}"#)).await;
+    assert!(whole.replayed(), "{:?}", whole.body);
+    assert_eq!(whole.body, first.body);
+    assert_eq!(calls.get(), 1);
+}
+
 static RUNTIME: LazyLock<tokio::runtime::Runtime> = LazyLock::new(|| {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap()
 });

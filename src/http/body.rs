@@ -43,10 +43,61 @@ where
     {
         return Err(too_large());
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(error) if error.is::<LengthLimitError>() => Err(too_large()),
-        Err(_) => Err(problem(StatusCode::BAD_REQUEST, ProblemType::BodyUnreadable, None)),
+    // Not `collect()`: its queue of frames is an allocation a request, for the one frame most
+    // bodies come in.
+    let mut body = std::pin::pin!(Limited::new(body, limit));
+    let mut chunks = Chunks::default();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Ok(data) = frame.into_data() {
+                    chunks.push(data);
+                }
+            }
+            Err(error) if error.is::<LengthLimitError>() => return Err(too_large()),
+            Err(_) => {
+                return Err(problem(StatusCode::BAD_REQUEST, ProblemType::BodyUnreadable, None));
+            }
+        }
+    }
+    Ok(chunks.into_bytes())
+}
+
+/// The chunks of a body read so far: the first alone (most bodies are one), the rest in a
+/// vector only once there is a second.
+#[derive(Default)]
+struct Chunks {
+    first: Option<Bytes>,
+    more: Vec<Bytes>,
+    read: usize,
+}
+
+impl Chunks {
+    fn push(&mut self, chunk: Bytes) {
+        self.read += chunk.len();
+        match self.first {
+            None => self.first = Some(chunk),
+            Some(_) => self.more.push(chunk),
+        }
+    }
+
+    /// The chunks as one buffer, copied only when there are several.
+    fn into_bytes(self) -> Bytes {
+        let Some(first) = self.first else { return Bytes::new() };
+        if self.more.is_empty() {
+            return first;
+        }
+        let mut whole = BytesMut::with_capacity(self.read);
+        whole.extend_from_slice(&first);
+        for chunk in self.more {
+            whole.extend_from_slice(&chunk);
+        }
+        whole.freeze()
+    }
+
+    /// The chunks in order, to be sent on.
+    fn into_queue(self) -> VecDeque<Bytes> {
+        self.first.into_iter().chain(self.more).collect()
     }
 }
 
@@ -67,8 +118,7 @@ where
     if body.size_hint().lower() > limit as u64 {
         return CollectedBody::TooLarge(body);
     }
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut read = 0usize;
+    let mut chunks = Chunks::default();
     while let Some(frame) = body.frame().await {
         let frame = match frame {
             Ok(frame) => frame,
@@ -76,26 +126,15 @@ where
         };
         // Trailers are not stored: a replay has none.
         let Ok(data) = frame.into_data() else { continue };
-        read += data.len();
         chunks.push(data);
-        if read > limit {
+        if chunks.read > limit {
             return CollectedBody::TooLarge(Body::new(Prefixed {
-                read: chunks.into(),
+                read: chunks.into_queue(),
                 rest: body,
             }));
         }
     }
-    CollectedBody::Whole(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
-            let mut whole = BytesMut::with_capacity(read);
-            for chunk in chunks {
-                whole.extend_from_slice(&chunk);
-            }
-            whole.freeze()
-        }
-    })
+    CollectedBody::Whole(chunks.into_bytes())
 }
 
 /// A body that yields chunks already read, then the rest of the original body.
