@@ -343,7 +343,7 @@ async fn every_operation_against_a_paused_redis_ends_within_the_command_timeout(
         store::{Lease, OwnerToken, Store, StoreError},
     };
     let server = RedisServer::start();
-    let store = store(&server, 250);
+    let store = store(&server, 150);
     let fingerprint = Fingerprint::of_payload(b"{}");
     let lease = Lease::new(Duration::from_secs(30));
     let warm = store.claim(&global("warm"), &fingerprint, &OwnerToken::random(), lease).await;
@@ -368,5 +368,6 @@ async fn every_operation_against_a_paused_redis_ends_within_the_command_timeout(
         slowest = slowest.max(took);
     }
     server.signal("-CONT");
-    assert!(slowest < Duration::from_millis(450), "an operation took {slowest:?}");
+    // 250 ms of slack for a loaded machine, and still short of redis-rs's 500.
+    assert!(slowest < Duration::from_millis(400), "an operation took {slowest:?}");
 }
