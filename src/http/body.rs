@@ -249,3 +249,31 @@ pub(super) async fn forward(mut body: Body, client: &FrameSender) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use super::*;
+
+    /// A body of `chunks` with no length known ahead: only reading it finds its size.
+    fn streamed(chunks: &[&'static [u8]]) -> Body {
+        let chunks: Vec<Result<Bytes, Infallible>> =
+            chunks.iter().map(|chunk| Ok(Bytes::from_static(chunk))).collect();
+        Body::from_stream(futures_util::stream::iter(chunks))
+    }
+
+    #[tokio::test]
+    async fn a_streamed_response_is_collected_whole_within_the_limit_and_whole_past_it() {
+        let CollectedBody::Whole(whole) =
+            collect_response(streamed(&[b"ab", b"cd", b"e"]), 5).await
+        else {
+            panic!("five bytes are within a limit of five")
+        };
+        assert_eq!(&whole[..], b"abcde");
+        // One byte over: what was read is not lost, and the client gets every byte in order.
+        let over = collect_response(streamed(&[b"ab", b"cd", b"ef", b"g"]), 5).await;
+        let CollectedBody::TooLarge(rest) = over else { panic!("six bytes are over five") };
+        assert_eq!(&rest.collect().await.unwrap().to_bytes()[..], b"abcdefg");
+    }
+}
