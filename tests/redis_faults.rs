@@ -371,3 +371,14 @@ async fn every_operation_against_a_paused_redis_ends_within_the_command_timeout(
     // 250 ms of slack for a loaded machine, and still short of redis-rs's 500.
     assert!(slowest < Duration::from_millis(400), "an operation took {slowest:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_timeout_of_duration_max_means_none_and_never_panics() {
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let store = RedisStore::new(server.pool()).command_timeout(Duration::MAX);
+    let app = app(&calls).layer(IdempotencyLayer::new(store));
+    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
+    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(calls.get(), 1);
+}

@@ -10,8 +10,6 @@ use std::{
     time::Duration,
 };
 
-use tokio::time::Instant;
-
 use deadpool_redis::{
     Pool,
     redis::{
@@ -19,6 +17,7 @@ use deadpool_redis::{
         aio::{ConnectionLike, MultiplexedConnection},
     },
 };
+use tokio::time::Instant;
 
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
@@ -149,6 +148,10 @@ impl Bounded {
     }
 }
 
+/// How far off the deadline of an operation without one is (as far as tokio's own timers
+/// reach).
+const NO_DEADLINE: Duration = Duration::from_secs(86_400 * 365 * 30);
+
 /// The error of a command not sent because its operation's time was up: a timeout, as
 /// redis-rs reports its own.
 fn timed_out() -> RedisError {
@@ -222,7 +225,9 @@ impl Connections {
         F: FnOnce(Bounded) -> Fut + Send,
         Fut: Future<Output = Result<T, RedisError>> + Send,
     {
-        let deadline = Instant::now() + timeout;
+        // A timeout too long to add (`Duration::MAX`, meaning none) is thirty years.
+        let now = Instant::now();
+        let deadline = now.checked_add(timeout).unwrap_or(now + NO_DEADLINE);
         let to_store_error = |error: RedisError| match error.is_timeout() {
             true => StoreError::Timeout(timeout),
             false => StoreError::from(error),
