@@ -1,5 +1,7 @@
 //! The record key: where one scope's key lives in the store, without the key itself.
 
+use std::sync::Arc;
+
 use crate::fingerprint::Fingerprint;
 
 /// The store key of one record: `{prefix}:{<hash>}`.
@@ -21,9 +23,11 @@ use crate::fingerprint::Fingerprint;
 /// let key = RecordKey::new("svc{}", b"", b"k");
 /// assert!(key.as_str().starts_with("svc%7B%7D:{"));
 /// ```
+///
+/// Cloning is cheap: clones share the text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RecordKey {
-    full: String,
+    full: Arc<str>,
     hash_start: usize,
 }
 
@@ -66,7 +70,7 @@ impl RecordKey {
         }
         full.push_str(std::str::from_utf8(&hex).unwrap_or_default());
         full.push('}');
-        Self { full, hash_start }
+        Self { full: full.into(), hash_start }
     }
 
     /// A key as a store holds it (`{prefix}:{<64 hex>}`), read back; `None` for any other
@@ -78,7 +82,7 @@ impl RecordKey {
             && full.as_bytes()[hash_start..full.len() - 1]
                 .iter()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
-        well_formed.then_some(Self { full, hash_start })
+        well_formed.then(|| Self { full: full.into(), hash_start })
     }
 
     /// The whole key as written to the store.

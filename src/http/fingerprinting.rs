@@ -70,8 +70,12 @@ impl Intent {
             return custom.fingerprint(parts, body);
         }
         let body = self.payload.apply(body);
-        let mut fields: Vec<&[u8]> =
-            vec![parts.method.as_str().as_bytes(), path.as_bytes(), query.as_bytes(), &body];
+        let request = [parts.method.as_str().as_bytes(), path.as_bytes(), query.as_bytes(), &body];
+        if self.headers.is_empty() {
+            // No list to build: most layers fingerprint no header.
+            return Fingerprint::of_fields(&request);
+        }
+        let mut fields: Vec<&[u8]> = request.to_vec();
         // Each selected header: its name, then whether it is there, then its values.
         let values: Vec<Vec<u8>> = self
             .headers

@@ -89,9 +89,11 @@ where
 
         // 5. claim
         let config = &self.config;
-        let hash = record_key.hash().to_owned();
+        // A clone shares the key's text: the logs below name its hash.
+        let logged = record_key.clone();
+        let hash = logged.hash();
         let span = tracing::Span::current();
-        span.record("key_hash", hash.as_str());
+        span.record("key_hash", hash);
         let route: Arc<str> =
             parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str).into();
         let claimed = self.engine.claim(record_key, fingerprint, route.clone()).await;
@@ -107,7 +109,7 @@ where
                     retention: self.engine.retention(),
                     rebuild_timeout: self.engine.recovery_timeout(),
                 };
-                return Ok(answer.replay(blob, &hash).await);
+                return Ok(answer.replay(blob, hash).await);
             }
             Ok(Claimed::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");
@@ -129,7 +131,7 @@ where
                 let request = Request::from_parts(parts, Body::from(body));
                 return self.inner.oneshot(request).await.map(|response| response.map(Body::new));
             }
-            Err(error) => return Ok(store_error_response(&error, &hash)),
+            Err(error) => return Ok(store_error_response(&error, hash)),
         };
 
         // The handler's view of its claim; the recovery hook's too, with a copy of the request

@@ -9,7 +9,7 @@ use futures_util::future::join_all;
 
 use super::{
     RECORD_VERSION, RedisStore,
-    scripts::{FORGET, INSPECT, ScriptCall, settle_channel},
+    scripts::{FORGET, INSPECT, ScriptCall},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -43,9 +43,7 @@ impl Admin for RedisStore {
     async fn forget(&self, key: &RecordKey, force: bool) -> Result<Forgotten, StoreError> {
         let force: &[u8] = if force { b"1" } else { b"0" };
         let args = [RECORD_VERSION.as_bytes(), force, self.publish_command()];
-        let reply: Value = self
-            .invoke(ScriptCall::new(&FORGET, &[key.as_str(), &settle_channel(key)], &args, 0))
-            .await?;
+        let reply: Value = self.invoke(ScriptCall::publishing(&FORGET, key, &args, 0)).await?;
         match reply {
             Value::Int(0) => Ok(Forgotten::Absent),
             Value::Int(1) => Ok(Forgotten::Deleted),

@@ -242,17 +242,17 @@ impl Connections {
             }
             // A checkout and a Cluster's commands (which keep the node timeouts they were
             // built with) go under the store's own timer.
+            // Boxed, the checkout's future included: unboxed, this path's futures (kilobytes)
+            // made every store operation's future as large, copied on each move, for a step
+            // taken once per connection (and on a Cluster, whose commands cost more anyway).
             cached => {
-                let attempt = async {
+                let attempt = Box::pin(async {
                     let connection = match cached {
                         Some(connection) => connection,
-                        // Boxed: a pool checkout's future is kilobytes, and unboxed it made
-                        // every store operation's future as large, copied on each move, for a
-                        // step taken once per connection.
-                        None => Box::pin(self.connect()).await?,
+                        None => self.connect().await?,
                     };
                     op(Bounded { connection, deadline }).await.map_err(to_store_error)
-                };
+                });
                 match tokio::time::timeout_at(deadline, attempt).await {
                     Ok(result) => result,
                     Err(_) => Err(StoreError::Timeout(timeout)),

@@ -271,16 +271,14 @@ impl Store for RedisStore {
         let args: [&[u8]; 3] = [owner.as_bytes(), retention.as_bytes(), self.publish_command()];
         // The record as it is stored (see `lua/complete.lua`), joined in the command's buffer.
         let record = [RECORD_VERSION.as_bytes(), b"C", fingerprint.as_bytes(), &response];
-        let keys = [key.as_str(), &settle_channel(key)];
         let length = record.iter().map(|piece| piece.len()).sum();
-        self.fenced(ScriptCall::new(&COMPLETE, &keys, &args, length).joined(&record)).await
+        self.fenced(ScriptCall::publishing(&COMPLETE, key, &args, length).joined(&record)).await
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
         let args: [&[u8]; 3] =
             [owner.as_bytes(), RECORD_VERSION.as_bytes(), self.publish_command()];
-        self.fenced(ScriptCall::new(&RELEASE, &[key.as_str(), &settle_channel(key)], &args, 0))
-            .await
+        self.fenced(ScriptCall::publishing(&RELEASE, key, &args, 0)).await
     }
 
     async fn abandon(
@@ -301,8 +299,7 @@ impl Store for RedisStore {
             marker.as_bytes(),
             self.publish_command(),
         ];
-        self.fenced(ScriptCall::new(&ABANDON, &[key.as_str(), &settle_channel(key)], &args, 0))
-            .await
+        self.fenced(ScriptCall::publishing(&ABANDON, key, &args, 0)).await
     }
 
     async fn touch(

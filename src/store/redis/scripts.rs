@@ -44,18 +44,45 @@ impl ScriptCall {
     /// `script` over `keys` and `args`; `more` bytes are kept free for a
     /// [`joined`](Self::joined) argument.
     pub(super) fn new(script: &'static Script, keys: &[&str], args: &[&[u8]], more: usize) -> Self {
-        let bytes: usize =
-            keys.iter().map(|key| key.len()).chain(args.iter().map(|arg| arg.len())).sum();
-        let mut command =
-            Cmd::with_capacity(4 + keys.len() + args.len(), 7 + 40 + 4 + bytes + more);
-        command.arg("EVALSHA").arg(script.get_hash()).arg(keys.len());
+        let bytes = keys.iter().map(|key| key.len()).sum::<usize>();
+        let mut call = Self::start(script, keys.len(), args, bytes + more);
         for key in keys {
-            command.arg(*key);
+            call.command.arg(*key);
         }
-        for arg in args {
-            command.arg(*arg);
-        }
+        call.args(args)
+    }
+
+    /// `script` over a record's key and its [`settle_channel`], then `args`; `more` bytes are
+    /// kept free for a [`joined`](Self::joined) argument. The channel is written in the
+    /// command's own buffer, not built apart.
+    pub(super) fn publishing(
+        script: &'static Script,
+        key: &RecordKey,
+        args: &[&[u8]],
+        more: usize,
+    ) -> Self {
+        let key = key.as_str().as_bytes();
+        Self::start(script, 2, args, 2 * key.len() + SETTLED.len() + more)
+            .joined(&[key])
+            .joined(&[key, SETTLED.as_bytes()])
+            .args(args)
+    }
+
+    /// An `EVALSHA` of `script` with `keys` keys, its buffers sized for them (`key_bytes`,
+    /// with what a joined argument needs) and `args`.
+    fn start(script: &'static Script, keys: usize, args: &[&[u8]], key_bytes: usize) -> Self {
+        let arg_bytes = args.iter().map(|arg| arg.len()).sum::<usize>();
+        let mut command =
+            Cmd::with_capacity(4 + keys + args.len(), 7 + 40 + 4 + key_bytes + arg_bytes);
+        command.arg("EVALSHA").arg(script.get_hash()).arg(keys);
         Self { script, command }
+    }
+
+    fn args(mut self, args: &[&[u8]]) -> Self {
+        for arg in args {
+            self.command.arg(*arg);
+        }
+        self
     }
 
     /// Appends one argument made of `pieces`, joined in the command's own buffer: a record
@@ -93,13 +120,11 @@ const RESPONSE_OFFSET: usize = 1 + 1 + 32;
 /// The channel a record's settle is published on; it carries the record's hash tag, so it
 /// lives in the record's cluster slot.
 pub(super) fn settle_channel(key: &RecordKey) -> String {
-    // Not `format!`: on every settle, its machinery cost a thousand instructions.
-    const SUFFIX: &str = ":settled";
-    let mut channel = String::with_capacity(key.as_str().len() + SUFFIX.len());
-    channel.push_str(key.as_str());
-    channel.push_str(SUFFIX);
-    channel
+    [key.as_str(), SETTLED].concat()
 }
+
+/// What a record's key is followed by in its settle channel's name.
+const SETTLED: &str = ":settled";
 
 pub(super) fn millis(duration: Duration) -> u64 {
     // PEXPIRE needs at least 1 ms; a zero lease would be an error, not an instant expiry.
@@ -185,5 +210,19 @@ mod tests {
     fn a_records_settle_channel_shares_its_hash_tag() {
         let key = RecordKey::new("p", b"", b"k");
         assert_eq!(settle_channel(&key), format!("p:{{{}}}:settled", key.hash()));
+    }
+
+    #[test]
+    fn a_publishing_call_names_the_record_then_its_settle_channel() {
+        let key = RecordKey::new("p", b"", b"k");
+        let args: [&[u8]; 2] = [b"owner", b""];
+        let publishing = ScriptCall::publishing(&COMPLETE, &key, &args, 3).joined(&[b"a", b"bc"]);
+        let keys = [key.as_str(), &settle_channel(&key)];
+        let spelled_out = ScriptCall::new(&COMPLETE, &keys, &args, 0).joined(&[b"abc"]);
+        let packed = publishing.command.get_packed_command();
+        assert_eq!(packed, spelled_out.command.get_packed_command());
+        let text = String::from_utf8_lossy(&packed);
+        assert!(text.contains(&format!("\r\n{}:settled\r\n", key.as_str())), "{text}");
+        assert!(text.ends_with("$5\r\nowner\r\n$0\r\n\r\n$3\r\nabc\r\n"), "{text}");
     }
 }
