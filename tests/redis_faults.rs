@@ -70,6 +70,17 @@ fn store(server: &RedisServer, timeout_ms: u64) -> RedisStore {
     RedisStore::new(server.pool()).command_timeout(Duration::from_millis(timeout_ms))
 }
 
+/// The two ways a store bounds its replies, each with `timeout`: over a pool of the app's own
+/// (redis-rs's reply timer, set before each command to what is left), and over the pool it
+/// builds itself (`from_url`: no reply timer, the store's watchdog ends the operation).
+fn both_stores(server: &RedisServer, timeout: Duration) -> [(&'static str, RedisStore); 2] {
+    let built = RedisStore::from_url(&server.url()).unwrap();
+    [
+        ("app-pool", RedisStore::new(server.pool()).command_timeout(timeout)),
+        ("from-url", built.command_timeout(timeout)),
+    ]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_with_unknown_outcome_never_runs_the_handler_and_is_released() {
     observe();
@@ -319,18 +330,29 @@ async fn a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so() {
 async fn a_command_timeout_longer_than_redis_rs_default_is_waited_out() {
     // redis-rs gives up on a reply after 500 ms unless told otherwise: a store whose command
     // timeout is two seconds waits out a Redis paused for 900 ms, and runs the handler once.
+    // Both stores on one server, each with keys of its own.
     let server = RedisServer::start();
-    let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 2000)));
-    assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
+    let apps = both_stores(&server, Duration::from_secs(2)).map(|(name, store)| {
+        let calls = Calls::default();
+        (name, app(&calls).layer(IdempotencyLayer::new(store)), calls)
+    });
+    for (name, app, _) in &apps {
+        let warm = keyed("POST", "/payments", &format!("warm-{name}"), "{}");
+        assert_eq!(send(app, warm).await.status, 201, "{name}");
+    }
     server.signal("-STOP");
-    let during = send_in_background(&app, keyed("POST", "/payments", "k1", "{}"));
+    let during = apps.each_ref().map(|(name, app, _)| {
+        send_in_background(app, keyed("POST", "/payments", &format!("k1-{name}"), "{}"))
+    });
     tokio::time::sleep(Duration::from_millis(900)).await;
     server.signal("-CONT");
-    let during = during.await.unwrap();
-    assert_eq!(during.status, 201, "{:?}", during.body);
-    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
-    assert_eq!(calls.get(), 2);
+    for ((name, app, calls), during) in apps.iter().zip(during) {
+        let during = during.await.unwrap();
+        assert_eq!(during.status, 201, "{name}: {:?}", during.body);
+        let retry = keyed("POST", "/payments", &format!("k1-{name}"), "{}");
+        assert!(send(app, retry).await.replayed(), "{name}");
+        assert_eq!(calls.get(), 2, "{name}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,42 +365,56 @@ async fn every_operation_against_a_paused_redis_ends_within_the_command_timeout(
         store::{Lease, OwnerToken, Store, StoreError},
     };
     let server = RedisServer::start();
-    let store = store(&server, 150);
     let fingerprint = Fingerprint::of_payload(b"{}");
     let lease = Lease::new(Duration::from_secs(30));
-    let warm = store.claim(&global("warm"), &fingerprint, &OwnerToken::random(), lease).await;
-    assert!(warm.is_ok(), "{warm:?}");
+    let stores = both_stores(&server, Duration::from_millis(150));
+    for (name, store) in &stores {
+        let owner = OwnerToken::random();
+        let warm = store.claim(&global(&format!("warm-{name}")), &fingerprint, &owner, lease).await;
+        assert!(warm.is_ok(), "{name}: {warm:?}");
+    }
     server.signal("-STOP");
     let operations: Vec<_> = (0..200)
-        .map(|i| {
-            let store = store.clone();
+        .flat_map(|i| stores.iter().map(move |(name, store)| (i, *name, store.clone())))
+        .map(|(i, name, store)| {
             let fingerprint = fingerprint.clone();
             tokio::spawn(async move {
                 let started = Instant::now();
-                let key = global(&format!("k{i}"));
-                let claim = store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await;
-                (claim, started.elapsed())
+                let key = global(&format!("k{i}-{name}"));
+                let owner = OwnerToken::random();
+                let claim = store.claim(&key, &fingerprint, &owner, lease);
+                // Bounded here too, so that an unbounded store fails the test, not hangs it.
+                let claim = tokio::time::timeout(Duration::from_secs(2), claim).await;
+                (name, claim, started.elapsed())
             })
         })
         .collect();
-    let mut slowest = Duration::ZERO;
+    let mut slowest = [Duration::ZERO; 2];
     for operation in operations {
-        let (claim, took) = operation.await.unwrap();
-        assert!(matches!(claim, Err(StoreError::Timeout(_))), "{claim:?}");
-        slowest = slowest.max(took);
+        let (name, claim, took) = operation.await.unwrap();
+        let claim = claim.unwrap_or_else(|_| panic!("{name}: an operation never ended"));
+        assert!(matches!(claim, Err(StoreError::Timeout(_))), "{name}: {claim:?}");
+        let slot = usize::from(name == "from-url");
+        slowest[slot] = slowest[slot].max(took);
     }
     server.signal("-CONT");
     // 250 ms of slack for a loaded machine, and still short of redis-rs's 500.
-    assert!(slowest < Duration::from_millis(400), "an operation took {slowest:?}");
+    assert!(slowest[0] < Duration::from_millis(400), "app-pool: {:?}", slowest[0]);
+    assert!(slowest[1] < Duration::from_millis(400), "from-url: {:?}", slowest[1]);
+    // Each took the command timeout at least: neither ended before its time.
+    assert!(slowest.iter().all(|took| *took >= Duration::from_millis(150)), "{slowest:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_command_timeout_of_duration_max_means_none_and_never_panics() {
     let server = RedisServer::start();
-    let calls = Calls::default();
-    let store = RedisStore::new(server.pool()).command_timeout(Duration::MAX);
-    let app = app(&calls).layer(IdempotencyLayer::new(store));
-    assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
-    assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
-    assert_eq!(calls.get(), 1);
+    for (name, store) in both_stores(&server, Duration::MAX) {
+        let calls = Calls::default();
+        let app = app(&calls).layer(IdempotencyLayer::new(store));
+        let key = format!("k1-{name}");
+        let first = send(&app, keyed("POST", "/payments", &key, "{}")).await;
+        assert_eq!(first.status, 201, "{name}");
+        assert!(send(&app, keyed("POST", "/payments", &key, "{}")).await.replayed(), "{name}");
+        assert_eq!(calls.get(), 1, "{name}");
+    }
 }

@@ -4,10 +4,11 @@
 #[cfg(feature = "cluster")]
 use std::sync::Arc;
 
-use deadpool_redis::{Config, CreatePoolError, Pool, PoolConfig, Runtime, Timeouts};
+use deadpool_redis::{CreatePoolError, Pool, Runtime, redis::AsyncConnectionConfig};
+#[cfg(feature = "sentinel")]
+use deadpool_redis::{PoolConfig, Timeouts};
 
-#[cfg(any(feature = "cluster", feature = "sentinel"))]
-use super::connection::Source;
+use super::connection::{Replies, Source};
 use super::{DEFAULT_COMMAND_TIMEOUT, RedisStore};
 #[cfg(feature = "cluster")]
 use super::{
@@ -23,16 +24,9 @@ impl RedisStore {
     ///
     /// When `url` is not a Redis URL. No connection is made until the first request.
     pub fn from_url(url: &str) -> Result<Self, CreatePoolError> {
-        let mut config = Config::from_url(url);
-        let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
-        config.pool = Some(PoolConfig {
-            max_size: 8,
-            timeouts: Timeouts { wait: timeout, create: timeout, recycle: timeout },
-            ..PoolConfig::default()
-        });
         let client = deadpool_redis::redis::Client::open(url)
             .map_err(|error| CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error)))?;
-        Ok(Self::new(config.create_pool(Some(Runtime::Tokio1))?).subscriber(client))
+        Self::from_client(client)
     }
 
     /// A store over a new pool of connections made by `client`, with the same bounds as
@@ -45,8 +39,14 @@ impl RedisStore {
     ///
     /// When the pool cannot be built. No connection is made until the first request.
     pub fn from_client(client: deadpool_redis::redis::Client) -> Result<Self, CreatePoolError> {
-        let manager = deadpool_redis::Manager::new(client.get_connection_info().clone())
-            .map_err(|error| CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error)))?;
+        // No reply timer per command: the store's watchdog bounds each operation as a whole
+        // (see `connection.rs`, `Replies`).
+        let config = AsyncConnectionConfig::new().set_response_timeout(None);
+        let manager =
+            deadpool_redis::Manager::new_with_config(client.get_connection_info().clone(), config)
+                .map_err(|error| {
+                    CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error))
+                })?;
         let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
         let pool = Pool::builder(manager)
             .max_size(8)
@@ -56,7 +56,7 @@ impl RedisStore {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(CreatePoolError::Build)?;
-        Ok(Self::new(pool).subscriber(client))
+        Ok(Self::with_source(Source::Standalone(pool), Replies::Watched).subscriber(client))
     }
 
     /// A store over a Redis Sentinel pool: every connection is made to the master the
@@ -66,7 +66,7 @@ impl RedisStore {
     #[cfg(feature = "sentinel")]
     #[must_use]
     pub fn sentinel(pool: deadpool_redis::sentinel::Pool) -> Self {
-        Self::with_source(Source::Sentinel(pool))
+        Self::with_source(Source::Sentinel(pool), Replies::Timed)
     }
 
     /// A store over a new Sentinel pool: the sentinels at `urls` name the master of
@@ -112,7 +112,7 @@ impl RedisStore {
     #[cfg(feature = "cluster")]
     #[must_use]
     pub fn cluster(pool: ClusterPool) -> Self {
-        Self::with_source(Source::Cluster(pool))
+        Self::with_source(Source::Cluster(pool), Replies::Timed)
     }
 
     /// A store over a new cluster pool for the seed nodes `urls`, with bounded timeouts: each

@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
+use super::watchdog::{self, Elapsed};
 use crate::store::StoreError;
 use crate::store::clock::ServerClock;
 
@@ -85,14 +86,29 @@ impl ConnectionLike for SharedConnection {
     }
 }
 
-/// The shared connection, with the deadline of the operation it serves: each command waits
-/// at most what is left (redis-rs's own timer, which holds the wait for room in the pipeline's
-/// channel too), so an operation of several commands (a `NOSCRIPT` reload, a scan) is bounded
-/// as a whole. A Cluster connection keeps the node timeouts it was built with (see
-/// `cluster.rs`): its operations run under the store's own timer instead.
+/// The shared connection, with the deadline of the operation it serves: no command is sent
+/// once it passed, so an operation of several commands (a `NOSCRIPT` reload, a scan) is
+/// bounded as a whole. With [`Replies::Timed`], each command waits at most what is left
+/// (redis-rs's own timer, which holds the wait for room in the pipeline's channel too); with
+/// [`Replies::Watched`], the watchdog ends the whole operation. A Cluster connection keeps the
+/// node timeouts it was built with (see `cluster.rs`): its operations run under the store's
+/// own timer instead.
 pub(super) struct Bounded {
     connection: SharedConnection,
     deadline: Instant,
+    replies: Replies,
+}
+
+/// How an operation's replies are bounded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Replies {
+    /// By redis-rs's own timer, set before each command to what is left of the operation's
+    /// time: for a pool the store did not build, whose connections wait for a reply as long
+    /// as they were made to (redis-rs's default: 500 ms), whatever the command timeout.
+    Timed,
+    /// By the [`watchdog`], around the whole operation: for the pools the store builds
+    /// (`from_url`, `from_client`), whose connections have no reply timer of their own.
+    Watched,
 }
 
 impl ConnectionLike for Bounded {
@@ -137,10 +153,13 @@ impl Bounded {
         }
     }
 
-    /// The connection, its next reply awaited at most `left`.
+    /// The connection, its next reply awaited at most `left` when its replies are timed.
     fn bounded(&mut self, left: Duration) -> &mut SharedConnection {
         match &mut self.connection {
-            SharedConnection::Standalone(connection) => connection.set_response_timeout(left),
+            SharedConnection::Standalone(connection) if self.replies == Replies::Timed => {
+                connection.set_response_timeout(left);
+            }
+            SharedConnection::Standalone(_) => {}
             #[cfg(feature = "cluster")]
             SharedConnection::Cluster(_) => {}
         }
@@ -162,16 +181,19 @@ fn timed_out() -> RedisError {
 pub(super) struct Connections {
     pub(super) source: Source,
     shared: Mutex<Option<SharedConnection>>,
+    /// How the replies on the pool's connections are bounded.
+    replies: Replies,
     eviction_checked: AtomicBool,
     /// The server's clock, sampled on each new connection.
     pub(super) clock: ServerClock,
 }
 
 impl Connections {
-    pub(super) fn new(source: Source) -> Self {
+    pub(super) fn new(source: Source, replies: Replies) -> Self {
         Self {
             source,
             shared: Mutex::new(None),
+            replies,
             eviction_checked: AtomicBool::new(false),
             clock: ServerClock::default(),
         }
@@ -234,11 +256,21 @@ impl Connections {
         };
         let cached = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let result = match cached {
-            // The common path, without a timer of its own: redis-rs bounds each command, its
-            // wait for room in the pipeline's channel included, by what is left (`Bounded`). A
-            // second timer around it cost a fresh request 1.9k instructions.
+            // The common path, without a tokio timer of its own: the watchdog ends the
+            // operation at its deadline, or redis-rs bounds each command, its wait for room in
+            // the pipeline's channel included, by what is left (`Bounded`).
             Some(connection @ SharedConnection::Standalone(_)) => {
-                op(Bounded { connection, deadline }).await.map_err(to_store_error)
+                let replies = self.replies;
+                let operation = op(Bounded { connection, deadline, replies });
+                match replies {
+                    Replies::Timed => operation.await.map_err(to_store_error),
+                    Replies::Watched => {
+                        match watchdog::within(deadline.into_std(), operation).await {
+                            Ok(result) => result.map_err(to_store_error),
+                            Err(Elapsed) => Err(StoreError::Timeout(timeout)),
+                        }
+                    }
+                }
             }
             // A checkout and a Cluster's commands (which keep the node timeouts they were
             // built with) go under the store's own timer.
@@ -251,7 +283,8 @@ impl Connections {
                         Some(connection) => connection,
                         None => self.connect().await?,
                     };
-                    op(Bounded { connection, deadline }).await.map_err(to_store_error)
+                    let replies = self.replies;
+                    op(Bounded { connection, deadline, replies }).await.map_err(to_store_error)
                 });
                 match tokio::time::timeout_at(deadline, attempt).await {
                     Ok(result) => result,

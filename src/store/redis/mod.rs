@@ -9,6 +9,7 @@ mod connection;
 mod dedup;
 mod scripts;
 mod subscriber;
+mod watchdog;
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -21,7 +22,7 @@ use deadpool_redis::{
 #[cfg(feature = "cluster")]
 pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use self::{
-    connection::{Connections, Source},
+    connection::{Connections, Replies, Source},
     scripts::{
         ABANDON, CLAIM, COMPLETE, RELEASE, ScriptCall, TOUCH, millis, parse_claim, settle_channel,
         whole_millis,
@@ -103,12 +104,12 @@ impl RedisStore {
     /// ```
     #[must_use]
     pub fn new(pool: Pool) -> Self {
-        Self::with_source(Source::Standalone(pool))
+        Self::with_source(Source::Standalone(pool), Replies::Timed)
     }
 
-    fn with_source(source: Source) -> Self {
+    fn with_source(source: Source, replies: Replies) -> Self {
         Self {
-            connections: Arc::new(Connections::new(source)),
+            connections: Arc::new(Connections::new(source, replies)),
             subscriber: None,
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
         }
