@@ -28,10 +28,21 @@ for round in $(seq "$rounds"); do
     taskset -c 0 redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
       --logfile /dev/null &
     redis_pid=$!
-    until redis-cli -p "$redis_port" ping >/dev/null 2>&1; do sleep 0.05; done
+    # Bounded waits: a server that did not start (a port taken meanwhile) fails the run loudly.
+    waited=0
+    until redis-cli -p "$redis_port" ping >/dev/null 2>&1; do
+      kill -0 "$redis_pid" 2>/dev/null && [ $(( waited += 1 )) -lt 200 ] ||
+        { echo "redis-server on port $redis_port did not start" >&2; exit 1; }
+      sleep 0.05
+    done
     taskset -c 0 "$binary" serve "$target" "$server_port" "redis://127.0.0.1:$redis_port" >/dev/null 2>&1 &
     server_pid=$!
-    until (exec 3<>"/dev/tcp/127.0.0.1/$server_port") 2>/dev/null; do sleep 0.05; done
+    waited=0
+    until (exec 3<>"/dev/tcp/127.0.0.1/$server_port") 2>/dev/null; do
+      kill -0 "$server_pid" 2>/dev/null && [ $(( waited += 1 )) -lt 200 ] ||
+        { echo "load serve on port $server_port did not start" >&2; kill "$redis_pid"; exit 1; }
+      sleep 0.05
+    done
     taskset -c 1 "$binary" drive "$server_port" "$scenario" "$connections" 500 0 "$size" >/dev/null
     redis_before=$(redis_cpu "$redis_port")
     server_before=$(awk '{ print $14 + $15 }' "/proc/$server_pid/stat")
