@@ -20,6 +20,7 @@ mod config;
 mod fingerprinting;
 mod future;
 mod handle;
+mod header_filter;
 mod key_header;
 mod layer;
 mod minimal;
