@@ -39,7 +39,7 @@
 //!   [`ignore_json_member`](Idempotent::ignore_json_member)), or the app's own
 //!   ([`fingerprint_with`](Idempotent::fingerprint_with)): the same id with another payload is
 //!   [`Outcome::Mismatch`].
-//! - **the operation** runs in a task of its own, with its lease renewed while it runs. `Ok`
+//! - **the operation** runs with its lease renewed, and runs on if the caller goes away. `Ok`
 //!   is stored (as JSON) and replayed. `Err` releases the key, so a redelivery runs it again,
 //!   and comes back as [`Error::Operation`]. A failure that must not be retried (a declined
 //!   card) is a result: return it inside `Ok` (`T = Result<Receipt, Declined>`), and it is

@@ -62,7 +62,9 @@ pub enum Error<E> {
     /// The event id (the key) is empty: every event without an id would share one record.
     /// Nothing ran and nothing was written.
     EmptyKey,
-    /// The operation's task ended without an answer: the runtime is shutting down.
+    /// The operation's work ended without an answer: it panicked outside the operation
+    /// (whose own panic is resumed in the caller). Nothing is stored; the claim is left to its
+    /// lease.
     Cancelled,
     /// The delivery took over a lapsed claim and the recovery hook failed (an error, a panic,
     /// or no answer within the recovery timeout): the operation did not run. A redelivery
@@ -83,7 +85,7 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 "the operation under key hash {key_hash} ran before, but its result could not be stored: {reason}"
             ),
             Self::EmptyKey => f.write_str("the key (event id) is empty"),
-            Self::Cancelled => f.write_str("the operation's task was cancelled"),
+            Self::Cancelled => f.write_str("the operation's work ended without an answer"),
             Self::Recovery => f.write_str("the recovery hook failed; the operation did not run"),
         }
     }

@@ -5,7 +5,8 @@
 //!    abandoned by a guard ([`Store::abandon`]), fenced by its owner token: its lease ends,
 //!    what it may have taken over is kept, and a claim still on the wire cannot land.
 //! 2. run: the engine runs the claimed operation from claim to settle
-//!    ([`Engine::run_claimed`]), in a task of its own: the recovery hook when one is due, the
+//!    ([`Engine::run_claimed`]), in the caller's task and in one of its own once the caller
+//!    goes away (it never cancels it): the recovery hook when one is due, the
 //!    operation, a failure or a panic that releases the key (the panic resumed in the
 //!    caller); the [`Holder`] renews the lease from the claim to the settle (recovery hook,
 //!    operation, response body).

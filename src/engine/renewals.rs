@@ -163,12 +163,14 @@ impl<St: Store> Renewals<St> {
             ended: None,
         };
         let index = state.claims.insert(entry);
-        if state.task.as_ref().is_none_or(JoinHandle::is_finished) {
+        let spawned_task = state.task.as_ref().is_none_or(JoinHandle::is_finished);
+        if spawned_task {
             let shared = Arc::downgrade(&self.shared);
             state.task = Some(tokio::spawn(look_over(shared, self.shared.period)));
         }
         drop(state);
-        Renewing { renewals: Some(self.clone()), ticket: Ticket { index, serial } }
+        let ticket = Ticket { index, serial };
+        Renewing { renewals: Some(self.clone()), ticket, spawned_task }
     }
 }
 
@@ -207,9 +209,20 @@ impl State {
 pub(crate) struct Renewing<St> {
     renewals: Option<Renewals<St>>,
     ticket: Ticket,
+    /// This claim spawned the renewals' task (the first claim, or the first since its runtime
+    /// went away).
+    spawned_task: bool,
 }
 
 impl<St> Renewing<St> {
+    /// Whether this claim spawned the renewals' task. A task spawned from a worker of a
+    /// multi-threaded runtime waits in that worker's LIFO slot, which no other worker steals:
+    /// behind an operation run in the same task that blocks the thread (a handler that
+    /// blocks where it should await) for longer than a lease, it would not renew the lease.
+    pub(crate) fn spawned_task(&self) -> bool {
+        self.spawned_task
+    }
+
     /// Stops the renewals, and waits for one on the wire: before a settle, so that no renewal
     /// lands after it.
     pub(crate) async fn stop(mut self) {

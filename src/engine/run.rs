@@ -1,10 +1,17 @@
-//! A claimed operation's whole life, for every front door: a task of its own, the recovery
-//! hook when one is due, the operation with its lease renewed, a failure or a panic that
+//! A claimed operation's whole life, for every front door: run by its caller, and in a task
+//! of its own once the caller goes away; the recovery hook when one is due, the operation with its lease renewed, a failure or a panic that
 //! releases the key, and the door's settle; then the answer back to the caller.
 
-use std::future::Future;
+use std::{
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    task::{Context, Poll},
+};
 
 use tokio::sync::oneshot;
+use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
+use tracing::{Instrument as _, instrument::Instrumented};
 
 use super::{Engine, Holder, Panic, Recovery};
 use crate::{
@@ -56,7 +63,8 @@ pub(crate) enum Ended<A, E> {
     /// The recovery hook found another request's outcome under the key; nothing ran, and the
     /// claim was released.
     Mismatch,
-    /// The task was dropped unfinished: the runtime is shutting down.
+    /// The work ended without an answer: it panicked outside the operation (whose own panic
+    /// is resumed in the caller).
     Cancelled,
 }
 
@@ -70,14 +78,17 @@ pub(crate) struct Recovering<L, H> {
 }
 
 impl<St: Store> Engine<St> {
-    /// Runs `operation` for `holder` in a task of its own, and waits for the door's answer.
+    /// Runs `operation` for `holder`, and waits for the door's answer.
     ///
-    /// In the task: when `recovery` is given, the hook is asked first (within its timeout);
-    /// an outcome it knows is given to `recovery.happened` and the operation does not run; a
-    /// failed hook ends as [`Ended::Refused`]. Then the operation runs with its lease renewed;
-    /// `Ok` goes to `settle`, which stores (or releases) and [`send`](Answer::send)s the
-    /// answer; `Err` releases the key and ends as [`Ended::Failed`]; a panic releases the key
-    /// and is resumed here. A caller that goes away does not cancel the task.
+    /// The work runs in the caller's task while the caller waits for its answer, and in a
+    /// task of its own once the caller goes away (or got its answer with work left: a
+    /// stored response's retries, a streamed body): a caller that goes away never cancels
+    /// it. When `recovery` is given, the hook is asked first (within its timeout); an outcome
+    /// it knows is given to `recovery.happened` and the operation does not run; a failed hook
+    /// ends as [`Ended::Refused`]. Then the operation runs with its lease renewed; `Ok` goes
+    /// to `settle`, which stores (or releases) and [`send`](Answer::send)s the answer; `Err`
+    /// releases the key and ends as [`Ended::Failed`]; a panic releases the key and is
+    /// resumed here.
     pub(crate) async fn run_claimed<T, E, A, R, L, H, HFut, S, SFut>(
         &self,
         holder: Holder<St>,
@@ -96,9 +107,10 @@ impl<St: Store> Engine<St> {
         S: FnOnce(Holder<St>, T, Answer<A, E>) -> SFut + Send + 'static,
         SFut: Future<Output = ()> + Send + 'static,
     {
-        let (sender, ended) = oneshot::channel();
+        let (sender, mut ended) = oneshot::channel();
         let answer = Answer(sender);
-        self.spawn(async move {
+        let spawned_renewals = holder.spawned_renewals();
+        let mut work = self.detachable(async move {
             let holder = match recovery {
                 None => holder,
                 Some(Recovering { lookup, happened }) => match holder.recover(lookup).await {
@@ -119,7 +131,20 @@ impl<St: Store> Engine<St> {
                 Err(panic) => answer.resume(panic),
             }
         });
-        match ended.await {
+        if spawned_renewals {
+            // The renewals' task this claim just spawned waits in this worker's LIFO slot,
+            // which no other worker steals: it runs first, so that the work, which may block
+            // the thread past the lease, does not hold it back. Once per engine's renewals.
+            tokio::task::yield_now().await;
+        }
+        let message = std::future::poll_fn(|cx| {
+            work.poll_attached(cx);
+            Pin::new(&mut ended).poll(cx)
+        })
+        .await;
+        // What is left of the work, if anything, goes on in a task of its own.
+        drop(work);
+        match message {
             Ok(Message::Answered(answer)) => Ended::Answered(answer),
             Ok(Message::Failed(error)) => Ended::Failed(error),
             Ok(Message::Refused) => Ended::Refused,
@@ -129,16 +154,58 @@ impl<St: Store> Engine<St> {
         }
     }
 
-    /// Spawns a claimed operation's task: on the configured `TaskTracker`, or with
-    /// `tokio::spawn`. The task is detached: a caller that goes away does not cancel it.
-    pub(crate) fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
-        // Boxed here, so that the caller's future does not carry the task's state inline, and
-        // before it is wrapped, so that its kilobytes are copied once; in the caller's span, so
-        // that its events nest where the request's do.
-        let task = tracing::Instrument::in_current_span(Box::pin(task));
-        match &self.settings.tasks {
-            Some(tracker) => drop(tracker.spawn(task)),
-            None => drop(tokio::spawn(task)),
+    /// A claimed operation's work, run in its caller's task until it is detached: counted on
+    /// the configured `TaskTracker`, and in the caller's span.
+    fn detachable(&self, work: impl Future<Output = ()> + Send + 'static) -> Detachable {
+        // Boxed, so that the caller's future does not carry the work's kilobytes inline and a
+        // detached work moves without a copy; boxed before it is wrapped, so that they are
+        // copied once. In the caller's span, so that its events nest where the request's do,
+        // detached or not.
+        let work: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(work);
+        Detachable {
+            work: Some(work.in_current_span()),
+            tracked: self.settings.tasks.as_ref().map(TaskTracker::token),
+        }
+    }
+}
+
+/// A claimed operation's work, polled by its caller while it waits for the answer, and spawned
+/// when dropped unfinished: a caller that goes away does not cancel it. Run inline, the common
+/// request (its answer sent when its work ends) costs no task, no wake-up of another task
+/// and no hop between them.
+struct Detachable {
+    work: Option<Instrumented<Pin<Box<dyn Future<Output = ()> + Send>>>>,
+    /// Counts the work on the configured `TaskTracker` until it ends.
+    tracked: Option<TaskTrackerToken>,
+}
+
+impl Detachable {
+    /// Polls the work, while it is not done. A panic of its own (the operation's is caught
+    /// and resumed through the answer) ends it, as a spawned task's would: its answer's sender
+    /// is dropped, and the caller ends as [`Ended::Cancelled`].
+    fn poll_attached(&mut self, cx: &mut Context<'_>) {
+        if let Some(work) = &mut self.work {
+            let polled =
+                std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(&mut *work).poll(cx)));
+            if !matches!(polled, Ok(Poll::Pending)) {
+                self.work = None;
+            }
+        }
+    }
+}
+
+impl Drop for Detachable {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else { return };
+        let tracked = self.tracked.take();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(async move {
+                work.await;
+                drop(tracked);
+            })),
+            // Dropped outside any runtime (its own shut down): nothing can run the work, and
+            // dropping it releases what it holds, as a task cancelled at shutdown would.
+            Err(_) => drop(work),
         }
     }
 }

@@ -34,11 +34,11 @@ macro_rules! engine_setters {
             self
         }
 
-        /// Spawns every claimed operation's task on `tracker`, so that a service shutting
-        /// down can wait for the operations still running and the outcomes they store
-        /// (`tracker.close(); tracker.wait().await`). Without it the tasks are plain
-        /// `tokio::spawn` tasks. A claimed operation runs in a task of its own either way, so
-        /// that a caller that goes away does not cancel it.
+        /// Counts every claimed operation on `tracker` until it ends, so that a service
+        /// shutting down can wait for the operations still running and the outcomes they store
+        /// (`tracker.close(); tracker.wait().await`). A claimed operation runs in its caller's
+        /// task, and in a task of its own once the caller goes away, with a tracker or without:
+        /// a caller that goes away does not cancel it.
         pub fn task_tracker(mut self, tracker: tokio_util::task::TaskTracker) -> Self {
             self.settings().tasks = Some(tracker);
             self

@@ -169,8 +169,9 @@ where
         };
         parts.extensions.insert(context.clone());
 
-        // 6 and 7 in a task of their own, so that a client that goes away neither cancels
-        // its handler (nor its recovery) nor leaves its key claimed until the lease ends.
+        // 6 and 7 detachable: run here, and in a task of their own if the client goes away, so
+        // that it neither cancels its handler (nor its recovery) nor leaves its key claimed
+        // until the lease ends.
         let handler = self.inner.oneshot(Request::from_parts(parts, Body::from(body)));
         let config = self.config.clone();
         let rebuild_timeout = self.engine.recovery_timeout();
