@@ -170,7 +170,15 @@ fn watchdog() -> &'static Watchdog {
 
 #[cfg(test)]
 mod tests {
-    use std::time::{Duration, Instant};
+    use std::{
+        future::Future,
+        sync::{
+            Arc,
+            atomic::{AtomicUsize, Ordering},
+        },
+        task::{Context, Poll, Wake, Waker},
+        time::{Duration, Instant},
+    };
 
     use super::{Elapsed, watchdog, within};
 
@@ -195,6 +203,56 @@ mod tests {
             assert!(tokio::time::timeout(Duration::ZERO, dropped).await.is_err());
         }
         assert!(watchdog().lock().watches.len() < 100);
+    }
+
+    #[tokio::test]
+    async fn an_operation_due_before_the_thread_would_look_wakes_it() {
+        // The thread sleeps until a deadline a second off (past its idle looks); one due in
+        // 100 ms must tell it to look sooner.
+        let long = tokio::spawn(within(
+            Instant::now() + Duration::from_secs(1),
+            std::future::pending::<()>(),
+        ));
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let started = Instant::now();
+        let short = within(started + Duration::from_millis(100), std::future::pending::<()>());
+        assert!(short.await.is_err());
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(400), "{took:?}");
+        long.abort();
+    }
+
+    /// A waker that counts its wakes.
+    struct Counting(AtomicUsize);
+
+    impl Wake for Counting {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn the_waker_of_the_last_poll_is_the_one_woken() {
+        // A detached operation moves from its caller's task to a task of its own: polled by
+        // another waker, it must wake that one at its deadline.
+        let (first, second) =
+            (Arc::new(Counting(AtomicUsize::new(0))), Arc::new(Counting(AtomicUsize::new(0))));
+        let mut watched = Box::pin(within(
+            Instant::now() + Duration::from_millis(50),
+            std::future::pending::<()>(),
+        ));
+        let first_waker = Waker::from(first.clone());
+        assert!(watched.as_mut().poll(&mut Context::from_waker(&first_waker)).is_pending());
+        let second_waker = Waker::from(second.clone());
+        assert!(watched.as_mut().poll(&mut Context::from_waker(&second_waker)).is_pending());
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while second.0.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        let polled = watched.as_mut().poll(&mut Context::from_waker(&second_waker));
+        assert!(matches!(polled, Poll::Ready(Err(Elapsed))));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
