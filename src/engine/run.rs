@@ -1,6 +1,7 @@
 //! A claimed operation's whole life, for every front door: run by its caller, and in a task
-//! of its own once the caller goes away; the recovery hook when one is due, the operation with its lease renewed, a failure or a panic that
-//! releases the key, and the door's settle; then the answer back to the caller.
+//! of its own once the caller goes away; the recovery hook when one is due, the operation with
+//! its lease renewed, a failure or a panic that releases the key, and the door's settle; then
+//! the answer back to the caller.
 
 use std::{
     future::Future,
