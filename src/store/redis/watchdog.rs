@@ -123,13 +123,16 @@ impl Watchdog {
     fn run(&self) {
         let mut state = self.lock();
         let mut idle_looks = 0;
+        // The wakers of the operations past their deadline, woken with the lock released: a
+        // waker is the runtime's code, and one that touched the watchdog would deadlock.
+        let mut due: Vec<Waker> = Vec::new();
         loop {
             let now = Instant::now();
             let mut next: Option<Instant> = None;
             for (_, watch) in state.watches.iter_mut().filter(|(_, watch)| !watch.expired) {
                 if watch.deadline <= now {
                     watch.expired = true;
-                    watch.waker.wake_by_ref();
+                    due.push(watch.waker.clone());
                 } else {
                     next = Some(next.map_or(watch.deadline, |next| next.min(watch.deadline)));
                 }
@@ -140,9 +143,16 @@ impl Watchdog {
                 None if idle_looks < IDLE_LOOKS => Some(now + IDLE),
                 None => None,
             };
+            if !due.is_empty() {
+                drop(state);
+                due.drain(..).for_each(Waker::wake);
+                state = self.lock();
+            }
+            // Read under the lock again: an operation registered meanwhile may have moved it
+            // sooner (and its notification found nobody waiting).
             state = match state.wakes_at {
                 Some(at) => {
-                    let sleep = at.saturating_duration_since(now);
+                    let sleep = at.saturating_duration_since(Instant::now());
                     self.look.wait_timeout(state, sleep).unwrap_or_else(PoisonError::into_inner).0
                 }
                 None => self.look.wait(state).unwrap_or_else(PoisonError::into_inner),
@@ -254,6 +264,37 @@ mod tests {
         assert_eq!(first.0.load(Ordering::SeqCst), 0);
         let polled = watched.as_mut().poll(&mut Context::from_waker(&second_waker));
         assert!(matches!(polled, Poll::Ready(Err(Elapsed))));
+    }
+
+    /// A waker that looks at the watchdog when woken, as a runtime's may do anything.
+    struct Meddling(AtomicUsize);
+
+    impl Wake for Meddling {
+        fn wake(self: Arc<Self>) {
+            drop(watchdog().lock());
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[test]
+    fn a_waker_is_woken_without_the_watchdog_locked() {
+        let meddling = Arc::new(Meddling(AtomicUsize::new(0)));
+        let waker = Waker::from(meddling.clone());
+        let mut watched = Box::pin(within(
+            Instant::now() + Duration::from_millis(20),
+            std::future::pending::<()>(),
+        ));
+        assert!(watched.as_mut().poll(&mut Context::from_waker(&waker)).is_pending());
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while meddling.0.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let woken = meddling.0.load(Ordering::SeqCst);
+        if woken == 0 {
+            // Its drop would wait for the deadlocked watchdog's lock: fail instead of hanging.
+            std::mem::forget(watched);
+        }
+        assert_eq!(woken, 1, "the watchdog deadlocked in a wake");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
