@@ -185,3 +185,57 @@ async fn a_truncated_stored_response_is_500_not_a_rerun() {
     send(&app, keyed("POST", "/payments", "k1", "{}")).await.assert_problem(500, "corrupt-record");
     assert_eq!(calls.get(), 1);
 }
+
+/// A `RedisStore::from_url` writes the commands its operations send while others are on the
+/// wire as one batch (`src/store/redis/batch.rs`): under a burst of concurrent operations each
+/// still gets its own answer, and after `SCRIPT FLUSH` each command of a batch that met
+/// `NOSCRIPT` loads its script and is sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_operations_each_get_their_own_answer() {
+    use axum_idempotency::{
+        Fingerprint,
+        store::{Claim, Lease, OwnerToken, RecordKey, Store},
+    };
+    let server = RedisServer::start();
+    let store = server.store();
+    let lease = Lease::new(Duration::from_secs(30));
+    let key =
+        |round: usize, n: usize| RecordKey::new("batch", b"", format!("{round}-{n}").as_bytes());
+    let fingerprint = |n: usize| Fingerprint::of_payload(format!("payload {n}").as_bytes());
+    // Keys 0..30 completed, each with a response of its own; keys 30..60 absent.
+    for n in 0..30 {
+        let owner = OwnerToken::random();
+        let claim = store.claim(&key(0, n), &fingerprint(n), &owner, lease).await.unwrap();
+        assert!(matches!(claim, Claim::Claimed), "{claim:?}");
+        let response = bytes::Bytes::from(format!("response {n}"));
+        let retention = Duration::from_secs(60);
+        store.complete(&key(0, n), &owner, &fingerprint(n), response, retention).await.unwrap();
+    }
+    let mut redis = server.connection().await;
+    for round in 0..2 {
+        if round == 1 {
+            let () = redis::cmd("SCRIPT").arg("FLUSH").query_async(&mut redis).await.unwrap();
+        }
+        // Three claims of each key at once, every one its own task.
+        let claims = (0..60).flat_map(|n| [n; 3]).map(|n| {
+            let store = store.clone();
+            let key = if n < 30 { key(0, n) } else { key(round, n) };
+            tokio::spawn(async move {
+                (n, store.claim(&key, &fingerprint(n), &OwnerToken::random(), lease).await)
+            })
+        });
+        let mut claimed = [0; 60];
+        for claim in futures_util::future::join_all(claims).await {
+            let (n, claim) = claim.unwrap();
+            match claim.unwrap() {
+                Claim::Replay { response, .. } if n < 30 => {
+                    assert_eq!(response, format!("response {n}"), "key {n} got another's record");
+                }
+                Claim::Claimed if n >= 30 => claimed[n] += 1,
+                Claim::InProgress { .. } if n >= 30 => {}
+                other => panic!("round {round}, key {n}: {other:?}"),
+            }
+        }
+        assert_eq!(claimed[30..], [1; 30], "round {round}: one claim of each absent key wins");
+    }
+}

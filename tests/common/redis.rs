@@ -148,11 +148,12 @@ impl RedisServer {
         Config::from_url(self.url()).create_pool(Some(Runtime::Tokio1)).expect("pool")
     }
 
-    /// A store over a pool of this server, with a subscriber for waiters, as
-    /// `RedisStore::from_url` makes one.
+    /// The store a user of the README makes: `RedisStore::from_url` (its pool's replies bounded
+    /// by the watchdog, its commands batched under load, a subscriber for waiters). A pool of
+    /// the app's own, `RedisStore::new(pool)`, is tested in `tests/redis.rs` and
+    /// `tests/redis_faults.rs`.
     pub fn store(&self) -> RedisStore {
-        let client = redis::Client::open(self.url()).expect("client");
-        RedisStore::new(self.pool()).subscriber(client)
+        RedisStore::from_url(&self.url()).expect("store")
     }
 
     /// A plain connection for looking at what the layer wrote.

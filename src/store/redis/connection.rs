@@ -4,7 +4,7 @@
 use std::{
     future::Future,
     sync::{
-        Mutex, PoisonError,
+        Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
@@ -21,7 +21,10 @@ use tokio::time::Instant;
 
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
-use super::watchdog::{self, Elapsed};
+use super::{
+    batch::{Batcher, Operation},
+    watchdog::{self, Elapsed},
+};
 use crate::store::StoreError;
 use crate::store::clock::ServerClock;
 
@@ -90,11 +93,15 @@ impl ConnectionLike for SharedConnection {
 /// once it passed, so an operation of several commands (a `NOSCRIPT` reload, a scan) is
 /// bounded as a whole. With [`Replies::Timed`], each command waits at most what is left
 /// (redis-rs's own timer, which holds the wait for room in the pipeline's channel too); with
-/// [`Replies::Watched`], the watchdog ends the whole operation. A Cluster connection keeps the
+/// [`Replies::Watched`], the watchdog ends the whole operation, and a command sent while
+/// another is on the wire goes in the next [batch](Batcher). A Cluster connection keeps the
 /// node timeouts it was built with (see `cluster.rs`): its operations run under the store's
 /// own timer instead.
 pub(super) struct Bounded {
     connection: SharedConnection,
+    /// The operation among the store's others, when its commands may go in batches (a
+    /// standalone connection whose replies are watched).
+    operation: Option<Operation<MultiplexedConnection>>,
     deadline: Instant,
     replies: Replies,
 }
@@ -113,9 +120,15 @@ pub(super) enum Replies {
 
 impl ConnectionLike for Bounded {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self.left() {
-            Some(left) => self.bounded(left).req_packed_command(cmd),
-            None => Box::pin(async { Err(timed_out()) }),
+        match (self.left(), &self.operation, &self.connection) {
+            (None, ..) => Box::pin(async { Err(Elapsed.into()) }),
+            (Some(_), Some(operation), SharedConnection::Standalone(connection))
+                if !operation.alone() =>
+            {
+                let batcher = operation.batcher().clone();
+                Box::pin(batcher.send(connection.clone(), cmd, self.deadline))
+            }
+            (Some(left), ..) => self.bounded(left).req_packed_command(cmd),
         }
     }
 
@@ -127,7 +140,7 @@ impl ConnectionLike for Bounded {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self.left() {
             Some(left) => self.bounded(left).req_packed_commands(pipeline, offset, count),
-            None => Box::pin(async { Err(timed_out()) }),
+            None => Box::pin(async { Err(Elapsed.into()) }),
         }
     }
 
@@ -171,16 +184,12 @@ impl Bounded {
 /// reach).
 const NO_DEADLINE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
-/// The error of a command not sent because its operation's time was up: a timeout, as
-/// redis-rs reports its own.
-fn timed_out() -> RedisError {
-    RedisError::from(std::io::Error::from(std::io::ErrorKind::TimedOut))
-}
-
 /// One shared connection, taken from the pool when there is none or the last one failed.
 pub(super) struct Connections {
     pub(super) source: Source,
     shared: Mutex<Option<SharedConnection>>,
+    /// The batches of the commands sent while others are on the wire, when replies are watched.
+    batcher: Option<Arc<Batcher<MultiplexedConnection>>>,
     /// How the replies on the pool's connections are bounded.
     replies: Replies,
     eviction_checked: AtomicBool,
@@ -193,6 +202,7 @@ impl Connections {
         Self {
             source,
             shared: Mutex::new(None),
+            batcher: (replies == Replies::Watched).then(Arc::default),
             replies,
             eviction_checked: AtomicBool::new(false),
             clock: ServerClock::default(),
@@ -261,7 +271,8 @@ impl Connections {
             // the pipeline's channel included, by what is left (`Bounded`).
             Some(connection @ SharedConnection::Standalone(_)) => {
                 let replies = self.replies;
-                let operation = op(Bounded { connection, deadline, replies });
+                let operation = self.batcher.as_ref().map(Batcher::start);
+                let operation = op(Bounded { connection, operation, deadline, replies });
                 match replies {
                     Replies::Timed => operation.await.map_err(to_store_error),
                     Replies::Watched => {
@@ -284,7 +295,10 @@ impl Connections {
                         None => self.connect().await?,
                     };
                     let replies = self.replies;
-                    op(Bounded { connection, deadline, replies }).await.map_err(to_store_error)
+                    let operation = self.batcher.as_ref().map(Batcher::start);
+                    op(Bounded { connection, operation, deadline, replies })
+                        .await
+                        .map_err(to_store_error)
                 });
                 match tokio::time::timeout_at(deadline, attempt).await {
                     Ok(result) => result,

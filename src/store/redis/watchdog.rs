@@ -37,6 +37,13 @@ pub(super) fn within<F: Future>(deadline: Instant, future: F) -> Watched<F> {
 #[derive(Debug)]
 pub(super) struct Elapsed;
 
+impl From<Elapsed> for deadpool_redis::redis::RedisError {
+    /// A timeout, as redis-rs reports its own: an operation's time was up.
+    fn from(_: Elapsed) -> Self {
+        std::io::Error::from(std::io::ErrorKind::TimedOut).into()
+    }
+}
+
 pin_project_lite::pin_project! {
     /// An operation under the watchdog; see [`within`].
     pub(super) struct Watched<F> {

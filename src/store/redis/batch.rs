@@ -1,0 +1,405 @@
+//! [`Batcher`]: the commands that operations send while another is on the wire, written to
+//! Redis together.
+//!
+//! A multiplexed connection writes each command as it comes: under load, one `writev` a
+//! command on the client, one read on the server. Here an operation that starts while no other
+//! of the store's runs sends its commands straight out, as before (an idle store pays two
+//! atomic additions an operation); one that starts while others run queues its commands, and
+//! one task, spawned by the first of them, yields once (every task already runnable sends
+//! first) and writes the queue as one pipeline, giving each command's reply, or the
+//! pipeline's error, to its own sender.
+//!
+//! What an operation sees does not change: its command's own reply (a server error, such as
+//! `NOSCRIPT`, is its alone), in order with its other commands (an operation awaits each reply
+//! before it sends again); its deadline, kept by the watchdog around the operation. The task
+//! that writes a batch is bounded by the latest deadline in it; a command whose operation
+//! ended (or whose deadline passed) before its batch was written is not sent.
+
+use std::sync::{
+    Arc, Mutex, PoisonError,
+    atomic::{AtomicUsize, Ordering},
+};
+
+use deadpool_redis::redis::{Cmd, Pipeline, RedisError, RedisResult, Value, aio::ConnectionLike};
+use tokio::{sync::oneshot, time::Instant};
+
+use super::watchdog::{self, Elapsed};
+
+/// One store's queue of commands waiting for a batch; see the module.
+pub(super) struct Batcher<C> {
+    queue: Mutex<Queue<C>>,
+    /// The store's operations running now.
+    operations: AtomicUsize,
+}
+
+impl<C> Default for Batcher<C> {
+    fn default() -> Self {
+        let queue = Mutex::new(Queue { waiting: Vec::new(), flushing: false });
+        Self { queue, operations: AtomicUsize::new(0) }
+    }
+}
+
+struct Queue<C> {
+    waiting: Vec<Waiting<C>>,
+    /// A task is spawned to write the queue and has not taken it yet.
+    flushing: bool,
+}
+
+/// A command waiting for its batch.
+struct Waiting<C> {
+    command: Cmd,
+    /// The connection of the command's operation: a batch goes out on its first command's.
+    connection: C,
+    deadline: Instant,
+    reply: oneshot::Sender<RedisResult<Value>>,
+}
+
+/// One running operation of the store, counted until it is dropped.
+pub(super) struct Operation<C> {
+    batcher: Arc<Batcher<C>>,
+    /// No other operation of the store ran when it started: its commands go straight out.
+    alone: bool,
+}
+
+impl<C> Drop for Operation<C> {
+    fn drop(&mut self) {
+        self.batcher.operations.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl<C> Batcher<C> {
+    /// Counts an operation from now until the returned value is dropped.
+    pub(super) fn start(self: &Arc<Self>) -> Operation<C> {
+        let alone = self.operations.fetch_add(1, Ordering::AcqRel) == 0;
+        Operation { batcher: self.clone(), alone }
+    }
+}
+
+impl<C> Operation<C> {
+    /// Whether the operation's commands go straight out, not in batches.
+    pub(super) fn alone(&self) -> bool {
+        self.alone
+    }
+
+    /// The store's batches.
+    pub(super) fn batcher(&self) -> &Arc<Batcher<C>> {
+        &self.batcher
+    }
+}
+
+impl<C> Batcher<C>
+where
+    C: ConnectionLike + Clone + Send + 'static,
+{
+    /// Sends `command` in the next batch, on `connection` if it is the batch's first.
+    /// `deadline` is its operation's. Outside a tokio runtime (no task can write a batch), at
+    /// once.
+    pub(super) async fn send(
+        self: Arc<Self>,
+        mut connection: C,
+        command: &Cmd,
+        deadline: Instant,
+    ) -> RedisResult<Value> {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return connection.req_packed_command(command).await;
+        };
+        let (reply, replied) = oneshot::channel();
+        let spawn = {
+            let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            let command = command.clone();
+            queue.waiting.push(Waiting { command, connection, deadline, reply });
+            !std::mem::replace(&mut queue.flushing, true)
+        };
+        if spawn {
+            runtime.spawn(flush(self.clone()));
+        }
+        // A sender dropped unanswered: the batch's task ended without a reply (its deadline,
+        // or its runtime shutting down), the command perhaps applied.
+        replied.await.unwrap_or_else(|_| Err(batch_lost()))
+    }
+}
+
+/// Writes the queue as one pipeline, once every task already runnable has had its turn.
+async fn flush<C>(batcher: Arc<Batcher<C>>)
+where
+    C: ConnectionLike + Clone + Send + 'static,
+{
+    tokio::task::yield_now().await;
+    let waiting = {
+        let mut queue = batcher.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        queue.flushing = false;
+        std::mem::take(&mut queue.waiting)
+    };
+    // A command whose operation ended (a dropped request) or whose time is up is not sent.
+    let now = Instant::now();
+    let (mut pipeline, mut replies) = (Pipeline::with_capacity(waiting.len()), Vec::new());
+    let mut batch = None;
+    for Waiting { command, connection, deadline, reply } in waiting {
+        if reply.is_closed() {
+            continue;
+        }
+        if deadline <= now {
+            let _ = reply.send(Err(Elapsed.into()));
+            continue;
+        }
+        let (_, latest) = batch.get_or_insert((connection, deadline));
+        *latest = deadline.max(*latest);
+        pipeline.add_command(command);
+        replies.push(reply);
+    }
+    let Some((mut connection, latest)) = batch else { return };
+    let count = replies.len();
+    let sent =
+        watchdog::within(latest.into_std(), connection.req_packed_commands(&pipeline, 0, count));
+    match sent.await {
+        Ok(Ok(values)) if values.len() == count => {
+            for (reply, value) in replies.into_iter().zip(values) {
+                let _ = reply.send(value.extract_error());
+            }
+        }
+        Ok(Ok(_)) => {
+            for reply in replies {
+                let _ = reply.send(Err(batch_lost()));
+            }
+        }
+        Ok(Err(error)) => {
+            for reply in replies {
+                let _ = reply.send(Err(error.clone()));
+            }
+        }
+        // Every operation's time is up; one whose watchdog has not ended it yet learns it here.
+        Err(Elapsed) => {
+            for reply in replies {
+                let _ = reply.send(Err(Elapsed.into()));
+            }
+        }
+    }
+}
+
+/// The error of a command whose batch ended without its reply: it may have been applied.
+fn batch_lost() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "the batch carrying the command ended without its reply",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        future::Future,
+        sync::atomic::AtomicBool,
+        time::{Duration, Instant as StdInstant},
+    };
+
+    use deadpool_redis::redis::{ErrorKind, RedisFuture, ServerErrorKind, parse_redis_value};
+    use tokio::sync::Semaphore;
+
+    use super::*;
+
+    /// How a fake connection answers a pipeline.
+    #[derive(Clone, Copy)]
+    enum Pipelines {
+        /// Each command's first argument, back; `NOSCRIPT` for the argument `noscript`.
+        Echo,
+        /// An I/O error for the whole pipeline.
+        Fail,
+        /// Never.
+        Hang,
+    }
+
+    /// A connection that records what it was sent: `1` for a command alone, `n` for a
+    /// pipeline of `n`. A command alone is answered once `answer_alone` has a permit.
+    #[derive(Clone)]
+    struct Fake {
+        sent: Arc<Mutex<Vec<(&'static str, usize)>>>,
+        answer_alone: Arc<Semaphore>,
+        pipelines: Pipelines,
+        hung_dropped: Arc<AtomicBool>,
+    }
+
+    impl Fake {
+        fn new(pipelines: Pipelines) -> Self {
+            Self {
+                sent: Arc::default(),
+                answer_alone: Arc::new(Semaphore::new(0)),
+                pipelines,
+                hung_dropped: Arc::default(),
+            }
+        }
+
+        fn sent(&self) -> Vec<(&'static str, usize)> {
+            self.sent.lock().unwrap().clone()
+        }
+    }
+
+    fn echo(command: &Cmd) -> Value {
+        let first = command.args_iter().next().map(|arg| match arg {
+            deadpool_redis::redis::Arg::Simple(bytes) => bytes.to_vec(),
+            _ => Vec::new(),
+        });
+        match first.as_deref() {
+            Some(b"noscript") => parse_redis_value(b"-NOSCRIPT No matching script\r\n").unwrap(),
+            Some(first) => Value::BulkString(first.to_vec()),
+            None => Value::Nil,
+        }
+    }
+
+    struct Dropped(Arc<AtomicBool>);
+
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    impl ConnectionLike for Fake {
+        fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+            self.sent.lock().unwrap().push(("alone", 1));
+            Box::pin(async move {
+                self.answer_alone.acquire().await.unwrap().forget();
+                Ok(echo(cmd))
+            })
+        }
+
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            pipeline: &'a Pipeline,
+            offset: usize,
+            count: usize,
+        ) -> RedisFuture<'a, Vec<Value>> {
+            assert_eq!((offset, count), (0, pipeline.len()));
+            self.sent.lock().unwrap().push(("batch", count));
+            let dropped = Dropped(self.hung_dropped.clone());
+            Box::pin(async move {
+                match self.pipelines {
+                    Pipelines::Echo => Ok(pipeline.cmd_iter().map(echo).collect()),
+                    Pipelines::Fail => Err(RedisError::from(std::io::Error::from(
+                        std::io::ErrorKind::ConnectionReset,
+                    ))),
+                    Pipelines::Hang => {
+                        let _dropped = dropped;
+                        std::future::pending().await
+                    }
+                }
+            })
+        }
+
+        fn get_db(&self) -> i64 {
+            0
+        }
+    }
+
+    fn command(first: &str) -> Cmd {
+        let mut command = Cmd::new();
+        command.arg(first).arg("and more");
+        command
+    }
+
+    /// Sends `first` through `batcher` on `fake`, due in `within`.
+    fn send(
+        batcher: &Arc<Batcher<Fake>>,
+        fake: &Fake,
+        first: &str,
+        within: Duration,
+    ) -> impl Future<Output = RedisResult<Value>> + use<> {
+        let (batcher, fake, command) = (batcher.clone(), fake.clone(), command(first));
+        async move { batcher.send(fake, &command, Instant::now() + within).await }
+    }
+
+    const LONG: Duration = Duration::from_secs(5);
+
+    #[tokio::test]
+    async fn commands_queued_together_go_out_as_one_batch_each_with_its_own_reply() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
+        let (a, noscript, c) = tokio::join!(
+            send(&batcher, &fake, "a", LONG),
+            send(&batcher, &fake, "noscript", LONG),
+            send(&batcher, &fake, "c", LONG),
+        );
+        assert_eq!(fake.sent(), [("batch", 3)]);
+        assert_eq!(a.unwrap(), Value::BulkString(b"a".to_vec()));
+        // A server error is its command's alone.
+        assert_eq!(noscript.unwrap_err().kind(), ErrorKind::Server(ServerErrorKind::NoScript));
+        assert_eq!(c.unwrap(), Value::BulkString(b"c".to_vec()));
+        // The next command, queued after the batch was taken, goes in a batch of its own.
+        send(&batcher, &fake, "next", LONG).await.unwrap();
+        assert_eq!(fake.sent(), [("batch", 3), ("batch", 1)]);
+    }
+
+    #[tokio::test]
+    async fn a_batchs_error_reaches_every_command_in_it() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Fail));
+        let (a, b) =
+            tokio::join!(send(&batcher, &fake, "a", LONG), send(&batcher, &fake, "b", LONG));
+        assert_eq!(fake.sent(), [("batch", 2)]);
+        for reply in [a, b] {
+            let error = reply.unwrap_err();
+            assert!(error.is_io_error(), "{error:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_whose_operation_ended_or_whose_time_is_up_is_not_sent() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
+        let mut gone = Box::pin(send(&batcher, &fake, "gone", LONG));
+        // Queued by its first poll, then dropped before the batch's task runs.
+        assert!(futures_util::poll!(gone.as_mut()).is_pending());
+        drop(gone);
+        let (late, kept) = tokio::join!(
+            send(&batcher, &fake, "late", Duration::ZERO),
+            send(&batcher, &fake, "kept", LONG)
+        );
+        assert_eq!(kept.unwrap(), Value::BulkString(b"kept".to_vec()));
+        assert!(late.unwrap_err().is_timeout());
+        assert_eq!(fake.sent(), [("batch", 1)]);
+    }
+
+    #[tokio::test]
+    async fn a_batch_unanswered_ends_at_its_latest_deadline() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Hang));
+        let start = StdInstant::now();
+        let (early, late) = tokio::join!(
+            send(&batcher, &fake, "early", Duration::from_millis(100)),
+            send(&batcher, &fake, "late", Duration::from_millis(400)),
+        );
+        let ended = start.elapsed();
+        assert_eq!(fake.sent(), [("batch", 2)]);
+        for reply in [early, late] {
+            let error = reply.unwrap_err();
+            assert!(error.is_timeout(), "{error:?}");
+        }
+        // Ended by the later deadline, not the earlier, and not never.
+        assert!(ended >= Duration::from_millis(390), "{ended:?}");
+        assert!(ended < Duration::from_millis(2_000), "{ended:?}");
+        assert!(fake.hung_dropped.load(Ordering::SeqCst), "the batch's pipeline was not dropped");
+    }
+
+    #[test]
+    fn an_operation_is_alone_when_no_other_of_the_store_runs() {
+        let batcher = Arc::new(Batcher::<Fake>::default());
+        let first = batcher.start();
+        let second = batcher.start();
+        assert!(first.alone() && !second.alone());
+        drop(first);
+        // The second still runs.
+        let third = batcher.start();
+        assert!(!third.alone());
+        drop((second, third));
+        assert!(batcher.start().alone());
+    }
+
+    #[test]
+    fn outside_a_tokio_runtime_a_command_goes_straight_out() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
+        fake.answer_alone.add_permits(1);
+        // Polled once, by no executor: the answer is at hand, no task was needed.
+        let sending = std::pin::pin!(send(&batcher, &fake, "a", LONG));
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        let std::task::Poll::Ready(reply) = sending.poll(&mut context) else {
+            panic!("the command waits for a batch no task writes")
+        };
+        assert_eq!(reply.unwrap(), Value::BulkString(b"a".to_vec()));
+        assert_eq!(fake.sent(), [("alone", 1)]);
+    }
+}
