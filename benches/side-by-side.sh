@@ -24,7 +24,13 @@ redis_cpu() {
 for round in $(seq "$rounds"); do
   for entry in "$@"; do
     binary=${entry%:*} target=${entry##*:}
-    redis_port=$(( 30000 + RANDOM % 20000 )); server_port=$(( redis_port + 1 ))
+    # Two ports nothing answers on (a cell's server may still hold the last cell's for a moment).
+    free_port() {
+      local port=$(( 30000 + RANDOM % 20000 ))
+      while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$(( 30000 + RANDOM % 20000 )); done
+      echo "$port"
+    }
+    redis_port=$(free_port); server_port=$(free_port)
     taskset -c 0 redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
       --logfile /dev/null &
     redis_pid=$!
@@ -35,12 +41,13 @@ for round in $(seq "$rounds"); do
         { echo "redis-server on port $redis_port did not start" >&2; exit 1; }
       sleep 0.05
     done
-    taskset -c 0 "$binary" serve "$target" "$server_port" "redis://127.0.0.1:$redis_port" >/dev/null 2>&1 &
+    server_log=$(mktemp)
+    taskset -c 0 "$binary" serve "$target" "$server_port" "redis://127.0.0.1:$redis_port" >"$server_log" 2>&1 &
     server_pid=$!
     waited=0
     until (exec 3<>"/dev/tcp/127.0.0.1/$server_port") 2>/dev/null; do
       kill -0 "$server_pid" 2>/dev/null && [ $(( waited += 1 )) -lt 200 ] ||
-        { echo "load serve on port $server_port did not start" >&2; kill "$redis_pid"; exit 1; }
+        { echo "load serve on port $server_port did not start:" >&2; tail -5 "$server_log" >&2; kill "$redis_pid"; exit 1; }
       sleep 0.05
     done
     taskset -c 1 "$binary" drive "$server_port" "$scenario" "$connections" 500 0 "$size" >/dev/null
@@ -52,6 +59,7 @@ for round in $(seq "$rounds"); do
     redis_after=$(redis_cpu "$redis_port")
     server_after=$(awk '{ print $14 + $15 }' "/proc/$server_pid/stat")
     kill "$server_pid" "$redis_pid"
+    rm -f "$server_log"
     wait "$server_pid" "$redis_pid" 2>/dev/null || true
     awk -v r="$round" -v e="$entry" -v a="$answered" -v f="$failed" -v s="$seconds" -v n="$sent" \
       -v sb="$server_before" -v sa="$server_after" -v t="$ticks" -v rb="$redis_before" -v ra="$redis_after" \
