@@ -6,7 +6,9 @@
 -- ARGV[4]  record format version (one byte)
 -- ARGV[5]  '1' when the caller waits for an in-progress record to settle: the record is
 --          marked 'W', and its settle publishes (see complete.lua, release.lua); '0' otherwise
--- ARGV[6]  recovery window in milliseconds: how long an in-progress record outlives its lease
+-- ARGV[6]  how long the claim's record lives, in milliseconds: the lease and the recovery window
+--          (how long an in-progress record outlives its lease), added up by the caller: a
+--          number Lua adds is written back as text, which costs Redis more than the addition
 -- ARGV[7]  the latest server time (ms since the Unix epoch) at which the claim may be applied;
 --          '0' for none. A claim held up on the wire past it (its caller gave up) writes nothing
 -- A record is one string (see src/store/redis/mod.rs):
@@ -98,5 +100,5 @@ if not_after > 0 and now > not_after then
 end
 local lease = tonumber(ARGV[3])
 redis.call('SET', key, ARGV[4] .. state .. ARGV[1] .. ARGV[2] .. string.format('%.0f', now + lease),
-  'PX', lease + tonumber(ARGV[6]))
+  'PX', ARGV[6])
 return answer

@@ -60,7 +60,7 @@ MUTANTS = [
     ("claim.lua replaying without the record's time to live", "lua/claim.lua",
      "return {1, record, redis.call('PTTL', key)}", "return {1, record, -1}", REDIS),
     ("claim.lua keeping records no longer than their lease", "lua/claim.lua",
-     "'PX', lease + tonumber(ARGV[6]))", "'PX', lease)", REDIS),
+     "'PX', ARGV[6])", "'PX', ARGV[3])", REDIS),
     ("claim.lua reporting the time to the end of the window", "lua/claim.lua",
      "return {3, deadline - now}", "return {3, redis.call('PTTL', key)}", REDIS),
     ("claim.lua taking over for another fingerprint", "lua/claim.lua",

@@ -188,8 +188,10 @@ impl RedisStore {
         lease: Lease,
         waiting: bool,
     ) -> Result<Value, StoreError> {
-        let (mut window, mut lease_ms) = (itoa::Buffer::new(), itoa::Buffer::new());
-        let window = window.format(whole_millis(lease.recovery_window));
+        let (mut lives, mut lease_ms) = (itoa::Buffer::new(), itoa::Buffer::new());
+        // The record lives for the lease and the recovery window (Lua adding them would cost
+        // Redis a number written back as text).
+        let lives = lives.format(millis(lease.duration) + whole_millis(lease.recovery_window));
         // Half a lease of slack: a claim applied within it is still met by its guard, which
         // tries to abandon it for a whole lease after the claim's timeout.
         let slack = lease.duration / 2;
@@ -208,7 +210,7 @@ impl RedisStore {
                     lease.as_bytes(),
                     RECORD_VERSION.as_bytes(),
                     waiting,
-                    window.as_bytes(),
+                    lives.as_bytes(),
                     deadline.as_bytes(),
                 ];
                 ScriptCall::new(&CLAIM, &[key.as_str()], &args, 0).query(&mut connection).await
