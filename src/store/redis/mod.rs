@@ -3,6 +3,7 @@
 mod admin;
 mod batch;
 mod builders;
+mod checks;
 mod clock;
 #[cfg(feature = "cluster")]
 mod cluster;
