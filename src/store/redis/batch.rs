@@ -204,6 +204,8 @@ mod tests {
         Echo,
         /// An I/O error for the whole pipeline.
         Fail,
+        /// One reply fewer than commands (no server does that; a client's bug might).
+        Short,
         /// Never.
         Hang,
     }
@@ -274,6 +276,7 @@ mod tests {
             Box::pin(async move {
                 match self.pipelines {
                     Pipelines::Echo => Ok(pipeline.cmd_iter().map(echo).collect()),
+                    Pipelines::Short => Ok(pipeline.cmd_iter().skip(1).map(echo).collect()),
                     Pipelines::Fail => Err(RedisError::from(std::io::Error::from(
                         std::io::ErrorKind::ConnectionReset,
                     ))),
@@ -333,6 +336,19 @@ mod tests {
         let (a, b) =
             tokio::join!(send(&batcher, &fake, "a", LONG), send(&batcher, &fake, "b", LONG));
         assert_eq!(fake.sent(), [("batch", 2)]);
+        for reply in [a, b] {
+            let error = reply.unwrap_err();
+            assert!(error.is_io_error(), "{error:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn replies_that_do_not_match_the_commands_answer_none_of_them() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Short));
+        let (a, b) =
+            tokio::join!(send(&batcher, &fake, "a", LONG), send(&batcher, &fake, "b", LONG));
+        assert_eq!(fake.sent(), [("batch", 2)]);
+        // Which reply is whose cannot be told: neither command gets one.
         for reply in [a, b] {
             let error = reply.unwrap_err();
             assert!(error.is_io_error(), "{error:?}");
