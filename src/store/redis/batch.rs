@@ -111,7 +111,7 @@ where
             !std::mem::replace(&mut queue.flushing, true)
         };
         if spawn {
-            runtime.spawn(flush(self.clone()));
+            runtime.spawn(flush(Flushing(Some(self.clone()))));
         }
         // A sender dropped unanswered: the batch's task ended without a reply (its deadline,
         // or its runtime shutting down), the command perhaps applied.
@@ -120,18 +120,14 @@ where
 }
 
 /// Writes the queue as one pipeline, once every task already runnable has had its turn.
-async fn flush<C>(batcher: Arc<Batcher<C>>)
+async fn flush<C>(mut flushing: Flushing<C>)
 where
     C: ConnectionLike + Clone + Send + 'static,
 {
     tokio::task::yield_now().await;
-    let waiting = {
-        let mut queue = batcher.queue.lock().unwrap_or_else(PoisonError::into_inner);
-        queue.flushing = false;
-        std::mem::take(&mut queue.waiting)
-    };
-    // A command whose operation ended (a dropped request) or whose time is up is not sent.
+    let waiting = flushing.take();
     let now = Instant::now();
+    // A command whose operation ended (a dropped request) or whose time is up is not sent.
     let (mut pipeline, mut replies) = (Pipeline::with_capacity(waiting.len()), Vec::new());
     let mut batch = None;
     for Waiting { command, connection, deadline, reply } in waiting {
@@ -172,6 +168,30 @@ where
             for reply in replies {
                 let _ = reply.send(Err(Elapsed.into()));
             }
+        }
+    }
+}
+
+/// A batch's task until it takes the queue, made before the task is spawned. Dropped before
+/// it takes it (its runtime shut down before the task ran), it says so, so that the next
+/// command queued spawns another: else every command after would wait for a task that never
+/// comes.
+struct Flushing<C>(Option<Arc<Batcher<C>>>);
+
+impl<C> Flushing<C> {
+    /// The queue, and the next command spawns the next batch's task.
+    fn take(&mut self) -> Vec<Waiting<C>> {
+        let Some(batcher) = self.0.take() else { return Vec::new() };
+        let mut queue = batcher.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        queue.flushing = false;
+        std::mem::take(&mut queue.waiting)
+    }
+}
+
+impl<C> Drop for Flushing<C> {
+    fn drop(&mut self) {
+        if let Some(batcher) = self.0.take() {
+            batcher.queue.lock().unwrap_or_else(PoisonError::into_inner).flushing = false;
         }
     }
 }
@@ -389,6 +409,26 @@ mod tests {
         assert!(ended >= Duration::from_millis(390), "{ended:?}");
         assert!(ended < Duration::from_millis(2_000), "{ended:?}");
         assert!(fake.hung_dropped.load(Ordering::SeqCst), "the batch's pipeline was not dropped");
+    }
+
+    #[test]
+    fn a_batch_task_dropped_before_it_ran_does_not_stop_the_next_batch() {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
+        // Queued and its batch's task spawned, then the runtime gone before the task ran.
+        let gone = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        gone.block_on(async {
+            let mut queued = Box::pin(send(&batcher, &fake, "gone", LONG));
+            assert!(futures_util::poll!(queued.as_mut()).is_pending());
+        });
+        drop(gone);
+        let next = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+        let reply = next.block_on(async {
+            tokio::time::timeout(LONG, send(&batcher, &fake, "next", LONG)).await
+        });
+        let reply = reply.expect("the next command waited for a batch task that never came");
+        assert_eq!(reply.unwrap(), Value::BulkString(b"next".to_vec()));
+        // The command of the runtime that went away was never sent.
+        assert_eq!(fake.sent(), [("batch", 1)]);
     }
 
     #[test]
