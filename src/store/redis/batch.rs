@@ -1,5 +1,4 @@
-//! [`Batcher`]: the commands that operations send while another is on the wire, written to
-//! Redis together.
+//! [`Batcher`]: the commands of operations that run together, written to Redis together.
 //!
 //! A multiplexed connection writes each command as it comes: under load, one `writev` a
 //! command on the client, one read on the server. Here an operation that starts while no other

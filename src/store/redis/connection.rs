@@ -94,10 +94,10 @@ impl ConnectionLike for SharedConnection {
 /// once it passed, so an operation of several commands (a `NOSCRIPT` reload, a scan) is
 /// bounded as a whole. With [`Replies::Timed`], each command waits at most what is left
 /// (redis-rs's own timer, which holds the wait for room in the pipeline's channel too); with
-/// [`Replies::Watched`], the watchdog ends the whole operation, and a command sent while
-/// another is on the wire goes in the next [batch](Batcher). A Cluster connection keeps the
-/// node timeouts it was built with (see `cluster.rs`): its operations run under the store's
-/// own timer instead.
+/// [`Replies::Watched`], the watchdog ends the whole operation, and the commands of an
+/// operation that started while another of the store's ran go in [batches](Batcher). A
+/// Cluster connection keeps the node timeouts it was built with (see `cluster.rs`): its
+/// operations run under the store's own timer instead.
 pub(super) struct Bounded {
     connection: SharedConnection,
     /// The operation among the store's others, when its commands may go in batches (a
@@ -189,7 +189,7 @@ const NO_DEADLINE: Duration = Duration::from_secs(86_400 * 365 * 30);
 pub(super) struct Connections {
     pub(super) source: Source,
     shared: Mutex<Option<SharedConnection>>,
-    /// The batches of the commands sent while others are on the wire, when replies are watched.
+    /// The batches of the operations that run together, when replies are watched.
     batcher: Option<Arc<Batcher<MultiplexedConnection>>>,
     /// How the replies on the pool's connections are bounded.
     replies: Replies,

@@ -144,26 +144,19 @@ async fn commands_queued_together_go_out_as_one_batch_each_with_its_own_reply() 
     assert_eq!(fake.sent(), [("batch", 3), ("batch", 1)]);
 }
 
+/// A batch's error reaches every command in it; so do replies that do not number the
+/// commands, since which reply is whose cannot be told.
 #[tokio::test]
-async fn a_batchs_error_reaches_every_command_in_it() {
-    let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Fail));
-    let (a, b) = tokio::join!(send(&batcher, &fake, "a", LONG), send(&batcher, &fake, "b", LONG));
-    assert_eq!(fake.sent(), [("batch", 2)]);
-    for reply in [a, b] {
-        let error = reply.unwrap_err();
-        assert!(error.is_io_error(), "{error:?}");
-    }
-}
-
-#[tokio::test]
-async fn replies_that_do_not_match_the_commands_answer_none_of_them() {
-    let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Short));
-    let (a, b) = tokio::join!(send(&batcher, &fake, "a", LONG), send(&batcher, &fake, "b", LONG));
-    assert_eq!(fake.sent(), [("batch", 2)]);
-    // Which reply is whose cannot be told: neither command gets one.
-    for reply in [a, b] {
-        let error = reply.unwrap_err();
-        assert!(error.is_io_error(), "{error:?}");
+async fn a_batch_that_fails_or_answers_short_answers_none_of_its_commands() {
+    for pipelines in [Pipelines::Fail, Pipelines::Short] {
+        let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(pipelines));
+        let (a, b) =
+            tokio::join!(send(&batcher, &fake, "a", LONG), send(&batcher, &fake, "b", LONG));
+        assert_eq!(fake.sent(), [("batch", 2)]);
+        for reply in [a, b] {
+            let error = reply.unwrap_err();
+            assert!(error.is_io_error(), "{error:?}");
+        }
     }
 }
 
