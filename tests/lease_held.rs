@@ -445,6 +445,28 @@ fn a_layer_whose_first_runtime_ended_renews_on_the_next() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+#[test]
+fn a_layer_whose_first_runtime_idles_renews_on_the_next() {
+    // A current-thread runtime runs only inside its `block_on`: between two, every task it
+    // holds waits. The layer's first claim ran on one that now idles (alive, not driven); a
+    // claim on another runtime must still be renewed, there.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let layer = memory_layer();
+    let app = slow_app(&calls, 3 * LEASE, false).layer(layer);
+    let idle = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    assert_eq!(idle.block_on(send(&app, keyed("POST", "/pay", "k0", "{}"))).status, 201);
+    let busy = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    busy.block_on(async {
+        let slow = send_in_background(&app, keyed("POST", "/pay", "k1", "{}"));
+        tokio::time::sleep(LEASE * 2).await;
+        let during = send(&app, keyed("POST", "/pay", "k1", "{}")).await;
+        during.assert_problem(202, "in-progress");
+        assert_eq!(slow.await.unwrap().status, 201);
+    });
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    drop(idle);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_past_its_ceiling_settling_late_leaves_the_next_claims_renewals_alone() {
     // The first request outlives its keep-alive ceiling, so its renewals end while it runs;

@@ -92,7 +92,7 @@ impl<St: Store> Holder<St> {
         }
     }
 
-    /// Whether this claim spawned its engine's renewals' task: see
+    /// Whether this claim spawned its runtime's renewals task: see
     /// [`Renewing::spawned_task`].
     pub(crate) fn spawned_renewals(&self) -> bool {
         self.renewal.as_ref().is_some_and(Renewing::spawned_task)

@@ -1,12 +1,14 @@
-//! [`Renewals`]: the leases of one engine's running claims, renewed by one task for them all.
+//! [`Renewals`]: the leases of one engine's running claims, renewed by one task per runtime for them all.
 //!
 //! A claim registers here ([`Renewals::register`]: a lock and a slab slot) and is renewed every
 //! third of a lease, from the claim to its settle, for at most the keep-alive ceiling. One task
-//! per engine looks over the claims every twelfth of a lease and sends each due renewal in a
-//! task of its own; a claim settled first costs no task and no timer of its own. The renewals
-//! run beside the request's task, not in it, so that an operation that holds its thread for
-//! longer than a lease (blocking where it should await) does not stop them on a multi-threaded
-//! runtime.
+//! per engine and runtime looks over that runtime's claims every twelfth of a lease and sends
+//! each due renewal in a task of its own; a claim settled first costs no task and no timer of
+//! its own. The renewals run beside the request's task, not in it, so that an operation that
+//! holds its thread for longer than a lease (blocking where it should await) does not stop them
+//! on a multi-threaded runtime; and on the claim's own runtime, not the first claim's, so that
+//! a runtime that idles (a current-thread runtime between two `block_on`) stops no other
+//! runtime's renewals.
 //!
 //! A settle stops its claim's renewals and waits for one on the wire ([`Renewing::stop`]), so
 //! that no renewal lands after the settle: a hand-back (a lease ended now) would otherwise be
@@ -18,7 +20,7 @@ use std::{
 };
 
 use slab::Slab;
-use tokio::{sync::oneshot, task::JoinHandle, time::Instant};
+use tokio::{runtime, sync::oneshot, task::JoinHandle, time::Instant};
 
 use super::{Settings, observe};
 use crate::{
@@ -95,9 +97,10 @@ struct State {
     /// Tells a slot's claims apart over time, so that a settled claim's ticket never reaches
     /// the claim that took its slot.
     serial: u64,
-    /// The task that looks over the claims; spawned on the first claim, and again when the
-    /// runtime it ran on is gone.
-    task: Option<JoinHandle<()>>,
+    /// The tasks that look over the claims, one per runtime that claimed, each spawned on its
+    /// runtime's first claim and ended with that runtime. Few (an application has one runtime
+    /// or a handful), so a list.
+    tasks: Vec<(runtime::Id, JoinHandle<()>)>,
 }
 
 /// One running claim.
@@ -105,6 +108,8 @@ struct Entry {
     serial: u64,
     key: RecordKey,
     owner: OwnerToken,
+    /// The runtime the claim was made on, whose task renews it.
+    runtime: runtime::Id,
     route: Arc<str>,
     commit: Arc<CommitSlot>,
     /// The claim, then each renewal's sending.
@@ -128,7 +133,7 @@ impl<St> Renewals<St> {
     /// Renewals of claims on `store` with `lease`, each for at most `ceiling` from its claim.
     fn new(store: St, lease: Lease, ceiling: Duration) -> Self {
         let period = (lease.duration / 3).max(Duration::from_millis(1));
-        let state = State { claims: Slab::new(), serial: 0, task: None };
+        let state = State { claims: Slab::new(), serial: 0, tasks: Vec::new() };
         Self {
             shared: Arc::new(Shared { store, lease, period, ceiling, state: Mutex::new(state) }),
         }
@@ -145,6 +150,7 @@ impl<St: Store> Renewals<St> {
         commit: &Arc<CommitSlot>,
     ) -> Renewing<St> {
         let now = Instant::now();
+        let runtime = runtime::Handle::current().id();
         let give_up_at = super::after(self.shared.ceiling);
         let (key, owner, route, commit) =
             (key.clone(), owner.clone(), route.clone(), commit.clone());
@@ -155,6 +161,7 @@ impl<St: Store> Renewals<St> {
             serial,
             key,
             owner,
+            runtime,
             route,
             commit,
             renewed_at: now,
@@ -163,10 +170,14 @@ impl<St: Store> Renewals<St> {
             ended: None,
         };
         let index = state.claims.insert(entry);
-        let spawned_task = state.task.as_ref().is_none_or(JoinHandle::is_finished);
+        let running = state.tasks.iter().any(|(id, task)| *id == runtime && !task.is_finished());
+        let spawned_task = !running;
         if spawned_task {
+            // A finished task's runtime is gone (its claims went with it).
+            state.tasks.retain(|(_, task)| !task.is_finished());
             let shared = Arc::downgrade(&self.shared);
-            state.task = Some(tokio::spawn(look_over(shared, self.shared.period)));
+            let task = tokio::spawn(look_over(shared, self.shared.period, runtime));
+            state.tasks.push((runtime, task));
         }
         drop(state);
         let ticket = Ticket { index, serial };
@@ -209,13 +220,12 @@ impl State {
 pub(crate) struct Renewing<St> {
     renewals: Option<Renewals<St>>,
     ticket: Ticket,
-    /// This claim spawned the renewals' task (the first claim, or the first since its runtime
-    /// went away).
+    /// This claim spawned its runtime's renewals task (the runtime's first claim).
     spawned_task: bool,
 }
 
 impl<St> Renewing<St> {
-    /// Whether this claim spawned the renewals' task. A task spawned from a worker of a
+    /// Whether this claim spawned its runtime's renewals task. A task spawned from a worker of a
     /// multi-threaded runtime waits in that worker's LIFO slot, which no other worker steals:
     /// behind an operation run in the same task that blocks the thread (a handler that
     /// blocks where it should await) for longer than a lease, it would not renew the lease.
@@ -245,8 +255,9 @@ impl<St> Drop for Renewing<St> {
 
 /// Every twelfth of a lease (a quarter of a period, so that a renewal is sent within a
 /// quarter period of its due time, and a failed one is tried again while the lease runs),
-/// sends the due renewals. Ends when the engine and every claim of it are gone.
-async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration) {
+/// sends the due renewals of the claims made on `runtime`, the one it runs on. Ends when the
+/// engine and every claim of it are gone.
+async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration, runtime: runtime::Id) {
     let tick = (period / 4).max(Duration::from_millis(1));
     loop {
         tokio::time::sleep(tick).await;
@@ -255,7 +266,10 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration) {
         let mut state = shared.lock();
         let (mut given_up, mut due) = (Vec::new(), Vec::new());
         for (index, entry) in &mut state.claims {
-            if entry.touching || now.duration_since(entry.renewed_at) < shared.period {
+            if entry.runtime != runtime
+                || entry.touching
+                || now.duration_since(entry.renewed_at) < shared.period
+            {
                 continue;
             }
             if now >= entry.give_up_at {
