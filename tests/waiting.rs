@@ -20,7 +20,8 @@ every_store!(
     fifty_duplicates_with_waiting_all_get_the_one_response,
     waiting_off_answers_at_once_with_retry_after_1,
     past_max_waiters_a_retry_is_answered_at_once,
-    a_delivery_waits_for_the_running_one_and_gets_its_result;
+    a_delivery_waits_for_the_running_one_and_gets_its_result,
+    a_store_used_again_on_a_new_runtime_serves_and_wakes_its_waiters;
     redis stores:
     a_waiter_whose_client_goes_away_leaves_no_subscription,
 );
@@ -178,6 +179,35 @@ async fn a_delivery_waits_for_the_running_one_and_gets_its_result<H: Harness>(h:
     let second = idem.run("consumer", "evt_1", b"p", operation(2, 0)).await.unwrap();
     assert_eq!(first.await.unwrap().unwrap(), Outcome::Ran(1));
     assert_eq!(second, Outcome::Replayed(1));
+}
+
+async fn a_store_used_again_on_a_new_runtime_serves_and_wakes_its_waiters<H: Harness>(h: H) {
+    // A store shared by runtimes one after another (tests with a static store, a runtime per
+    // job): what the store started on the first (a connection's driver, the settle listener)
+    // went with it. On the next, the original is served (no 503 from the dead connection), and
+    // its waiter is woken by the settle, not left to its deadline.
+    let calls = Calls::default();
+    let store = h.store_shared_by_runtimes();
+    let app = app(&calls)
+        .layer(IdempotencyLayer::new(store).wait_for_in_progress(Duration::from_secs(5)));
+    let runtimes = tokio::task::spawn_blocking(move || {
+        for key in ["first-runtime", "second-runtime"] {
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+            runtime.block_on(async {
+                let original = send_in_background(&app, delayed("/slow", key, 600, "{}"));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let started = Instant::now();
+                let waiter = send(&app, delayed("/slow", key, 600, "{}")).await;
+                let took = started.elapsed();
+                let original = original.await.unwrap();
+                assert_eq!(original.status, 201, "{key}: {original:?}");
+                assert!(waiter.replayed(), "{key}: {waiter:?}");
+                assert!(took < Duration::from_secs(2), "{key}: woken by its deadline: {took:?}");
+            });
+        }
+    });
+    runtimes.await.unwrap();
+    assert_eq!(calls.get(), 2);
 }
 
 async fn a_waiter_whose_client_goes_away_leaves_no_subscription<H: RawHarness>(h: H) {

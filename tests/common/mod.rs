@@ -116,6 +116,12 @@ pub trait Harness: Sized {
     fn store(&self) -> Self::Store;
     /// A second store over the same records, as a second instance of the service has.
     fn second_store(&self) -> Self::Store;
+    /// A store to share between runtimes one after another (as tests with a static store do):
+    /// [`store`](Self::store), but over a pool that checks a connection before lending it
+    /// where the store takes the app's pool (a connection made on an ended runtime is dead).
+    fn store_shared_by_runtimes(&self) -> Self::Store {
+        self.store()
+    }
     async fn held(&self, key: &RecordKey) -> Option<Held>;
     async fn record_count(&self) -> usize;
 }

@@ -196,6 +196,13 @@ mod store {
             PostgresStore::new(self.pool())
         }
 
+        fn store_shared_by_runtimes(&self) -> PostgresStore {
+            // sqlx's default: a ping before each checkout finds a connection whose runtime
+            // ended, and opens another.
+            let options = self.pool().connect_options();
+            PostgresStore::new(PgPoolOptions::new().connect_lazy_with((*options).clone()))
+        }
+
         async fn held(&self, key: &RecordKey) -> Option<Held> {
             let sql = "SELECT state::text FROM idempotency_records \
                        WHERE key = $1 AND expires_at > clock_timestamp()";

@@ -4,7 +4,10 @@
 //! settle may have been missed, and a woken waiter claims again to find out), and the listener
 //! connects again.
 
-use std::{sync::OnceLock, time::Duration};
+use std::{
+    sync::{Mutex, PoisonError},
+    time::Duration,
+};
 
 use sqlx::{PgPool, postgres::PgListener};
 use tokio::sync::watch;
@@ -18,21 +21,29 @@ pub(super) struct Listener {
     pool: PgPool,
     channel: String,
     waiters: Waiters,
-    /// Whether the connection is listening now; the task is started on the first subscription,
-    /// inside the runtime.
-    listening: OnceLock<watch::Receiver<bool>>,
+    /// Whether the connection is listening now. The task is started on the first subscription,
+    /// inside its runtime, and again on the next subscription after that runtime shut down
+    /// (the task went with it): a store shared by runtimes one after another still wakes its
+    /// waiters.
+    listening: Mutex<Option<watch::Receiver<bool>>>,
 }
 
 impl Listener {
     pub(super) fn new(pool: PgPool, channel: String) -> Self {
-        Self { pool, channel, waiters: Waiters::default(), listening: OnceLock::new() }
+        Self { pool, channel, waiters: Waiters::default(), listening: Mutex::new(None) }
     }
 
     /// Registers a waiter for `key`, and returns once the connection listens, or after
     /// `timeout` (the waiter's deadline then decides).
     pub(super) async fn subscribe(&self, key: &str, timeout: Duration) -> Subscription {
         let (subscription, _) = self.waiters.register(key, None);
-        let mut listening = self.listening.get_or_init(|| self.start()).clone();
+        let mut listening = {
+            let mut listening = self.listening.lock().unwrap_or_else(PoisonError::into_inner);
+            match listening.as_ref().filter(|running| running.has_changed().is_ok()) {
+                Some(running) => running.clone(),
+                None => listening.insert(self.start()).clone(),
+            }
+        };
         if tokio::time::timeout(timeout, listening.wait_for(|listening| *listening)).await.is_err()
         {
             tracing::warn!(

@@ -17,7 +17,7 @@ use deadpool_redis::{
         aio::{ConnectionLike, MultiplexedConnection},
     },
 };
-use tokio::time::Instant;
+use tokio::{runtime, time::Instant};
 
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
@@ -185,10 +185,22 @@ impl Bounded {
 /// reach).
 const NO_DEADLINE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
-/// One shared connection, taken from the pool when there is none or the last one failed.
+/// How many runtimes' connections a store keeps at most.
+const RUNTIMES: usize = 4;
+
+/// One shared connection per runtime, taken from the pool when there is none or the last one
+/// failed.
 pub(super) struct Connections {
     pub(super) source: Source,
-    shared: Mutex<Option<SharedConnection>>,
+    /// The shared connections, each with the runtime that took it from the pool: a
+    /// connection's driver is a task of the runtime that made it, and ends with that runtime.
+    /// An operation uses the one its own runtime took, so a store shared by runtimes one after
+    /// another (as tests share one) loses no request to an earlier runtime's end: the pool's
+    /// check (a `PING`) finds the dead connection, and makes one on the runtime asking. (Two
+    /// runtimes side by side may take the same pooled connection; when its runtime ends, the
+    /// other's next operation fails once and takes a new one, as before.) At most
+    /// [`RUNTIMES`] (an application has one runtime or a handful), the oldest dropped first.
+    shared: Mutex<Vec<(Option<runtime::Id>, SharedConnection)>>,
     /// The batches of the operations that run together, when replies are watched.
     batcher: Option<Arc<Batcher<MultiplexedConnection>>>,
     /// How the replies on the pool's connections are bounded.
@@ -202,7 +214,7 @@ impl Connections {
     pub(super) fn new(source: Source, replies: Replies) -> Self {
         Self {
             source,
-            shared: Mutex::new(None),
+            shared: Mutex::new(Vec::new()),
             batcher: (replies == Replies::Watched).then(Arc::default),
             replies,
             eviction_checked: AtomicBool::new(false),
@@ -210,8 +222,8 @@ impl Connections {
         }
     }
 
-    /// A new connection from the pool, checked and shared.
-    async fn connect(&self) -> Result<SharedConnection, StoreError> {
+    /// A new connection from the pool, checked and shared on `runtime`, the caller's.
+    async fn connect(&self, runtime: Option<runtime::Id>) -> Result<SharedConnection, StoreError> {
         let mut connection = match &self.source {
             Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
             #[cfg(feature = "cluster")]
@@ -236,8 +248,17 @@ impl Connections {
         if !self.eviction_checked.swap(true, Ordering::Relaxed) {
             warn_unless_noeviction(&mut connection).await;
         }
-        *self.shared.lock().unwrap_or_else(PoisonError::into_inner) = Some(connection.clone());
+        let mut shared = self.shared();
+        shared.retain(|(made_on, _)| *made_on != runtime);
+        if shared.len() >= RUNTIMES {
+            shared.remove(0);
+        }
+        shared.push((runtime, connection.clone()));
         Ok(connection)
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Vec<(Option<runtime::Id>, SharedConnection)>> {
+        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The oldest server the scripts run on: Redis 5 replicates a script's writes after
@@ -265,7 +286,9 @@ impl Connections {
             true => StoreError::Timeout(timeout),
             false => StoreError::from(error),
         };
-        let cached = self.shared.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let runtime = runtime::Handle::try_current().ok().map(|here| here.id());
+        let cached =
+            self.shared().iter().find(|(made_on, _)| *made_on == runtime).map(|(_, c)| c.clone());
         let result = match cached {
             // The common path, without a tokio timer of its own: the watchdog ends the
             // operation at its deadline, or redis-rs bounds each command, its wait for room in
@@ -293,7 +316,7 @@ impl Connections {
                 let attempt = Box::pin(async {
                     let connection = match cached {
                         Some(connection) => connection,
-                        None => self.connect().await?,
+                        None => self.connect(runtime).await?,
                     };
                     let replies = self.replies;
                     let operation = self.batcher.as_ref().map(Batcher::start);
@@ -318,7 +341,7 @@ impl Connections {
                 _ => false,
             };
             if !server_replied {
-                *self.shared.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                self.shared().retain(|(made_on, _)| *made_on != runtime);
             }
         }
         result

@@ -10,7 +10,7 @@
 
 use std::{
     collections::HashSet,
-    sync::{Arc, OnceLock},
+    sync::{Arc, Mutex, PoisonError},
     time::Duration,
 };
 
@@ -39,8 +39,10 @@ enum Command {
 pub(super) struct Subscriber {
     listen: Listen,
     waiters: Waiters,
-    /// Started on the first subscription, inside the runtime.
-    commands: OnceLock<mpsc::UnboundedSender<Command>>,
+    /// The listening task's commands. Started on the first subscription, inside its
+    /// runtime, and again on the next subscription after that runtime shut down (the task
+    /// went with it): a store shared by runtimes one after another still wakes its waiters.
+    commands: Arc<Mutex<Option<mpsc::UnboundedSender<Command>>>>,
 }
 
 /// How long to wait before reopening a lost connection.
@@ -48,30 +50,37 @@ const RECONNECT_DELAY: Duration = Duration::from_millis(100);
 
 impl Subscriber {
     pub(super) fn new(listen: Listen) -> Self {
-        Self { listen, waiters: Waiters::default(), commands: OnceLock::new() }
+        Self { listen, waiters: Waiters::default(), commands: Arc::default() }
     }
 
-    fn commands(&self) -> &mpsc::UnboundedSender<Command> {
-        self.commands.get_or_init(|| {
-            let (commands, received) = mpsc::unbounded_channel();
-            let (listen, waiters) = (self.listen.clone(), self.waiters.clone());
-            drop(tokio::spawn(async move {
-                match listen {
-                    Listen::Standalone(client) => standalone(*client, waiters, received).await,
-                    #[cfg(feature = "cluster")]
-                    Listen::Cluster(urls) => cluster(urls, waiters, received).await,
-                }
-            }));
-            commands
-        })
+    /// The listening task's commands, the task started when there is none running.
+    fn commands(&self) -> mpsc::UnboundedSender<Command> {
+        let mut commands = self.commands.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(running) = commands.as_ref().filter(|sender| !sender.is_closed()) {
+            return running.clone();
+        }
+        let (sender, received) = mpsc::unbounded_channel();
+        let (listen, waiters) = (self.listen.clone(), self.waiters.clone());
+        drop(tokio::spawn(async move {
+            match listen {
+                Listen::Standalone(client) => standalone(*client, waiters, received).await,
+                #[cfg(feature = "cluster")]
+                Listen::Cluster(urls) => cluster(urls, waiters, received).await,
+            }
+        }));
+        commands.insert(sender).clone()
     }
 
     /// Subscribes to `channel`; returns once the server confirmed it, or after `timeout` (the
     /// waiter's deadline then decides).
     pub(super) async fn subscribe(&self, channel: String, timeout: Duration) -> Subscription {
-        let commands = self.commands().clone();
+        // To the task running when the last waiter leaves, which may be a later one.
+        let commands = self.commands.clone();
         let on_last_leave: OnLastLeave = Arc::new(move |channel: &str| {
-            let _ = commands.send(Command::Unsubscribe(channel.to_owned()));
+            let commands = commands.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(commands) = commands.as_ref() {
+                let _ = commands.send(Command::Unsubscribe(channel.to_owned()));
+            }
         });
         let (subscription, _) = self.waiters.register(&channel, Some(on_last_leave));
         let (confirmed, confirmation) = oneshot::channel();
