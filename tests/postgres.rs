@@ -102,6 +102,32 @@ async fn the_store_sweeps_by_itself() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_sweeps_again_on_a_new_runtime_after_its_first_ended() {
+    // The sweep is a task of the runtime of the store's first claim, and ends with it; a claim
+    // on another runtime starts it again there.
+    let h = harness().await;
+    let store = h.store_shared_by_runtimes().sweep_every(Some(Duration::from_millis(100)));
+    let fingerprint = Fingerprint::of_payload(b"f");
+    let short = Lease::new(Duration::from_millis(1));
+    let ended = {
+        let (store, fingerprint) = (store.clone(), fingerprint.clone());
+        tokio::task::spawn_blocking(move || {
+            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+            let (first, owner) = (key("first"), OwnerToken::random());
+            runtime.block_on(store.claim(&first, &fingerprint, &owner, short)).unwrap();
+        })
+    };
+    ended.await.unwrap();
+    store.claim(&key("second"), &fingerprint, &OwnerToken::random(), short).await.unwrap();
+    let client = h.database.client().await;
+    eventually("both expired rows are swept by the store's own task", async || {
+        let rows = client.query_one("SELECT count(*) FROM idempotency_records", &[]).await.unwrap();
+        rows.get::<_, i64>(0) == 0
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lapsed_claims_are_counted_with_the_age_of_the_oldest() {
     let h = harness().await;
     let store = h.store().sweep_every(None);

@@ -10,7 +10,7 @@ mod transaction;
 
 use std::{
     fmt,
-    sync::{Arc, OnceLock},
+    sync::{Arc, Mutex, PoisonError},
     time::{Duration, Instant},
 };
 
@@ -84,9 +84,10 @@ struct Inner {
     statements: Statements,
     clock: ServerClock,
     listener: Listener,
-    /// The sweeper, started on the first claim (inside the runtime) and stopped when the last
-    /// clone of the store is dropped.
-    sweeper: OnceLock<Sweeper>,
+    /// The sweeper, started on the first claim (inside its runtime), again on the next claim
+    /// after that runtime shut down (the task went with it), and stopped when the last clone
+    /// of the store is dropped.
+    sweeper: Mutex<Option<Sweeper>>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -129,7 +130,7 @@ impl PostgresStore {
             statements,
             clock: ServerClock::default(),
             listener,
-            sweeper: OnceLock::new(),
+            sweeper: Mutex::new(None),
         };
         Self {
             inner: Arc::new(inner),
@@ -274,9 +275,11 @@ impl PostgresStore {
 
     fn start_sweeping(&self) {
         if let Some(every) = self.sweep_every {
-            self.inner.sweeper.get_or_init(|| {
-                Sweeper::start(self.inner.pool.clone(), self.inner.statements.clone(), every)
-            });
+            let mut sweeper = self.inner.sweeper.lock().unwrap_or_else(PoisonError::into_inner);
+            if sweeper.as_ref().is_none_or(Sweeper::ended) {
+                let (pool, statements) = (self.inner.pool.clone(), self.inner.statements.clone());
+                *sweeper = Some(Sweeper::start(pool, statements, every));
+            }
         }
     }
 }

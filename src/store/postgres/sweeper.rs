@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use sqlx::PgPool;
+use tokio::task::JoinHandle;
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::{PostgresStore, bounded, millis, schema::Statements};
@@ -33,13 +34,14 @@ const BATCH: u32 = 1000;
 /// The background sweep of one store: stopped when dropped.
 pub(super) struct Sweeper {
     _stop: DropGuard,
+    task: JoinHandle<()>,
 }
 
 impl Sweeper {
     pub(super) fn start(pool: PgPool, statements: Statements, every: Duration) -> Self {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
-        drop(tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             loop {
                 tokio::select! {
                     () = stopped.cancelled() => return,
@@ -58,8 +60,14 @@ impl Sweeper {
                         .set(lapsed.oldest.map_or(0.0, |age| age.as_secs_f64()));
                 }
             }
-        }));
-        Self { _stop: stop.drop_guard() }
+        });
+        Self { _stop: stop.drop_guard(), task }
+    }
+
+    /// Whether the sweep's task ended: its runtime shut down (the store stops it only by
+    /// dropping it).
+    pub(super) fn ended(&self) -> bool {
+        self.task.is_finished()
     }
 }
 
