@@ -49,6 +49,8 @@ struct Queue<C> {
 /// A command waiting for its batch.
 struct Waiting<C> {
     command: Cmd,
+    /// The runtime of the command's operation: only its own runtime's task sends it.
+    runtime: runtime::Id,
     /// The connection of the command's operation: a batch goes out on its first command's.
     connection: C,
     deadline: Instant,
@@ -109,7 +111,7 @@ where
         let spawn = {
             let mut queue = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             let command = command.clone();
-            queue.waiting.push(Waiting { command, connection, deadline, reply });
+            queue.waiting.push(Waiting { command, runtime: here, connection, deadline, reply });
             queue.flushing.replace(here) != Some(here)
         };
         if spawn {
@@ -132,7 +134,7 @@ where
     // A command whose operation ended (a dropped request) or whose time is up is not sent.
     let (mut pipeline, mut replies) = (Pipeline::with_capacity(waiting.len()), Vec::new());
     let mut batch = None;
-    for Waiting { command, connection, deadline, reply } in waiting {
+    for Waiting { command, connection, deadline, reply, .. } in waiting {
         if reply.is_closed() {
             continue;
         }
@@ -185,12 +187,18 @@ struct Flushing<C> {
 }
 
 impl<C> Flushing<C> {
-    /// The queue, and the next command from this runtime spawns the next batch's task.
+    /// The queue's commands of this runtime, and the next command from this runtime spawns
+    /// the next batch's task. Another runtime's commands wait for its own task (one is
+    /// pending: each runtime's first command queued since its last task took spawns one), as
+    /// their connection is its: a connection's driver is a task of the runtime that made it,
+    /// and a runtime that idles (a current-thread runtime between two `block_on`) would hold
+    /// up the batch of every runtime sending on it.
     fn take(&mut self) -> Vec<Waiting<C>> {
         let Some(batcher) = self.batcher.take() else { return Vec::new() };
         let mut queue = batcher.queue.lock().unwrap_or_else(PoisonError::into_inner);
         queue.flushing.take_if(|runtime| *runtime == self.runtime);
-        std::mem::take(&mut queue.waiting)
+        let here = |waiting: &mut Waiting<C>| waiting.runtime == self.runtime;
+        queue.waiting.extract_if(.., here).collect()
     }
 }
 

@@ -237,6 +237,26 @@ fn a_batch_task_waiting_on_an_idle_runtime_stops_no_batch_of_another() {
 }
 
 #[test]
+fn a_runtime_sends_its_own_commands_on_its_own_connection() {
+    let batcher = Arc::new(Batcher::default());
+    let (on_idle, on_other) = (Fake::new(Pipelines::Echo), Fake::new(Pipelines::Echo));
+    // Queued first, from a runtime that then idles with the command still waiting.
+    let idle = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let mut queued = Box::pin(send(&batcher, &on_idle, "idle", LONG));
+    idle.block_on(async { assert!(futures_util::poll!(queued.as_mut()).is_pending()) });
+    let other = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
+    let reply = other.block_on(async {
+        tokio::time::timeout(LONG, send(&batcher, &on_other, "other", LONG)).await
+    });
+    assert_eq!(reply.unwrap().unwrap(), Value::BulkString(b"other".to_vec()));
+    // The other runtime's batch went out on its own connection, without the idle one's
+    // command, which its own runtime sends once it runs.
+    assert_eq!((on_idle.sent(), on_other.sent()), (vec![], vec![("batch", 1)]));
+    assert_eq!(idle.block_on(queued).unwrap(), Value::BulkString(b"idle".to_vec()));
+    assert_eq!(on_idle.sent(), [("batch", 1)]);
+}
+
+#[test]
 fn an_operation_is_alone_when_no_other_of_the_store_runs() {
     let batcher = Arc::new(Batcher::<Fake>::default());
     let first = batcher.start();
