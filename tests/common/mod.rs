@@ -122,6 +122,11 @@ pub trait Harness: Sized {
     fn store_shared_by_runtimes(&self) -> Self::Store {
         self.store()
     }
+    /// Whether that store's pool may still lend a connection an ended runtime made, whose
+    /// statement then fails (the store answers 503 once for it): sqlx's can, its ping
+    /// notwithstanding (a quick reply to the ping is read without the dead runtime's driver;
+    /// the statement's is not).
+    const LENDS_CONNECTIONS_OF_ENDED_RUNTIMES: bool = false;
     async fn held(&self, key: &RecordKey) -> Option<Held>;
     async fn record_count(&self) -> usize;
 }

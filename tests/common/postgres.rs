@@ -197,11 +197,13 @@ mod store {
         }
 
         fn store_shared_by_runtimes(&self) -> PostgresStore {
-            // sqlx's default: a ping before each checkout finds a connection whose runtime
-            // ended, and opens another.
+            // sqlx's default: a ping before each checkout finds most connections whose runtime
+            // ended, and opens others.
             let options = self.pool().connect_options();
             PostgresStore::new(PgPoolOptions::new().connect_lazy_with((*options).clone()))
         }
+
+        const LENDS_CONNECTIONS_OF_ENDED_RUNTIMES: bool = true;
 
         async fn held(&self, key: &RecordKey) -> Option<Held> {
             let sql = "SELECT state::text FROM idempotency_records \

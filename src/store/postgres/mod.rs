@@ -59,8 +59,8 @@ const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
 /// use axum_idempotency::{IdempotencyLayer, store::{PostgresStore, sqlx::postgres::PgPoolOptions}};
 ///
 /// // No ping before each checkout (sqlx's default): it would cost a round trip a statement.
-/// // Keep it when the pool outlives runtimes (tests sharing it): a connection made on an
-/// // ended runtime is dead, and its statement fails.
+/// // Keep it when the pool outlives runtimes (tests sharing it): it finds most connections
+/// // an ended runtime made, which are dead (a statement on one fails: 503).
 /// let pool = PgPoolOptions::new()
 ///     .test_before_acquire(false)
 ///     .connect("postgres://postgres@127.0.0.1/app")
