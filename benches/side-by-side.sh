@@ -24,10 +24,14 @@ redis_cpu() {
 for round in $(seq "$rounds"); do
   for entry in "$@"; do
     binary=${entry%:*} target=${entry##*:}
-    # Two ports nothing answers on (a cell's server may still hold the last cell's for a moment).
+    # Two ports nothing answers on (a cell's server may still hold the last cell's for a moment),
+    # below the kernel's ephemeral range: a port the drive's connections hold as their own end
+    # answers nothing, but cannot be bound.
     free_port() {
-      local port=$(( 30000 + RANDOM % 20000 ))
-      while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$(( 30000 + RANDOM % 20000 )); done
+      local low
+      read -r low _ </proc/sys/net/ipv4/ip_local_port_range
+      local port=$(( 10000 + RANDOM % (low - 10000) ))
+      while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$(( 10000 + RANDOM % (low - 10000) )); done
       echo "$port"
     }
     redis_port=$(free_port); server_port=$(free_port)
