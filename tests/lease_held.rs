@@ -427,22 +427,9 @@ async fn one_task_renews_every_running_claim_of_a_layer() {
 
 #[test]
 fn a_layer_whose_first_runtime_ended_renews_on_the_next() {
-    // The renewals' task starts on the runtime of the layer's first claim and ends with it;
-    // the next claim, on another runtime, starts it again there.
-    let calls = Arc::new(AtomicUsize::new(0));
-    let layer = memory_layer();
-    let app = slow_app(&calls, 3 * LEASE, false).layer(layer);
-    let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
-    let first = runtime().block_on(send(&app, keyed("POST", "/pay", "k0", "{}")));
-    assert_eq!(first.status, 201);
-    runtime().block_on(async {
-        let slow = send_in_background(&app, keyed("POST", "/pay", "k1", "{}"));
-        tokio::time::sleep(LEASE * 2).await;
-        let during = send(&app, keyed("POST", "/pay", "k1", "{}")).await;
-        during.assert_problem(202, "in-progress");
-        assert_eq!(slow.await.unwrap().status, 201);
-    });
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // The renewals' task of a runtime ends with it; the next runtime's claim starts its own.
+    let first = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    a_claim_on_the_next_runtime_keeps_its_key(first, After::Ends);
 }
 
 #[test]
@@ -450,13 +437,26 @@ fn a_layer_whose_first_runtime_idles_renews_on_the_next() {
     // A current-thread runtime runs only inside its `block_on`: between two, every task it
     // holds waits. The layer's first claim ran on one that now idles (alive, not driven); a
     // claim on another runtime must still be renewed, there.
+    let first = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    a_claim_on_the_next_runtime_keeps_its_key(first, After::Idles);
+}
+
+/// What the runtime of a layer's first claim does once that claim is answered.
+#[derive(PartialEq)]
+enum After {
+    Ends,
+    Idles,
+}
+
+/// The layer's first claim runs on `first`, which then ends or idles; a handler of three
+/// leases on another runtime keeps its key: a retry at two leases is answered in progress.
+fn a_claim_on_the_next_runtime_keeps_its_key(first: tokio::runtime::Runtime, after: After) {
     let calls = Arc::new(AtomicUsize::new(0));
-    let layer = memory_layer();
-    let app = slow_app(&calls, 3 * LEASE, false).layer(layer);
-    let idle = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    assert_eq!(idle.block_on(send(&app, keyed("POST", "/pay", "k0", "{}"))).status, 201);
-    let busy = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
-    busy.block_on(async {
+    let app = slow_app(&calls, 3 * LEASE, false).layer(memory_layer());
+    assert_eq!(first.block_on(send(&app, keyed("POST", "/pay", "k0", "{}"))).status, 201);
+    let idle = (after == After::Idles).then_some(first);
+    let next = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    next.block_on(async {
         let slow = send_in_background(&app, keyed("POST", "/pay", "k1", "{}"));
         tokio::time::sleep(LEASE * 2).await;
         let during = send(&app, keyed("POST", "/pay", "k1", "{}")).await;
