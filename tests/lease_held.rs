@@ -441,6 +441,27 @@ fn a_layer_whose_first_runtime_idles_renews_on_the_next() {
     a_claim_on_the_next_runtime_keeps_its_key(first, After::Idles);
 }
 
+#[test]
+fn each_runtime_renews_with_one_task_however_often_claims_alternate() {
+    // Two runtimes, both alive, take turns: each keeps the one renewals task its first claim
+    // started, and no turn starts another.
+    let calls = Arc::new(AtomicUsize::new(0));
+    let app = slow_app(&calls, Duration::ZERO, false).layer(memory_layer());
+    let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (a, b) = (runtime(), runtime());
+    for turn in 0..3 {
+        for (name, runtime) in [("a", &a), ("b", &b)] {
+            let key = format!("{name}{turn}");
+            let seen = runtime.block_on(send(&app, keyed("POST", "/pay", &key, "{}")));
+            assert_eq!(seen.status, 201);
+        }
+    }
+    for runtime in [&a, &b] {
+        assert_eq!(runtime.metrics().num_alive_tasks(), 1, "renewals tasks on one runtime");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 6);
+}
+
 /// What the runtime of a layer's first claim does once that claim is answered.
 #[derive(PartialEq)]
 enum After {
