@@ -102,6 +102,30 @@ async fn the_store_sweeps_by_itself() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_keeps_its_period_while_claims_keep_coming() {
+    // Claims every 20 ms against a sweep every 100 ms: a claim finds the sweep running and
+    // leaves it be (restarting it on each would put the next sweep off for good).
+    let h = harness().await;
+    let store = h.store().sweep_every(Some(Duration::from_millis(100)));
+    let fingerprint = Fingerprint::of_payload(b"f");
+    let gone = key("gone");
+    let short = Lease::new(Duration::from_millis(1));
+    store.claim(&gone, &fingerprint, &OwnerToken::random(), short).await.unwrap();
+    let client = h.database.client().await;
+    let sql = "SELECT count(*) FROM idempotency_records WHERE key = $1";
+    let started = Instant::now();
+    let mut claims = 0;
+    while client.query_one(sql, &[&gone.as_str()]).await.unwrap().get::<_, i64>(0) == 1 {
+        assert!(started.elapsed() < Duration::from_secs(3), "not swept after {claims} claims");
+        let key = key(&format!("k{claims}"));
+        let lease = Lease::new(Duration::from_secs(60));
+        store.claim(&key, &fingerprint, &OwnerToken::random(), lease).await.unwrap();
+        claims += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_sweeps_again_on_a_new_runtime_after_its_first_ended() {
     // The sweep is a task of the runtime of the store's first claim, and ends with it; a claim
     // on another runtime starts it again there.
