@@ -239,3 +239,27 @@ async fn batched_operations_each_get_their_own_answer() {
         assert_eq!(claimed[30..], [1; 30], "round {round}: one claim of each absent key wins");
     }
 }
+
+#[test]
+fn each_runtime_keeps_its_connection_however_often_runtimes_take_turns() {
+    // Two runtimes, both alive, take turns on one store: each takes a connection from the
+    // pool once, and no turn drops the other's. The pool checks a connection it lends again
+    // with a `PING`: the second runtime's first turn, once (the first runtime's connection
+    // had just been made); a store that dropped the other runtime's connection on each turn
+    // would check one on every turn after.
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(server.store()));
+    let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let (a, b) = (runtime(), runtime());
+    for turn in 0..3 {
+        for (name, runtime) in [("a", &a), ("b", &b)] {
+            let key = format!("{name}{turn}");
+            let seen = runtime.block_on(send(&app, keyed("POST", "/payments", &key, "{}")));
+            assert_eq!(seen.status, 201, "{key}: {seen:?}");
+        }
+    }
+    let commands = a.block_on(command_calls(&server));
+    assert_eq!(commands.get("ping"), Some(&1), "{commands:?}");
+    assert_eq!(calls.get(), 6);
+}
