@@ -170,8 +170,8 @@ impl<St: Store> Renewals<St> {
             ended: None,
         };
         let index = state.claims.insert(entry);
-        let running = state.tasks.iter().any(|(id, task)| *id == runtime && !task.is_finished());
-        let spawned_task = !running;
+        let spawned_task =
+            !state.tasks.iter().any(|(id, task)| *id == runtime && !task.is_finished());
         if spawned_task {
             // A finished task's runtime is gone (its claims went with it).
             state.tasks.retain(|(_, task)| !task.is_finished());
