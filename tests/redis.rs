@@ -141,6 +141,37 @@ async fn requests_succeed_again_after_redis_restarts() {
     assert!(matches!(statuses[0].as_u16(), 201 | 503), "statuses after restart: {statuses:?}");
 }
 
+/// A store from a URL drives its connections itself (`src/store/redis/direct.rs`): one that
+/// Redis closed while it idled (`CLIENT KILL`, a restart, Redis's `timeout`) is replaced before
+/// anything is sent on it, so no request fails for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_redis_closed_while_idle_is_replaced_before_a_request_fails() {
+    let mut server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(server.store()));
+    assert_eq!(send(&app, keyed("POST", "/payments", "k0", "{}")).await.status, 201);
+    let mut redis = server.connection().await;
+    let killed: u64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1, "the store's one connection");
+    // The close reaches the store's connection over loopback well within this.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!(seen.status, 201, "after CLIENT KILL: {seen:?}");
+    server.restart();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let seen = send(&app, keyed("POST", "/payments", "k2", "{}")).await;
+    assert_eq!(seen.status, 201, "after a restart: {seen:?}");
+    assert_eq!(calls.get(), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_value_under_the_key_is_500_and_left_alone() {
     let server = RedisServer::start();
@@ -242,24 +273,84 @@ async fn batched_operations_each_get_their_own_answer() {
 
 #[test]
 fn each_runtime_keeps_its_connection_however_often_runtimes_take_turns() {
-    // Two runtimes, both alive, take turns on one store: each takes a connection from the
-    // pool once, and no turn drops the other's. The pool checks a connection it lends again
-    // with a `PING`: the second runtime's first turn, once (the first runtime's connection
-    // had just been made); a store that dropped the other runtime's connection on each turn
-    // would check one on every turn after.
-    let server = RedisServer::start();
-    let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(server.store()));
-    let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
-    let (a, b) = (runtime(), runtime());
-    for turn in 0..3 {
-        for (name, runtime) in [("a", &a), ("b", &b)] {
-            let key = format!("{name}{turn}");
-            let seen = runtime.block_on(send(&app, keyed("POST", "/payments", &key, "{}")));
-            assert_eq!(seen.status, 201, "{key}: {seen:?}");
+    // Two runtimes, both alive, take turns on one store: each gets a connection once, and no
+    // turn drops the other's. A store from a URL connects by itself: two connections in all.
+    // A store over the app's pool checks a connection the pool lends again with a `PING`: the
+    // second runtime's first turn, once (the first runtime's connection had just been made).
+    // A store that dropped the other runtime's connection on each turn would connect, or
+    // check one, on every turn after.
+    for built in ["from_url", "app-pool"] {
+        let server = RedisServer::start();
+        let store = match built {
+            "from_url" => server.store(),
+            _ => RedisStore::new(server.pool()),
+        };
+        let calls = Calls::default();
+        let app = app(&calls).layer(IdempotencyLayer::new(store));
+        let runtime = || tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+        let (a, b) = (runtime(), runtime());
+        let before = a.block_on(connections_received(&server));
+        for turn in 0..3 {
+            for (name, runtime) in [("a", &a), ("b", &b)] {
+                let key = format!("{name}{turn}");
+                let seen = runtime.block_on(send(&app, keyed("POST", "/payments", &key, "{}")));
+                assert_eq!(seen.status, 201, "{built}, {key}: {seen:?}");
+            }
         }
+        if built == "from_url" {
+            // Less the second look's own.
+            let made = a.block_on(connections_received(&server)) - before - 1;
+            assert_eq!(made, 2, "{built}");
+        } else {
+            let commands = a.block_on(command_calls(&server));
+            assert_eq!(commands.get("ping"), Some(&1), "{built}: {commands:?}");
+        }
+        assert_eq!(calls.get(), 6, "{built}");
     }
-    let commands = a.block_on(command_calls(&server));
-    assert_eq!(commands.get("ping"), Some(&1), "{commands:?}");
-    assert_eq!(calls.get(), 6);
+}
+
+/// A store from a URL drives its connection itself (`src/store/redis/direct.rs`): a record
+/// larger than the socket takes at once goes out over several writes, and the commands other
+/// tasks send meanwhile, queued behind it, each get their own reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_larger_than_the_socket_takes_leaves_each_reply_to_its_own_command() {
+    use axum_idempotency::{
+        Fingerprint,
+        store::{Claim, Lease, OwnerToken, RecordKey, Store},
+    };
+    let server = RedisServer::start();
+    let store = server.store().command_timeout(Duration::from_secs(10));
+    let lease = Lease::new(Duration::from_secs(30));
+    let key = |n: usize| RecordKey::new("large", b"", format!("{n}").as_bytes());
+    let fingerprint = |n: usize| Fingerprint::of_payload(format!("payload {n}").as_bytes());
+    let owner = OwnerToken::random();
+    let claim = store.claim(&key(0), &fingerprint(0), &owner, lease).await.unwrap();
+    assert!(matches!(claim, Claim::Claimed), "{claim:?}");
+    let large = bytes::Bytes::from(
+        (0..8 << 20).map(|n: u32| n.to_le_bytes()[0] ^ 0x5a).collect::<Vec<u8>>(),
+    );
+    let completing = {
+        let (store, large, owner) = (store.clone(), large.clone(), owner.clone());
+        let retention = Duration::from_secs(60);
+        tokio::spawn(async move {
+            store.complete(&key(0), &owner, &fingerprint(0), large, retention).await
+        })
+    };
+    let claims = (1..=50).map(|n| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            (n, store.claim(&key(n), &fingerprint(n), &OwnerToken::random(), lease).await)
+        })
+    });
+    for claim in futures_util::future::join_all(claims).await {
+        let (n, claim) = claim.unwrap();
+        assert!(matches!(claim, Ok(Claim::Claimed)), "key {n}: {claim:?}");
+    }
+    completing.await.unwrap().unwrap();
+    let replay = store.claim(&key(0), &fingerprint(0), &OwnerToken::random(), lease).await;
+    let Ok(Claim::Replay { response, .. }) = replay else { panic!("{replay:?}") };
+    assert!(response == large, "the replay is not the record written ({} bytes)", response.len());
+    let mut redis = server.connection().await;
+    let claimed: Vec<Vec<u8>> = redis.keys("large:*").await.unwrap();
+    assert_eq!(claimed.len(), 51);
 }

@@ -66,10 +66,6 @@ fn logs_mentioning(needle: &str) -> Vec<String> {
     logs.lines().filter(|line| line.contains(needle)).map(str::to_owned).collect()
 }
 
-fn store(server: &RedisServer, timeout_ms: u64) -> RedisStore {
-    RedisStore::new(server.pool()).command_timeout(Duration::from_millis(timeout_ms))
-}
-
 /// The two ways a store bounds its replies, each with `timeout`: over a pool of the app's own
 /// (redis-rs's reply timer, set before each command to what is left), and over the pool it
 /// builds itself (`from_url`: no reply timer, the store's watchdog ends the operation).
@@ -81,12 +77,12 @@ fn both_stores(server: &RedisServer, timeout: Duration) -> [(&'static str, Redis
     ]
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_with_unknown_outcome_never_runs_the_handler_and_is_released() {
+async fn a_claim_with_unknown_outcome_never_runs_the_handler_and_is_released(built: Built) {
     observe();
     let server = RedisServer::start();
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 200)));
+    let app =
+        app(&calls).layer(IdempotencyLayer::new(built.store(&server, Duration::from_millis(200))));
     assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
 
     server.signal("-STOP");
@@ -112,12 +108,12 @@ async fn a_claim_with_unknown_outcome_never_runs_the_handler_and_is_released() {
     assert_eq!(PANICS.load(Ordering::SeqCst), 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn complete_that_fails_after_the_handler_ran_is_retried_in_the_background() {
+async fn complete_that_fails_after_the_handler_ran_is_retried_in_the_background(built: Built) {
     observe();
     let mut server = RedisServer::start();
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 300)));
+    let app =
+        app(&calls).layer(IdempotencyLayer::new(built.store(&server, Duration::from_millis(300))));
     let first = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));
     let key = global("k1");
     eventually("the claim is written", async || {
@@ -146,14 +142,14 @@ async fn complete_that_fails_after_the_handler_ran_is_retried_in_the_background(
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn complete_that_keeps_failing_logs_an_error_naming_the_key_hash() {
+async fn complete_that_keeps_failing_logs_an_error_naming_the_key_hash(built: Built) {
     observe();
     let mut server = RedisServer::start();
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 200)));
-    let first = send_in_background(&app, delayed("/slow", "k2", 200, "{}"));
-    let key = global("k2");
+    let app =
+        app(&calls).layer(IdempotencyLayer::new(built.store(&server, Duration::from_millis(200))));
+    let first = send_in_background(&app, delayed("/slow", &built.key("k2"), 200, "{}"));
+    let key = global(&built.key("k2"));
     eventually("the claim is written", async || {
         server.connection().await.exists::<_, bool>(key.as_str()).await.unwrap()
     })
@@ -185,8 +181,7 @@ async fn eviction_policy_other_than_noeviction_is_warned_about_once() {
 }
 
 /// One answer seen by the load.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
+async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice(built: Built) {
     observe();
     let mut server = RedisServer::start();
     let executions: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
@@ -199,7 +194,8 @@ async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
             (StatusCode::CREATED, body)
         }
     };
-    let layer = IdempotencyLayer::new(store(&server, 300)).lease(Duration::from_secs(2));
+    let layer = IdempotencyLayer::new(built.store(&server, Duration::from_millis(300)))
+        .lease(Duration::from_secs(2));
     let app = Router::new().route("/pay", post(handler)).layer(layer);
 
     // Half the requests share five hot keys per 400 ms window; half are fresh.
@@ -271,12 +267,12 @@ async fn redis_faults_under_load_never_panic_hang_or_run_a_key_twice() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_dropped_while_claiming_releases_what_it_claimed() {
+async fn a_request_dropped_while_claiming_releases_what_it_claimed(built: Built) {
     observe();
     let server = RedisServer::start();
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 3_000)));
+    let app = app(&calls)
+        .layer(IdempotencyLayer::new(built.store(&server, Duration::from_millis(3_000))));
     assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
 
     // The claim is on the wire when the client goes away.
@@ -302,19 +298,20 @@ async fn a_request_dropped_while_claiming_releases_what_it_claimed() {
     assert_eq!(calls.get(), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so() {
+async fn a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so(built: Built) {
     // Redis stays paused: the guard of the unanswered claim tries to abandon it for one lease
     // (1 s here), then stops and logs an error naming the key hash; it does not try forever.
     observe();
     let server = RedisServer::start();
     let calls = Calls::default();
-    let layer = IdempotencyLayer::new(store(&server, 200)).lease(Duration::from_secs(1));
+    let layer = IdempotencyLayer::new(built.store(&server, Duration::from_millis(200)))
+        .lease(Duration::from_secs(1));
     let app = app(&calls).layer(layer);
     assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
     server.signal("-STOP");
-    let key = RecordKey::new("idempotency", b"", b"guarded");
-    send(&app, keyed("POST", "/payments", "guarded", "{}"))
+    let guarded = built.key("guarded");
+    let key = RecordKey::new("idempotency", b"", guarded.as_bytes());
+    send(&app, keyed("POST", "/payments", &guarded, "{}"))
         .await
         .assert_problem(503, "store-unavailable");
     let gave_up = "could not abandon a claim whose outcome is unknown";
@@ -418,3 +415,12 @@ async fn a_command_timeout_of_duration_max_means_none_and_never_panics() {
         assert_eq!(calls.get(), 1, "{name}");
     }
 }
+
+both_redis_stores!(
+    a_claim_with_unknown_outcome_never_runs_the_handler_and_is_released,
+    complete_that_fails_after_the_handler_ran_is_retried_in_the_background,
+    complete_that_keeps_failing_logs_an_error_naming_the_key_hash,
+    redis_faults_under_load_never_panic_hang_or_run_a_key_twice,
+    a_request_dropped_while_claiming_releases_what_it_claimed,
+    a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so,
+);

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use axum_idempotency::{
-    Fingerprint, IdempotencyLayer, RedisStore,
+    Fingerprint, IdempotencyLayer,
     recovery::{Lookup, Recovered},
     store::{Claim, Lease, OwnerToken, RecordKey, Store},
 };
@@ -15,12 +15,7 @@ use bytes::Bytes;
 use common::*;
 use http::{Request, Response};
 
-fn store(server: &RedisServer, timeout_ms: u64) -> RedisStore {
-    RedisStore::new(server.pool()).command_timeout(Duration::from_millis(timeout_ms))
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_takeover_whose_answer_was_lost_is_taken_over_again_never_claimed_blind() {
+async fn a_takeover_whose_answer_was_lost_is_taken_over_again_never_claimed_blind(built: Built) {
     let server = RedisServer::start();
     let calls = Calls::default();
     let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
@@ -36,7 +31,8 @@ async fn a_takeover_whose_answer_was_lost_is_taken_over_again_never_claimed_blin
             std::future::ready(Ok::<_, std::io::Error>(Recovered::Happened(response)))
         }
     };
-    let layer = IdempotencyLayer::new(store(&server, 200)).lease(Duration::from_millis(300));
+    let layer = IdempotencyLayer::new(built.store(&server, Duration::from_millis(200)))
+        .lease(Duration::from_millis(300));
     let app = app(&calls).layer(layer.recover(hook));
     assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
 
@@ -74,13 +70,16 @@ async fn a_takeover_whose_answer_was_lost_is_taken_over_again_never_claimed_blin
 /// in the server's socket buffer, the client gets 503, and Redis resumes. Then, within
 /// `settle`, the key must be free: the retry runs the handler, once.
 async fn a_claim_lost_in_a_pause_leaves_the_key_free(
+    built: Built,
     lease: Duration,
     pause: Duration,
     settle: Duration,
 ) {
     let server = RedisServer::start();
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store(&server, 300)).lease(lease));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(built.store(&server, Duration::from_millis(300))).lease(lease),
+    );
     assert_eq!(send(&app, keyed("POST", "/payments", "warm", "{}")).await.status, 201);
 
     server.signal("-STOP");
@@ -105,21 +104,23 @@ async fn a_claim_lost_in_a_pause_leaves_the_key_free(
     assert_eq!(calls.get(), 2);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_resumes() {
+async fn a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_resumes(
+    built: Built,
+) {
     // The default 30 s lease, a pause longer than the guard once kept trying (three tries 50,
     // 200 and 800 ms apart); within the guard's longest pause between tries (1 s) and a round
     // trip of the resume, the key is free.
     let (lease, pause) = (Duration::from_secs(30), Duration::from_secs(6));
-    a_claim_lost_in_a_pause_leaves_the_key_free(lease, pause, Duration::from_millis(1500)).await;
+    a_claim_lost_in_a_pause_leaves_the_key_free(built, lease, pause, Duration::from_millis(1500))
+        .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_pause_longer_than_the_lease_leaves_the_key_free_once_redis_resumes() {
+async fn a_redis_pause_longer_than_the_lease_leaves_the_key_free_once_redis_resumes(built: Built) {
     // Past the guard's whole budget (a lease of tries): the claim that lands on the resume
     // carries its deadline in the server's time, long gone, and writes nothing.
     let (lease, pause) = (Duration::from_secs(2), Duration::from_secs(5));
-    a_claim_lost_in_a_pause_leaves_the_key_free(lease, pause, Duration::from_millis(300)).await;
+    a_claim_lost_in_a_pause_leaves_the_key_free(built, lease, pause, Duration::from_millis(300))
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -178,3 +179,9 @@ async fn a_claim_arriving_after_its_deadline_writes_nothing() {
     let reply: Value = claim(&lapsed, now_ms + 60_000).invoke_async(&mut redis).await.unwrap();
     assert_eq!(reply, Value::Int(5));
 }
+
+both_redis_stores!(
+    a_takeover_whose_answer_was_lost_is_taken_over_again_never_claimed_blind,
+    a_redis_pause_longer_than_every_retry_leaves_the_key_free_once_redis_resumes,
+    a_redis_pause_longer_than_the_lease_leaves_the_key_free_once_redis_resumes,
+);

@@ -58,9 +58,70 @@ pub async fn command_calls(server: &RedisServer) -> BTreeMap<String, u64> {
         .collect()
 }
 
+/// How many connections the server has accepted since it started, this look's own included.
+pub async fn connections_received(server: &RedisServer) -> u64 {
+    let mut redis = server.connection().await;
+    let info: String = redis::cmd("INFO").arg("stats").query_async(&mut redis).await.unwrap();
+    info.lines()
+        .find_map(|line| line.strip_prefix("total_connections_received:"))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("total_connections_received in INFO stats")
+}
+
 pub async fn reset_command_stats(server: &RedisServer) {
     let mut redis = server.connection().await;
     let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
+}
+
+/// How a test's store is built: over a pool of the app's own (`RedisStore::new`: the pool's
+/// connection, redis-rs's reply timer per command), or from a URL, as the README builds it
+/// (`RedisStore::from_url`: connections the store drives itself, `src/store/redis/direct.rs`,
+/// ended by its watchdog).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Built {
+    AppPool,
+    FromUrl,
+}
+
+impl Built {
+    /// The store built this way for `server`, with `timeout` as its command timeout.
+    pub fn store(self, server: &RedisServer, timeout: Duration) -> RedisStore {
+        let store = match self {
+            Self::AppPool => RedisStore::new(server.pool()),
+            Self::FromUrl => server.store(),
+        };
+        store.command_timeout(timeout)
+    }
+
+    /// `key`, made this way's own: the two ways run side by side in one process, whose logs
+    /// their tests share.
+    pub fn key(self, key: &str) -> String {
+        format!("{key}-{self:?}")
+    }
+}
+
+/// Runs each named test, an `async fn(Built)`, once per way a Redis store is built:
+/// `app_pool::*` and `from_url::*`.
+#[macro_export]
+macro_rules! both_redis_stores {
+    ($($test:ident),* $(,)?) => {
+        mod app_pool {
+            $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                super::$test($crate::common::Built::AppPool).await;
+            }
+            )*
+        }
+        mod from_url {
+            $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                super::$test($crate::common::Built::FromUrl).await;
+            }
+            )*
+        }
+    };
 }
 
 /// A private `redis-server` on a free loopback port, stopped by pid when dropped.
@@ -148,10 +209,10 @@ impl RedisServer {
         Config::from_url(self.url()).create_pool(Some(Runtime::Tokio1)).expect("pool")
     }
 
-    /// The store a user of the README makes: `RedisStore::from_url` (its pool's replies bounded
-    /// by the watchdog, its commands batched under load, a subscriber for waiters). A pool of
-    /// the app's own, `RedisStore::new(pool)`, is tested in `tests/redis.rs` and
-    /// `tests/redis_faults.rs`.
+    /// The store a user of the README makes: `RedisStore::from_url` (connections it drives
+    /// itself, ended by its watchdog, a subscriber for waiters). A pool of the app's own,
+    /// `RedisStore::new(pool)`, is tested in `tests/redis.rs`, and beside this one in
+    /// `tests/redis_faults.rs` and `tests/redis_lost_answers.rs` ([`Built`]).
     pub fn store(&self) -> RedisStore {
         RedisStore::from_url(&self.url()).expect("store")
     }

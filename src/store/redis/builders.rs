@@ -9,6 +9,7 @@ use deadpool_redis::{CreatePoolError, Pool, Runtime, redis::AsyncConnectionConfi
 use deadpool_redis::{PoolConfig, Timeouts};
 
 use super::connection::{Replies, Source};
+use super::direct::Direct;
 use super::{DEFAULT_COMMAND_TIMEOUT, RedisStore};
 #[cfg(feature = "cluster")]
 use super::{
@@ -56,7 +57,9 @@ impl RedisStore {
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(CreatePoolError::Build)?;
-        Ok(Self::with_source(Source::Standalone(pool), Replies::Watched).subscriber(client))
+        // Over plain TCP, the store drives its shared connections itself (see `direct.rs`).
+        let direct = Some(client.get_connection_info().clone()).filter(Direct::serves);
+        Ok(Self::with_source(Source::Standalone(pool), Replies::Watched, direct).subscriber(client))
     }
 
     /// A store over a Redis Sentinel pool: every connection is made to the master the
@@ -66,7 +69,7 @@ impl RedisStore {
     #[cfg(feature = "sentinel")]
     #[must_use]
     pub fn sentinel(pool: deadpool_redis::sentinel::Pool) -> Self {
-        Self::with_source(Source::Sentinel(pool), Replies::Timed)
+        Self::with_source(Source::Sentinel(pool), Replies::Timed, None)
     }
 
     /// A store over a new Sentinel pool: the sentinels at `urls` name the master of
@@ -112,7 +115,7 @@ impl RedisStore {
     #[cfg(feature = "cluster")]
     #[must_use]
     pub fn cluster(pool: ClusterPool) -> Self {
-        Self::with_source(Source::Cluster(pool), Replies::Timed)
+        Self::with_source(Source::Cluster(pool), Replies::Timed, None)
     }
 
     /// A store over a new cluster pool for the seed nodes `urls`, with bounded timeouts: each

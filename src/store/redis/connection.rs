@@ -13,7 +13,7 @@ use std::{
 use deadpool_redis::{
     Pool,
     redis::{
-        Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value,
+        Cmd, ConnectionInfo, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value,
         aio::{ConnectionLike, MultiplexedConnection},
     },
 };
@@ -24,6 +24,7 @@ use super::cluster::{ClusterPool, pool_error};
 use super::{
     batch::{Batcher, Operation},
     checks::{check_version, warn_unless_noeviction},
+    direct::Direct,
     watchdog::{self, Elapsed},
 };
 use crate::store::StoreError;
@@ -55,6 +56,8 @@ pub(super) enum Source {
 #[derive(Clone)]
 pub(super) enum SharedConnection {
     Standalone(MultiplexedConnection),
+    /// A standalone server's, driven by the store itself (see `direct.rs`).
+    Direct(Direct),
     #[cfg(feature = "cluster")]
     Cluster(deadpool_redis::redis::cluster_async::ClusterConnection),
 }
@@ -63,6 +66,7 @@ impl ConnectionLike for SharedConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::Standalone(connection) => connection.req_packed_command(cmd),
+            Self::Direct(connection) => connection.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Self::Cluster(connection) => connection.req_packed_command(cmd),
         }
@@ -76,6 +80,7 @@ impl ConnectionLike for SharedConnection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Standalone(connection) => connection.req_packed_commands(pipeline, offset, count),
+            Self::Direct(connection) => connection.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
         }
@@ -84,6 +89,7 @@ impl ConnectionLike for SharedConnection {
     fn get_db(&self) -> i64 {
         match self {
             Self::Standalone(connection) => connection.get_db(),
+            Self::Direct(connection) => connection.db(),
             #[cfg(feature = "cluster")]
             Self::Cluster(connection) => connection.get_db(),
         }
@@ -163,7 +169,7 @@ impl Bounded {
     ) -> Option<&mut deadpool_redis::redis::cluster_async::ClusterConnection> {
         match &mut self.connection {
             SharedConnection::Cluster(cluster) => Some(cluster),
-            SharedConnection::Standalone(_) => None,
+            SharedConnection::Standalone(_) | SharedConnection::Direct(_) => None,
         }
     }
 
@@ -173,7 +179,7 @@ impl Bounded {
             SharedConnection::Standalone(connection) if self.replies == Replies::Timed => {
                 connection.set_response_timeout(left);
             }
-            SharedConnection::Standalone(_) => {}
+            SharedConnection::Standalone(_) | SharedConnection::Direct(_) => {}
             #[cfg(feature = "cluster")]
             SharedConnection::Cluster(_) => {}
         }
@@ -201,7 +207,11 @@ pub(super) struct Connections {
     /// other's next operation fails once and takes a new one, as before.) At most
     /// [`RUNTIMES`] (an application has one runtime or a handful), the oldest dropped first.
     shared: Mutex<Vec<(Option<runtime::Id>, SharedConnection)>>,
-    /// The batches of the operations that run together, when replies are watched.
+    /// Where the store connects by itself, in place of taking the pool's connection: a
+    /// standalone server over plain TCP, for the pools it builds (see `direct.rs`).
+    direct: Option<ConnectionInfo>,
+    /// The batches of the operations that run together, when replies are watched on the
+    /// pool's connections.
     batcher: Option<Arc<Batcher<MultiplexedConnection>>>,
     /// How the replies on the pool's connections are bounded.
     replies: Replies,
@@ -211,11 +221,13 @@ pub(super) struct Connections {
 }
 
 impl Connections {
-    pub(super) fn new(source: Source, replies: Replies) -> Self {
+    pub(super) fn new(source: Source, replies: Replies, direct: Option<ConnectionInfo>) -> Self {
         Self {
             source,
             shared: Mutex::new(Vec::new()),
-            batcher: (replies == Replies::Watched).then(Arc::default),
+            // A direct connection writes what is sent together as one by itself.
+            batcher: (replies == Replies::Watched && direct.is_none()).then(Arc::default),
+            direct,
             replies,
             eviction_checked: AtomicBool::new(false),
             clock: ServerClock::default(),
@@ -224,17 +236,23 @@ impl Connections {
 
     /// A new connection from the pool, checked and shared on `runtime`, the caller's.
     async fn connect(&self, runtime: Option<runtime::Id>) -> Result<SharedConnection, StoreError> {
-        let mut connection = match &self.source {
-            Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
+        let mut connection = match (&self.source, &self.direct) {
+            // Its task needs a runtime; outside one, the pool's connection.
+            (Source::Standalone(_), Some(info)) if runtime.is_some() => {
+                SharedConnection::Direct(Direct::connect(info).await?)
+            }
+            (Source::Standalone(pool), _) => {
+                SharedConnection::Standalone((*pool.get().await?).clone())
+            }
             #[cfg(feature = "cluster")]
-            Source::Cluster(pool) => {
+            (Source::Cluster(pool), _) => {
                 SharedConnection::Cluster((*pool.get().await.map_err(pool_error)?).clone())
             }
             // Taken out of the pool for good: the pool's recycle check is a PING, which a master
             // demoted by a failover still answers. A new connection asks the sentinels where
             // the master is now.
             #[cfg(feature = "sentinel")]
-            Source::Sentinel(pool) => SharedConnection::Standalone(
+            (Source::Sentinel(pool), _) => SharedConnection::Standalone(
                 deadpool_redis::sentinel::Connection::take(pool.get().await?),
             ),
         };
@@ -287,13 +305,19 @@ impl Connections {
             false => StoreError::from(error),
         };
         let runtime = runtime::Handle::try_current().ok().map(|here| here.id());
-        let cached =
-            self.shared().iter().find(|(made_on, _)| *made_on == runtime).map(|(_, c)| c.clone());
+        // A direct connection found lost before anything was sent on it (Redis closed it while
+        // idle: its `timeout`, a restart, a `CLIENT KILL`) is replaced at once, not failed on.
+        let cached = self
+            .shared()
+            .iter()
+            .find(|(made_on, _)| *made_on == runtime)
+            .map(|(_, c)| c.clone())
+            .filter(|connection| !matches!(connection, SharedConnection::Direct(d) if d.is_lost()));
         let result = match cached {
             // The common path, without a tokio timer of its own: the watchdog ends the
             // operation at its deadline, or redis-rs bounds each command, its wait for room in
             // the pipeline's channel included, by what is left (`Bounded`).
-            Some(connection @ SharedConnection::Standalone(_)) => {
+            Some(connection @ (SharedConnection::Standalone(_) | SharedConnection::Direct(_))) => {
                 let replies = self.replies;
                 let operation = self.batcher.as_ref().map(Batcher::start);
                 let operation = op(Bounded { connection, operation, deadline, replies });

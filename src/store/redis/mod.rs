@@ -9,6 +9,8 @@ mod clock;
 mod cluster;
 mod connection;
 mod dedup;
+mod direct;
+mod reply;
 mod scripts;
 mod subscriber;
 mod watchdog;
@@ -18,7 +20,7 @@ use std::{fmt, sync::Arc, time::Duration};
 use bytes::Bytes;
 use deadpool_redis::{
     Pool,
-    redis::{FromRedisValue, Value},
+    redis::{ConnectionInfo, FromRedisValue, Value},
 };
 
 #[cfg(feature = "cluster")]
@@ -106,12 +108,12 @@ impl RedisStore {
     /// ```
     #[must_use]
     pub fn new(pool: Pool) -> Self {
-        Self::with_source(Source::Standalone(pool), Replies::Timed)
+        Self::with_source(Source::Standalone(pool), Replies::Timed, None)
     }
 
-    fn with_source(source: Source, replies: Replies) -> Self {
+    fn with_source(source: Source, replies: Replies, direct: Option<ConnectionInfo>) -> Self {
         Self {
-            connections: Arc::new(Connections::new(source, replies)),
+            connections: Arc::new(Connections::new(source, replies, direct)),
             subscriber: None,
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
         }
