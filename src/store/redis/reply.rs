@@ -70,11 +70,28 @@ fn line(buffer: &[u8], at: usize) -> Option<(&[u8], usize)> {
     }
 }
 
-fn number(digits: &[u8]) -> Result<i64, RedisError> {
-    std::str::from_utf8(digits)
-        .ok()
-        .and_then(|digits| digits.parse().ok())
-        .ok_or_else(|| malformed("a number"))
+/// A decimal integer, as Redis writes lengths and integer replies. By hand: `str::parse`
+/// after a UTF-8 check cost a replay about 400 instructions for its three numbers.
+fn number(text: &[u8]) -> Result<i64, RedisError> {
+    let (negative, digits) = match text.split_first() {
+        Some((b'-', digits)) => (true, digits),
+        _ => (false, text),
+    };
+    if digits.is_empty() {
+        return Err(malformed("a number"));
+    }
+    let mut value: i64 = 0;
+    for &digit in digits {
+        if !digit.is_ascii_digit() {
+            return Err(malformed("a number"));
+        }
+        // Accumulated negative, so that i64::MIN fits.
+        value = value
+            .checked_mul(10)
+            .and_then(|value| value.checked_sub(i64::from(digit - b'0')))
+            .ok_or_else(|| malformed("a number"))?;
+    }
+    if negative { Ok(value) } else { value.checked_neg().ok_or_else(|| malformed("a number")) }
 }
 
 fn malformed(what: &'static str) -> RedisError {
@@ -160,6 +177,18 @@ mod tests {
         assert!(read(deep.as_bytes()).is_err());
         let deep_enough = "*1\r\n".repeat(MAX_DEPTH) + ":1\r\n";
         assert!(read(deep_enough.as_bytes()).unwrap().is_some());
+    }
+
+    #[test]
+    fn numbers_read_as_rust_reads_them() {
+        for text in ["0", "7", "-1", "1234567890", "9223372036854775807", "-9223372036854775808"] {
+            assert_eq!(number(text.as_bytes()).unwrap(), text.parse::<i64>().unwrap(), "{text}");
+        }
+        for text in
+            ["", "-", "+1", "1a", " 1", "9223372036854775808", "-9223372036854775809", "--1"]
+        {
+            assert!(number(text.as_bytes()).is_err(), "{text:?}");
+        }
     }
 
     #[test]
