@@ -354,3 +354,49 @@ async fn a_record_larger_than_the_socket_takes_leaves_each_reply_to_its_own_comm
     let claimed: Vec<Vec<u8>> = redis.keys("large:*").await.unwrap();
     assert_eq!(claimed.len(), 51);
 }
+
+/// A store from a URL authenticates its own connections and selects the URL's database, as
+/// redis-rs reads them from the URL: a password, a user of an ACL, a database number. A wrong
+/// password is 503, and nothing runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_from_a_url_authenticates_and_selects_the_urls_database() {
+    let server = RedisServer::start();
+    let mut admin = server.connection().await;
+    let () = redis::cmd("ACL")
+        .arg(&["SETUSER", "payments", "on", ">s3cret", "~*", "&*", "+@all"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    // The connection that set it stays signed in.
+    let () = redis::cmd("CONFIG")
+        .arg(&["SET", "requirepass", "topsecret"][..])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let port = server.port;
+    let signed_in = [
+        (format!("redis://:topsecret@127.0.0.1:{port}/3"), 3),
+        (format!("redis://payments:s3cret@127.0.0.1:{port}/5"), 5),
+    ];
+    for (url, db) in signed_in {
+        let calls = Calls::default();
+        let app = app(&calls).layer(IdempotencyLayer::new(RedisStore::from_url(&url).unwrap()));
+        let key = format!("k{db}");
+        let seen = send(&app, keyed("POST", "/payments", &key, "{}")).await;
+        assert_eq!(seen.status, 201, "{url}: {seen:?}");
+        assert!(send(&app, keyed("POST", "/payments", &key, "{}")).await.replayed(), "{url}");
+        assert_eq!(calls.get(), 1, "{url}");
+        for (looked_in, found) in [(db, true), (0, false)] {
+            let () = redis::cmd("SELECT").arg(looked_in).query_async(&mut admin).await.unwrap();
+            let exists: bool = admin.exists(global(&key).as_str()).await.unwrap();
+            assert_eq!(exists, found, "{url}: the record in database {looked_in}");
+        }
+    }
+    let calls = Calls::default();
+    let wrong = format!("redis://:wrong@127.0.0.1:{port}/3");
+    let app = app(&calls).layer(IdempotencyLayer::new(RedisStore::from_url(&wrong).unwrap()));
+    send(&app, keyed("POST", "/payments", "k", "{}"))
+        .await
+        .assert_problem(503, "store-unavailable");
+    assert_eq!(calls.get(), 0);
+}
