@@ -62,16 +62,8 @@ struct State {
     closed: bool,
 }
 
-/// Who waits for replies: one command's, or a pipeline's.
-enum Waiting {
-    One(oneshot::Sender<Result<Value, RedisError>>),
-    Many {
-        skip: usize,
-        left: usize,
-        values: Vec<Value>,
-        reply: oneshot::Sender<Result<Vec<Value>, RedisError>>,
-    },
-}
+/// Who waits for a command's reply.
+type Waiting = oneshot::Sender<Result<Value, RedisError>>;
 
 struct Handles(Arc<Inner>);
 
@@ -133,12 +125,13 @@ impl Direct {
 
     /// Sends `command`; its reply.
     pub(super) async fn request(&self, command: &Cmd) -> Result<Value, RedisError> {
-        let (reply, replied) = oneshot::channel();
-        self.send(|out| command.write_packed_command(out), Waiting::One(reply))?;
+        let replied = self.send(|state| state.queue(command))?;
         replied.await.map_err(|_| task_ended())?
     }
 
-    /// Sends `pipeline` (not a transaction); the `count` replies after the first `offset`.
+    /// Sends the commands of `pipeline` (not a transaction) at once; the replies after the
+    /// first `offset`, `count` of them. (The store sends no pipeline on this connection: its
+    /// commands are written together by themselves.)
     pub(super) async fn request_all(
         &self,
         pipeline: &Pipeline,
@@ -148,20 +141,22 @@ impl Direct {
         if pipeline.is_transaction() {
             return Err(lost(io::ErrorKind::Unsupported, "a transaction on a shared connection"));
         }
-        let (reply, replied) = oneshot::channel();
-        let waiting = Waiting::Many {
-            skip: offset,
-            left: offset + count,
-            values: Vec::with_capacity(count),
-            reply,
-        };
-        self.send(|out| out.extend_from_slice(&pipeline.get_packed_pipeline()), waiting)?;
-        replied.await.map_err(|_| task_ended())?
+        let replies = self.send(|state| {
+            pipeline.cmd_iter().map(|command| state.queue(command)).collect::<Vec<_>>()
+        })?;
+        let mut values = Vec::with_capacity(count);
+        for (n, reply) in replies.into_iter().enumerate() {
+            let value = reply.await.map_err(|_| task_ended())??;
+            if n >= offset && values.len() < count {
+                values.push(value);
+            }
+        }
+        Ok(values)
     }
 
-    /// Writes a command with `write` and queues `waiting` for its replies, under one lock, so
-    /// that the order of the replies is the order of the waiters.
-    fn send(&self, write: impl FnOnce(&mut Vec<u8>), waiting: Waiting) -> Result<(), RedisError> {
+    /// Queues commands with `queue`, under one lock (so that the order of the replies is the
+    /// order of the waiters), and writes them.
+    fn send<R>(&self, queue: impl FnOnce(&mut State) -> R) -> Result<R, RedisError> {
         let inner = &self.handles.0;
         let mut state = inner.state();
         if let Some((kind, why)) = state.lost {
@@ -170,22 +165,21 @@ impl Direct {
         // Nothing on the wire: the caller writes at once. Else the task writes it with the
         // others when the next reply comes in.
         let alone = state.waiting.is_empty();
-        write(&mut state.out);
-        state.waiting.push_back(waiting);
+        let replied = queue(&mut state);
         if alone {
             match inner.stream.try_write(&state.out) {
                 Ok(written) => state.written(written),
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                 Err(error) => {
                     state.lose(error.kind(), "writing a command failed");
-                    return Ok(());
+                    return Ok(replied);
                 }
             }
             if !state.out.is_empty() {
                 state.wake_task();
             }
         }
-        Ok(())
+        Ok(replied)
     }
 }
 
@@ -196,16 +190,21 @@ impl Inner {
 }
 
 impl State {
+    /// Packs `command` into what is to be written, and queues a waiter for its reply.
+    fn queue(&mut self, command: &Cmd) -> oneshot::Receiver<Result<Value, RedisError>> {
+        command.write_packed_command(&mut self.out);
+        let (reply, replied) = oneshot::channel();
+        self.waiting.push_back(reply);
+        replied
+    }
+
     /// The connection is lost: every waiter hears it, and every later command.
     fn lose(&mut self, kind: io::ErrorKind, why: &'static str) {
         self.lost.get_or_insert((kind, why));
         self.out.clear();
         self.wake_task();
-        for waiting in self.waiting.drain(..) {
-            match waiting {
-                Waiting::One(reply) => drop(reply.send(Err(lost(kind, why)))),
-                Waiting::Many { reply, .. } => drop(reply.send(Err(lost(kind, why)))),
-            }
+        for reply in self.waiting.drain(..) {
+            let _ = reply.send(Err(lost(kind, why)));
         }
     }
 
@@ -227,27 +226,9 @@ impl State {
 
     /// Gives `value` to the oldest waiter. `false` when nobody waits for it.
     fn deliver(&mut self, value: Value) -> bool {
-        let Some(waiting) = self.waiting.front_mut() else { return false };
-        match waiting {
-            Waiting::One(_) => {
-                let Some(Waiting::One(reply)) = self.waiting.pop_front() else { unreachable!() };
-                let _ = reply.send(Ok(value));
-            }
-            Waiting::Many { skip, left, values, .. } => {
-                if *skip > 0 {
-                    *skip -= 1;
-                } else {
-                    values.push(value);
-                }
-                *left -= 1;
-                if *left == 0 {
-                    let Some(Waiting::Many { values, reply, .. }) = self.waiting.pop_front() else {
-                        unreachable!()
-                    };
-                    let _ = reply.send(Ok(values));
-                }
-            }
-        }
+        let Some(reply) = self.waiting.pop_front() else { return false };
+        // A waiter that stopped waiting (its operation ended) drops its reply.
+        let _ = reply.send(Ok(value));
         true
     }
 }
@@ -389,3 +370,6 @@ impl Direct {
         Box::pin(self.request_all(pipeline, offset, count))
     }
 }
+
+#[cfg(test)]
+mod tests;
