@@ -36,6 +36,11 @@ impl RedisStore {
     /// (`Client::build_with_tls`, features `tls-rustls` or `tls-native-tls`), a username,
     /// another protocol.
     ///
+    /// Over plain TCP with RESP2 (redis-rs's default), the connection the store's requests
+    /// share is one it makes and drives itself, to the client's address, with its password,
+    /// user and database (see [`RedisStore`]); over TLS, a Unix socket or RESP3 it is the
+    /// pool's redis-rs connection.
+    ///
     /// # Errors
     ///
     /// When the pool cannot be built. No connection is made until the first request.

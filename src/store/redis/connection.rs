@@ -237,8 +237,7 @@ impl Connections {
     /// A new connection from the pool, checked and shared on `runtime`, the caller's.
     async fn connect(&self, runtime: Option<runtime::Id>) -> Result<SharedConnection, StoreError> {
         let mut connection = match (&self.source, &self.direct) {
-            // Its task needs a runtime; outside one, the pool's connection.
-            (Source::Standalone(_), Some(info)) if runtime.is_some() => {
+            (Source::Standalone(_), Some(info)) => {
                 SharedConnection::Direct(Direct::connect(info).await?)
             }
             (Source::Standalone(pool), _) => {
