@@ -103,6 +103,7 @@ async fn app(target: &str, redis_url: &str) -> Result<Router, Error> {
     Ok(match target {
         "bare" => bare(),
         "floor" => floor(redis_url).await?,
+        "floor-write" => floor_write(redis_url).await?,
         // Any `.layer()` on a router costs a boxed service and future of its own: this is that
         // cost alone, with a layer that does nothing.
         "identity" => bare().layer(tower::layer::util::Identity::new()),
@@ -152,6 +153,41 @@ async fn floor(redis_url: &str) -> Result<Router, Error> {
     }
     let connection = redis::Client::open(redis_url)?.get_multiplexed_async_connection().await?;
     Ok(Router::new().route("/pay", post(floor_handler)).with_state(connection))
+}
+
+/// The floor of any layer that keeps its records in Redis: the same round trips as
+/// [`floor`], each the least a store must ask of Redis, as plain commands with no script:
+/// a fresh key is written (`SET NX PX`, the claim) and written again (`SET XX PX`, the
+/// response), a replay read (`GET`). Neither fence nor check: not a layer, the cost of a key.
+async fn floor_write(redis_url: &str) -> Result<Router, Error> {
+    use axum::{extract::State, http::HeaderMap};
+    async fn floor_write_handler(
+        State(mut connection): State<redis::aio::MultiplexedConnection>,
+        headers: HeaderMap,
+        body: Bytes,
+    ) -> Response {
+        if let Some(key) = headers.get("idempotency-key").map(|k| k.as_bytes().to_vec()) {
+            if key.starts_with(b"replay-key") {
+                let _: Option<Vec<u8>> =
+                    redis::cmd("GET").arg(&key).query_async(&mut connection).await.expect("GET");
+            } else {
+                for (exists, ttl) in [("NX", 60_000), ("XX", 86_400_000)] {
+                    let _: Option<String> = redis::cmd("SET")
+                        .arg(&key)
+                        .arg(&body[..])
+                        .arg(exists)
+                        .arg("PX")
+                        .arg(ttl)
+                        .query_async(&mut connection)
+                        .await
+                        .expect("SET");
+                }
+            }
+        }
+        handler(body).await
+    }
+    let connection = redis::Client::open(redis_url)?.get_multiplexed_async_connection().await?;
+    Ok(Router::new().route("/pay", post(floor_write_handler)).with_state(connection))
 }
 
 async fn serve(target: &str, port: u16, redis_url: &str) -> Result<(), Error> {

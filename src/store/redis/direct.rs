@@ -78,8 +78,16 @@ impl Drop for Handles {
 impl Direct {
     /// Whether the store can drive connections to `info` itself.
     pub(super) fn serves(info: &ConnectionInfo) -> bool {
+        // TCP settings of the app's own (keep-alive probes, a user timeout) are redis-rs's to
+        // apply. `TCP_NODELAY` is always set here.
+        let tcp = info.tcp_settings();
+        #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+        let own_settings = tcp.keepalive().is_some() || tcp.user_timeout().is_some();
+        #[cfg(not(any(target_os = "android", target_os = "fuchsia", target_os = "linux")))]
+        let own_settings = tcp.keepalive().is_some();
         matches!(info.addr(), ConnectionAddr::Tcp(..))
             && info.redis_settings().protocol() == ProtocolVersion::RESP2
+            && !own_settings
     }
 
     /// Connects to `info` (see [`serves`](Self::serves)), authenticates and selects its

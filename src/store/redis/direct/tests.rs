@@ -3,7 +3,11 @@
 
 use std::time::Duration;
 
-use deadpool_redis::redis::{ErrorKind, IntoConnectionInfo, ServerErrorKind, Value, cmd, pipe};
+use deadpool_redis::redis::{
+    ErrorKind, IntoConnectionInfo, ServerErrorKind, Value, cmd,
+    io::tcp::{TcpSettings, socket2},
+    pipe,
+};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
@@ -235,4 +239,11 @@ fn only_plain_tcp_and_resp2_are_driven_here() {
     assert!(serves("redis://127.0.0.1:6379/2"));
     assert!(!serves("redis://127.0.0.1:6379/?protocol=resp3"));
     assert!(!serves("redis+unix:///tmp/redis.sock"));
+    let with = |settings: fn(TcpSettings) -> TcpSettings| {
+        let info = "redis://127.0.0.1:6379".into_connection_info().unwrap();
+        Direct::serves(&info.set_tcp_settings(settings(TcpSettings::default())))
+    };
+    assert!(with(|tcp| tcp.set_nodelay(false)));
+    assert!(!with(|tcp| tcp.set_keepalive(socket2::TcpKeepalive::new())));
+    assert!(!with(|tcp| tcp.set_user_timeout(Duration::from_secs(5))));
 }
