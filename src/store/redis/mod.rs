@@ -75,9 +75,9 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// itself: each command written straight from its caller into the socket, the commands of
 /// requests that run together written as one, each reply read once into redis-rs's `Value`;
 /// about 9k fewer instructions a fresh request than a redis-rs multiplexed connection, which
-/// every other store (TLS, a Unix socket, RESP3, Sentinel, Cluster, a pool of the app's own)
-/// takes from its pool. A connection found closed while idle is replaced before anything is
-/// sent on it.
+/// every other store (TLS, a Unix socket, RESP3, TCP settings of the app's own, Sentinel,
+/// Cluster, a pool of the app's own) takes from its pool. A connection found closed while
+/// idle is replaced before anything is sent on it.
 ///
 /// For the guarantee to hold, Redis must not evict records (`maxmemory-policy noeviction`);
 /// the store warns once through `tracing` when it finds another policy.
