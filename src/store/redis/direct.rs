@@ -175,13 +175,10 @@ impl Direct {
         let alone = state.waiting.is_empty();
         let replied = queue(&mut state);
         if alone {
-            match inner.stream.try_write(&state.out) {
-                Ok(written) => state.written(written),
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(error) => {
-                    state.lose(error.kind(), "writing a command failed");
-                    return Ok(replied);
-                }
+            // What the socket does not take (or an error, which the task meets again and
+            // reports) is left to the task.
+            if let Ok(written) = inner.stream.try_write(&state.out) {
+                state.written(written);
             }
             if !state.out.is_empty() {
                 state.wake_task();

@@ -111,6 +111,42 @@ async fn a_command_larger_than_the_socket_takes_goes_out_whole_before_the_next()
 }
 
 #[tokio::test]
+async fn a_large_commands_buffer_is_given_back_and_a_small_ones_kept() {
+    let (direct, mut server) = connected().await;
+    let capacity = || direct.handles.0.state().out.capacity();
+    let set = cmd("SET").arg("k").arg(&vec![b'x'; 4 << 20][..]).clone();
+    let (reply, ()) = tokio::join!(direct.request(&set), async {
+        commands(&mut server, 1).await;
+        server.write_all(b"+OK\r\n").await.unwrap();
+    });
+    assert_eq!(reply.unwrap(), Value::Okay);
+    assert_eq!(capacity(), 0, "the large command's buffer is kept");
+    let a = get("a");
+    let (reply, ()) = tokio::join!(direct.request(&a), async {
+        commands(&mut server, 1).await;
+        server.write_all(b":1\r\n").await.unwrap();
+    });
+    assert_eq!(reply.unwrap(), Value::Int(1));
+    assert!(capacity() > 0, "a small command's buffer is given back");
+}
+
+#[tokio::test]
+async fn a_write_that_fails_fails_its_waiters_and_does_not_spin() {
+    // The server closes without reading a command larger than the socket takes: the rest of
+    // it, written by the connection's task, fails.
+    let (direct, server) = connected().await;
+    let set = cmd("SET").arg("k").arg(&vec![b'x'; 16 << 20][..]).clone();
+    let (reply, ()) =
+        tokio::join!(tokio::time::timeout(Duration::from_secs(5), direct.request(&set)), async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            // Unread bytes make the close a reset.
+            drop(server);
+        });
+    assert!(reply.expect("an answer within 5 s").is_err());
+    assert!(direct.is_lost());
+}
+
+#[tokio::test]
 async fn a_server_error_is_the_commands_alone() {
     let (direct, mut server) = connected().await;
     let (a, b) = (get("a"), get("b"));
