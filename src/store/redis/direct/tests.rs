@@ -147,6 +147,64 @@ async fn a_write_that_fails_fails_its_waiters_and_does_not_spin() {
 }
 
 #[tokio::test]
+async fn a_read_that_fails_fails_its_waiters_and_does_not_spin() {
+    // The server closes with the command unread: a reset, which the connection's read meets.
+    let (direct, server) = connected().await;
+    let a = get("a");
+    let (reply, ()) =
+        tokio::join!(tokio::time::timeout(Duration::from_secs(5), direct.request(&a)), async {
+            // Until the command arrived, unread.
+            server.readable().await.unwrap();
+            drop(server);
+        });
+    let error = reply.expect("an answer within 5 s").unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Io, "{error}");
+    // Told from a clean close, for whoever reads the logs.
+    assert!(error.to_string().contains("reading a reply failed"), "{error}");
+    assert!(direct.is_lost());
+}
+
+#[tokio::test]
+async fn a_reply_after_a_large_one_in_the_same_read_is_kept_whole() {
+    // A reply larger than the read buffer kept, with the start of the next behind it: the
+    // buffer is given back only once nothing is left in it.
+    let (direct, mut server) = connected().await;
+    let (a, b) = (get("a"), get("b"));
+    let large = vec![b'r'; 2 << 20];
+    let (first, second, ()) = tokio::join!(direct.request(&a), direct.request(&b), async {
+        commands(&mut server, 1).await;
+        let mut bytes = format!("${}\r\n", large.len()).into_bytes();
+        bytes.extend_from_slice(&large);
+        bytes.extend_from_slice(b"\r\n$6\r\nsec");
+        server.write_all(&bytes).await.unwrap();
+        commands(&mut server, 1).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        server.write_all(b"ond\r\n").await.unwrap();
+    });
+    assert!(first.unwrap() == Value::BulkString(large), "the large reply");
+    assert_eq!(second.unwrap(), Value::BulkString(b"second".to_vec()));
+}
+
+#[test]
+fn a_connection_whose_runtime_ended_is_lost_to_the_commands_of_another() {
+    let first = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let (direct, _server) = first.block_on(connected());
+    let second = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let a = get("a");
+    let pending = second.block_on(async {
+        tokio::time::timeout(Duration::from_millis(50), direct.request(&a)).await
+    });
+    assert!(pending.is_err(), "answered while the server said nothing");
+    assert!(!direct.is_lost());
+    // Its task ends with it: the commands of another runtime fail at once, not at a deadline.
+    drop(first);
+    assert!(direct.is_lost());
+    let after = second
+        .block_on(async { tokio::time::timeout(Duration::from_secs(5), direct.request(&a)).await });
+    assert!(after.expect("at once").is_err());
+}
+
+#[tokio::test]
 async fn a_server_error_is_the_commands_alone() {
     let (direct, mut server) = connected().await;
     let (a, b) = (get("a"), get("b"));
