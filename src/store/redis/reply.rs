@@ -18,7 +18,7 @@ pub(super) fn read(buffer: &[u8]) -> Result<Option<(Value, usize)>, RedisError> 
 }
 
 fn read_at(buffer: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usize)>, RedisError> {
-    let Some((line, next)) = line(buffer, at) else { return Ok(None) };
+    let Some((line, next)) = line(buffer, at)? else { return Ok(None) };
     let Some((&kind, body)) = line.split_first() else { return Err(malformed("an empty line")) };
     match kind {
         b':' => Ok(Some((Value::Int(number(body)?), next))),
@@ -59,14 +59,14 @@ fn read_at(buffer: &[u8], at: usize, depth: usize) -> Result<Option<(Value, usiz
     }
 }
 
-/// The line starting at `at` (without its `\r\n`) and where the next one starts.
-fn line(buffer: &[u8], at: usize) -> Option<(&[u8], usize)> {
-    let rest = buffer.get(at..)?;
-    let end = rest.iter().position(|&byte| byte == b'\n')?;
+/// The line starting at `at` (without its `\r\n`) and where the next one starts; `None`
+/// while it is incomplete.
+fn line(buffer: &[u8], at: usize) -> Result<Option<(&[u8], usize)>, RedisError> {
+    let rest = buffer.get(at..).unwrap_or_default();
+    let Some(end) = rest.iter().position(|&byte| byte == b'\n') else { return Ok(None) };
     match rest[..end].strip_suffix(b"\r") {
-        Some(line) => Some((line, at + end + 1)),
-        // A lone `\n`: not RESP2; the caller's number or type check refuses it.
-        None => Some((&rest[..end], at + end + 1)),
+        Some(line) => Ok(Some((line, at + end + 1))),
+        None => Err(malformed("a line ending without \\r")),
     }
 }
 
@@ -169,14 +169,22 @@ mod tests {
 
     #[test]
     fn bytes_that_are_not_resp2_are_refused() {
-        for bytes in [&b"?\r\n"[..], b"\r\n", b":x\r\n", b"$3\r\nabcd\r\n", b"$-2\r\n", b"*-5\r\n"]
-        {
+        let refused =
+            [&b"?\r\n"[..], b"\r\n", b":x\r\n", b"$3\r\nabcd\r\n", b"$-2\r\n", b"*-5\r\n", b":1\n"];
+        for bytes in refused {
             assert!(read(bytes).is_err(), "{:?}", String::from_utf8_lossy(bytes));
         }
         let deep = "*1\r\n".repeat(MAX_DEPTH + 1) + ":1\r\n";
         assert!(read(deep.as_bytes()).is_err());
         let deep_enough = "*1\r\n".repeat(MAX_DEPTH) + ":1\r\n";
         assert!(read(deep_enough.as_bytes()).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_nil_array_reads_as_redis_rs_reads_it() {
+        let nil = b"*-1\r\n";
+        assert_eq!(read(nil).unwrap(), Some((parse_redis_value(nil).unwrap(), nil.len())));
+        assert_eq!(read(nil).unwrap(), Some((Value::Nil, nil.len())));
     }
 
     #[test]
