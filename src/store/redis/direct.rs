@@ -16,8 +16,9 @@
 //! connection). A caller that stops waiting (its deadline, kept by the watchdog) leaves its
 //! reply to be read and dropped, so the replies after it still reach their own commands.
 //!
-//! Only for plain TCP and RESP2 (redis-rs's default); TLS, Unix sockets and RESP3 keep the
-//! multiplexed connection.
+//! Only for plain TCP and RESP2 (redis-rs's default) without TCP settings of the app's own;
+//! TLS, Unix sockets, RESP3 and keep-alive or user-timeout settings keep the multiplexed
+//! connection ([`Direct::serves`]).
 
 use std::{
     collections::VecDeque,
