@@ -35,17 +35,17 @@ UPDATE idempotency_records SET state = 'C', owner = NULL, response = $response, 
 SQL
 cat > "$dir/functions.sql" <<SQL
 \set k random(1, 1000000000000)
-SELECT * FROM idempotency_records_claim($key, $fp, $owner, 30000, 60000, false, 0);
+SELECT * FROM idempotency_records_claim($key, $fp, $owner, 30000, 60000, false, 0, 500);
 SELECT * FROM idempotency_records_complete($key, $owner, $fp, $response, 86400000);
 SQL
 echo "SELECT response FROM floor WHERE key = 'replay';" > "$dir/floor-replay.sql"
 echo "SELECT state, fingerprint, response, expires_at FROM idempotency_records WHERE key = 'replay';" > "$dir/plain-replay.sql"
-echo "SELECT * FROM idempotency_records_claim('replay', $fp, $owner, 30000, 60000, false, 0);" > "$dir/functions-replay.sql"
+echo "SELECT * FROM idempotency_records_claim('replay', $fp, $owner, 30000, 60000, false, 0, 500);" > "$dir/functions-replay.sql"
 
 run() {
   psql -q "$url" -c "TRUNCATE floor, idempotency_records" -c "CHECKPOINT" \
     -c "INSERT INTO floor VALUES ('replay', 'C', $short)" \
-    -c "SELECT idempotency_records_claim('replay', $fp, $owner, 30000, 60000, false, 0)" \
+    -c "SELECT idempotency_records_claim('replay', $fp, $owner, 30000, 60000, false, 0, 500)" \
     -c "SELECT idempotency_records_complete('replay', $owner, $fp, $response, 86400000)" > /dev/null
   local tps
   tps=$(pgbench -n -M prepared -c 16 -j 2 -T "$seconds" -f "$dir/$1.sql" "$url" 2>&1 | sed -n 's/^tps = \([0-9]*\).*/\1/p')

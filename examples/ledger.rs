@@ -1,5 +1,6 @@
 //! The durable authority: a payments service whose idempotency record commits with its payment
-//! in one PostgreSQL transaction (`PostgresStore`, `http::seal`, `PostgresStore::commit`): no
+//! in one PostgreSQL transaction (`PostgresStore::transaction`, which begins the transaction,
+//! hands it to the handler's closure, writes the response fenced by the claim and commits): no
 //! outbox table, no recovery hook. A process killed anywhere leaves either the committed
 //! response, which every retry replays, or nothing, which the retry runs once.
 //!
@@ -11,11 +12,14 @@
 //! ```
 //!
 //! `consume` is one delivery of a payment event through the consumer door, written the same
-//! way (`consumer::seal`); it prints `ran {…}` or `replayed {…}`.
+//! way (the same `transaction`, returning `Json(value)`); it prints `ran {…}` or
+//! `replayed {…}`.
 //!
 //! `POST /orders` is an order with recovery points (`RecoveryPoints`): the order row, then the
 //! provider's charge, each a step marked done in its own transaction, then the charge recorded
-//! on the order with the response. A takeover resumes after the last step that committed.
+//! on the order with the response. The same request run again (a takeover, or a retry after a
+//! failure) resumes after the last step that committed; another payload under the key is
+//! answered 409 (`http::KeyReused`), never another request's steps.
 //!
 //! Each payment calls a payment provider first, with a key derived from the request's
 //! (`IdempotencyContext::derived_key`): a run after a crash calls it again with the same key, and
@@ -56,16 +60,18 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore, consumer,
+    IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
     consumer::Outcome,
-    http,
+    http::KeyReused,
     recovery::{BoxError, Recover},
     store::{
-        DurableOutcomes, PostgresStore, RecoveryPoints, SealedOutcome, Store, StoreError,
-        sqlx::{self, PgPool},
+        Committable, DurableOutcomes, PostgresStore, RecoveryPoints, Store, StoreError,
+        TransactionError,
+        sqlx::{self, PgConnection, PgPool},
     },
 };
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 use http_body_util::BodyExt as _;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -154,15 +160,20 @@ enum Records {
 }
 
 impl Records {
-    /// Commits `tx` with `sealed` in it: the payment and its outcome, or neither.
-    async fn commit(
+    /// Runs `operation` in the authority's transaction, with its outcome committed in it: the
+    /// payment and its outcome, or neither.
+    async fn transaction<O, F>(
         &self,
-        tx: sqlx::Transaction<'static, sqlx::Postgres>,
-        sealed: impl AsRef<SealedOutcome>,
-    ) -> Result<(), StoreError> {
+        context: &IdempotencyContext,
+        operation: F,
+    ) -> Result<O, TransactionError<BoxError>>
+    where
+        O: Committable,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<O, BoxError>> + Send,
+    {
         match self {
-            Self::Postgres(store) => store.commit(tx, sealed).await,
-            Self::Redis(_, outcomes) => outcomes.commit(tx, sealed).await,
+            Self::Postgres(store) => store.transaction(context, operation).await,
+            Self::Redis(_, outcomes) => outcomes.transaction(context, operation).await,
         }
     }
 }
@@ -197,63 +208,76 @@ struct Payment {
     amount: i64,
 }
 
-/// The handler written the crate's way: the payment, then its response sealed and committed
-/// with it.
+/// The handler written the crate's way: the provider's charge, then the payment row and its
+/// response, committed together in the store's transaction.
 async fn pay(
     context: IdempotencyContext,
     State(ledger): State<Ledger>,
     Json(payment): Json<Payment>,
-) -> Result<http::SealedResponse, Failure> {
-    let (tx, body) = ledger.pay(&context, payment.amount).await?;
-    let sealed = http::seal(&context, (StatusCode::CREATED, Json(body))).await?;
-    // The response commits with the payment row, or neither does.
-    ledger.records.commit(tx, &sealed).await?;
+) -> Result<Response, Failure> {
+    let charge = ledger.charge(&context, payment.amount).await?;
+    let pause = ledger.pause.clone();
+    let response = ledger
+        .records
+        .transaction(&context, move |tx| {
+            Box::pin(async move {
+                let body = record_payment(tx, &pause, payment.amount, charge).await?;
+                Ok((StatusCode::CREATED, Json(body)).into_response())
+            })
+        })
+        .await?;
     ledger.pause.at("after-commit").await;
-    Ok(sealed)
+    Ok(response)
 }
 
 /// An order with recovery points: the order row (a step), the provider's charge (a step),
-/// then the charge recorded on the order with the response. A takeover after a crash skips
-/// the steps that committed, with their results, and runs the rest.
+/// then the charge recorded on the order with the response. The same request run again after
+/// a crash or a failure skips the steps that committed, with their results, and runs the
+/// rest; another payload under the key is refused (`KeyReused`).
 async fn order(
     context: IdempotencyContext,
     State(ledger): State<Ledger>,
     Json(payment): Json<Payment>,
-) -> Result<http::SealedResponse, Failure> {
-    let (steps, key) = (&ledger.steps, context.key_hash());
-    let order: i64 = match steps.done(key, "order").await? {
+) -> Result<Response, Failure> {
+    let steps = &ledger.steps;
+    let order: i64 = match steps.done(&context, "order").await? {
         Some(order) => order,
         None => {
             let mut tx = ledger.pool.begin().await?;
             let sql = "INSERT INTO ledger_orders (amount) VALUES ($1) RETURNING id";
             let order: i64 =
                 sqlx::query_scalar(sql).bind(payment.amount).fetch_one(&mut *tx).await?;
-            steps.mark(&mut tx, key, "order", &order).await?;
+            steps.mark(&mut tx, &context, "order", &order).await?;
             tx.commit().await?;
             order
         }
     };
     ledger.pause.at("after-order").await;
-    let charge: String = match steps.done(key, "charge").await? {
+    let charge: String = match steps.done(&context, "charge").await? {
         Some(charge) => charge,
         None => {
             let charge =
                 charge(&ledger.provider, &context.derived_key("order-charge"), payment.amount)
                     .await?;
             let mut tx = ledger.pool.begin().await?;
-            steps.mark(&mut tx, key, "charge", &charge).await?;
+            steps.mark(&mut tx, &context, "charge", &charge).await?;
             tx.commit().await?;
             charge
         }
     };
     ledger.pause.at("after-charge").await;
-    let mut tx = ledger.pool.begin().await?;
-    let sql = "UPDATE ledger_orders SET charge = $2 WHERE id = $1";
-    sqlx::query(sql).bind(order).bind(&charge).execute(&mut *tx).await?;
-    let body = json!({ "order": order, "charge": charge, "amount": payment.amount });
-    let sealed = http::seal(&context, (StatusCode::CREATED, Json(body))).await?;
-    ledger.records.commit(tx, &sealed).await?;
-    Ok(sealed)
+    let response = ledger
+        .records
+        .transaction(&context, move |tx| {
+            Box::pin(async move {
+                let sql = "UPDATE ledger_orders SET charge = $2 WHERE id = $1";
+                sqlx::query(sql).bind(order).bind(&charge).execute(&mut *tx).await?;
+                let body = json!({ "order": order, "charge": charge, "amount": payment.amount });
+                Ok((StatusCode::CREATED, Json(body)).into_response())
+            })
+        })
+        .await?;
+    Ok(response)
 }
 
 /// One delivery of a payment event through the consumer door, written the same way.
@@ -268,8 +292,12 @@ async fn consume<St: Store, H: Recover<Bytes, Value>>(
     let pause = ledger.pause.clone();
     let outcome = idem
         .run("payments", event, payload, move |context| async move {
-            let (tx, body) = ledger.pay(&context, amount).await?;
-            ledger.records.commit(tx, &consumer::seal(&context, &body)?).await?;
+            let charge = ledger.charge(&context, amount).await?;
+            let pause = ledger.pause.clone();
+            let paid = ledger.records.transaction(&context, move |tx| {
+                Box::pin(async move { Ok(Json(record_payment(tx, &pause, amount, charge).await?)) })
+            });
+            let Json(body) = paid.await?;
             ledger.pause.at("after-commit").await;
             Ok::<_, BoxError>(body)
         })
@@ -285,24 +313,26 @@ async fn consume<St: Store, H: Recover<Bytes, Value>>(
 }
 
 impl Ledger {
-    /// The provider's charge under a key derived from the request's, then the payment row, in
-    /// a transaction left open for the outcome to commit with: the transaction, and the body
-    /// to answer.
-    async fn pay(
-        &self,
-        context: &IdempotencyContext,
-        amount: i64,
-    ) -> Result<(sqlx::Transaction<'static, sqlx::Postgres>, Value), BoxError> {
+    /// The provider's charge under a key derived from the request's.
+    async fn charge(&self, context: &IdempotencyContext, amount: i64) -> Result<String, BoxError> {
         self.pause.at("after-claim").await;
         let charge = charge(&self.provider, &context.derived_key("charge"), amount).await?;
         self.pause.at("after-call").await;
-        let mut tx = self.pool.begin().await?;
-        let sql = "INSERT INTO ledger_payments (amount, charge) VALUES ($1, $2) RETURNING id";
-        let id: i64 =
-            sqlx::query_scalar(sql).bind(amount).bind(&charge).fetch_one(&mut *tx).await?;
-        self.pause.at("before-commit").await;
-        Ok((tx, json!({ "payment": id, "charge": charge, "amount": amount })))
+        Ok(charge)
     }
+}
+
+/// The payment row, in the store's transaction: the body to answer.
+async fn record_payment(
+    tx: &mut PgConnection,
+    pause: &Pause,
+    amount: i64,
+    charge: String,
+) -> Result<Value, BoxError> {
+    let sql = "INSERT INTO ledger_payments (amount, charge) VALUES ($1, $2) RETURNING id";
+    let id: i64 = sqlx::query_scalar(sql).bind(amount).bind(&charge).fetch_one(&mut *tx).await?;
+    pause.at("before-commit").await;
+    Ok(json!({ "payment": id, "charge": charge, "amount": amount }))
 }
 
 /// Charges `amount` at the provider under `key`, its own idempotency key.
@@ -363,6 +393,14 @@ impl<E: Into<BoxError>> From<E> for Failure {
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
         eprintln!("payment failed: {}", self.0);
-        (StatusCode::INTERNAL_SERVER_ERROR, "payment failed\n").into_response()
+        if matches!(self.0.downcast_ref(), Some(StoreError::KeyReused)) {
+            // The key's steps are another request's: the layer's mismatch answer.
+            return KeyReused.into_response();
+        }
+        match self.0.downcast::<TransactionError<BoxError>>() {
+            // A commit whose answer was lost: 503 + Retry-After, the retry learns the outcome.
+            Ok(failed) if failed.may_have_committed() => failed.into_response(),
+            _ => (StatusCode::INTERNAL_SERVER_ERROR, "payment failed\n").into_response(),
+        }
     }
 }

@@ -28,12 +28,16 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records
 
 -- Claims `p_key` for `p_owner`, or reports what holds it. `p_not_after` is the latest time at
 -- which the claim may still be applied (0: none): a claim held up on the wire past it, whose
--- caller gave up, writes nothing.
+-- caller gave up, writes nothing. A row that a transaction holds locked past `p_lock_ms` (an
+-- operation's commit in flight, or a transaction whose COMMIT was lost with its connection,
+-- until the database ends it) is in progress, never an error.
 -- outcome: 0 claimed; 1 replay (`response`, `remaining_ms` of retention); 2 mismatch;
 -- 3 in progress (`remaining_ms` of lease); 5 taken over; 6 refused (late, or abandoned).
+DROP FUNCTION IF EXISTS idempotency_records_claim(
+    TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BOOLEAN, BIGINT);
 CREATE OR REPLACE FUNCTION idempotency_records_claim(
     p_key TEXT, p_fingerprint BYTEA, p_owner BYTEA, p_lease_ms BIGINT, p_window_ms BIGINT,
-    p_waiting BOOLEAN, p_not_after_ms BIGINT,
+    p_waiting BOOLEAN, p_not_after_ms BIGINT, p_lock_ms BIGINT,
     OUT outcome INT, OUT response BYTEA, OUT remaining_ms BIGINT)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -74,9 +78,17 @@ BEGIN
             RETURN;
         END IF;
     END IF;
+    PERFORM set_config('lock_timeout', p_lock_ms::text, true);
     LOOP
-        SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
-        IF NOT FOUND OR r.expires_at <= v_now OR (r.state = 'X' AND r.owner <> p_owner) THEN
+        BEGIN
+            SELECT * INTO r FROM idempotency_records WHERE key = p_key FOR UPDATE;
+            v_absent := NOT FOUND;
+        EXCEPTION WHEN lock_not_available THEN
+            outcome := 3;
+            remaining_ms := 1000;
+            RETURN;
+        END;
+        IF v_absent OR r.expires_at <= v_now OR (r.state = 'X' AND r.owner <> p_owner) THEN
             IF v_late THEN
                 outcome := 6;
                 RETURN;
@@ -132,8 +144,9 @@ BEGIN
 END $$;
 
 -- Stores `p_response` if `p_owner` holds the key, or the key is absent (the lease lapsed and
--- nobody took over). outcome: 1 written; 2 this very response is already stored (an earlier
--- attempt landed); 0 another owner or another response holds the key.
+-- nobody took over). A completed row keeps the owner that completed it. outcome: 1 written;
+-- 2 this owner stored this very response already (an earlier attempt landed); 0 another
+-- owner or another response holds the key.
 CREATE OR REPLACE FUNCTION idempotency_records_complete(
     p_key TEXT, p_owner BYTEA, p_fingerprint BYTEA, p_response BYTEA, p_retention_ms BIGINT,
     OUT outcome INT)
@@ -147,7 +160,7 @@ BEGIN
     -- The owner's live claim (every completion but a late one): one update, fenced by the
     -- token. `waited` is left as it is, so that RETURNING reads whether to notify; nothing
     -- reads it on a completed row.
-    UPDATE idempotency_records SET state = 'C', fingerprint = p_fingerprint, owner = NULL,
+    UPDATE idempotency_records SET state = 'C', fingerprint = p_fingerprint,
         response = p_response, lease_until = NULL, expires_at = v_expires_at
     WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now
     RETURNING waited INTO v_waited;
@@ -163,9 +176,9 @@ BEGIN
         IF NOT FOUND OR r.expires_at <= v_now OR r.state = 'X' THEN
             INSERT INTO idempotency_records AS t
                 (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
-            VALUES (p_key, 'C', p_fingerprint, NULL, p_response, NULL, v_expires_at, false)
+            VALUES (p_key, 'C', p_fingerprint, p_owner, p_response, NULL, v_expires_at, false)
             ON CONFLICT (key) DO UPDATE SET state = 'C', fingerprint = p_fingerprint,
-                owner = NULL, response = p_response, lease_until = NULL,
+                owner = p_owner, response = p_response, lease_until = NULL,
                 expires_at = v_expires_at, waited = false
             WHERE t.expires_at <= v_now OR t.state = 'X';
             IF FOUND THEN
@@ -176,10 +189,41 @@ BEGIN
         END IF;
         -- Completed (by an earlier attempt of this very call, whose answer was lost, or by
         -- another owner), or another owner's claim: the update above took p_owner's own.
-        outcome := CASE WHEN r.state = 'C' AND r.response = p_response
+        outcome := CASE WHEN r.state = 'C' AND r.owner = p_owner AND r.response = p_response
             AND r.fingerprint = p_fingerprint THEN 2 ELSE 0 END;
         RETURN;
     END LOOP;
+END $$;
+
+-- Completes `p_owner`'s live claim with `p_response`, inside the operation's own transaction
+-- (PostgresStore::transaction), so that the record commits with the side effect or not at
+-- all. Only `p_owner`'s live claim is written (its fingerprint is the claim's): never an
+-- absent key, never another owner's, never a completed row. The row stays locked until the transaction ends,
+-- and a transaction left idle from here (its COMMIT lost with its connection) is ended by the
+-- database after `p_idle_ms`, so that the lock is not held for as long as the connection
+-- lives. The NOTIFY, when the record is waited for, is sent at the commit.
+-- outcome: 1 written; 0 refused.
+CREATE OR REPLACE FUNCTION idempotency_records_commit(
+    p_key TEXT, p_owner BYTEA, p_fingerprint BYTEA, p_response BYTEA, p_retention_ms BIGINT,
+    p_idle_ms BIGINT, OUT outcome INT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    v_waited BOOLEAN;
+    v_now TIMESTAMPTZ := clock_timestamp();
+BEGIN
+    UPDATE idempotency_records SET state = 'C', response = p_response, lease_until = NULL,
+        expires_at = v_now + p_retention_ms * INTERVAL '1 millisecond'
+    WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now
+    RETURNING waited INTO v_waited;
+    IF NOT FOUND THEN
+        outcome := 0;
+        RETURN;
+    END IF;
+    IF v_waited THEN
+        PERFORM pg_notify('idempotency_records_settled', p_key);
+    END IF;
+    PERFORM set_config('idle_in_transaction_session_timeout', p_idle_ms::text, true);
+    outcome := 1;
 END $$;
 
 -- Deletes the record if `p_owner` holds it. outcome: 1 deleted; 0 not the owner's.

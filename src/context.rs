@@ -1,9 +1,11 @@
 //! [`IdempotencyContext`]: who a claimed operation is, as its handler, its consumer operation
 //! and its recovery hook see it.
 
-use std::{any::Any, fmt, sync::Arc, time::Duration};
+use std::{fmt, sync::Arc, time::Duration};
 
+use axum::response::Response;
 use bytes::Bytes;
+use futures_util::future::BoxFuture;
 
 use crate::{
     at_rest::AtRest,
@@ -11,6 +13,20 @@ use crate::{
     key::RecordKey,
     store::{Commit, CommitSlot, OwnerToken, SealError, SealedOutcome},
 };
+
+/// How a front door stores an outcome an operation commits in a store's transaction
+/// ([`Committable`](crate::store::Committable)): each door's own encoding, so that the context
+/// depends on no door.
+pub(crate) trait Encoding: Send + Sync {
+    /// `response` as the door stores it, and the response to answer (the same one).
+    fn response(
+        &self,
+        response: Response,
+    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>>;
+
+    /// A value, serialized as `json`, as the door stores it.
+    fn json(&self, json: Bytes) -> Result<Bytes, SealError>;
+}
 
 /// Who a claimed operation is, for the operation itself and for its recovery: the scope, the
 /// record key's hash and the fingerprint.
@@ -42,14 +58,13 @@ struct Context {
 pub(crate) struct Completion {
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
-    /// What became of the commit, once a store committed (or failed to commit) the outcome.
+    /// What became of the claim's transaction, once a store ran one.
     pub(crate) commit: Arc<CommitSlot>,
-    /// How the door keeps outcomes in the store: a sealed outcome is committed so, and a
+    /// How the door keeps outcomes in the store: a committed outcome is written so, and a
     /// durable outcome read back so.
     pub(crate) at_rest: AtRest,
-    /// The front door's own rules for encoding an outcome (the HTTP door: its configuration).
-    /// Opaque here, so that the context depends on no door; the door's `seal` reads it back.
-    pub(crate) rules: Option<Arc<dyn Any + Send + Sync>>,
+    /// How the door encodes an outcome.
+    pub(crate) encoding: Arc<dyn Encoding>,
 }
 
 impl Completion {
@@ -59,9 +74,9 @@ impl Completion {
         retention: Duration,
         commit: Arc<CommitSlot>,
         at_rest: AtRest,
-        rules: Option<Arc<dyn Any + Send + Sync>>,
+        encoding: Arc<dyn Encoding>,
     ) -> Self {
-        Self { owner, retention, commit, at_rest, rules }
+        Self { owner, retention, commit, at_rest, encoding }
     }
 }
 
@@ -86,8 +101,8 @@ impl IdempotencyContext {
         self.inner.completion.as_ref()
     }
 
-    /// `outcome`, encoded by the operation's front door, sealed for the operation to commit in
-    /// its own transaction: the claim's key, owner token, fingerprint and retention with it.
+    /// `outcome`, encoded by the operation's front door, for a store to commit in the
+    /// operation's transaction: the claim's key, owner token, fingerprint and retention with it.
     pub(crate) fn sealed(&self, outcome: Bytes) -> Result<SealedOutcome, SealError> {
         let completion = self.completion().ok_or(SealError::NotClaimed)?;
         Ok(SealedOutcome {
@@ -97,7 +112,6 @@ impl IdempotencyContext {
             stored: completion.at_rest.seal(self.key(), outcome.clone()),
             outcome,
             retention: completion.retention,
-            commit: completion.commit.clone(),
         })
     }
 
@@ -111,8 +125,13 @@ impl IdempotencyContext {
         }
     }
 
-    /// What became of an outcome the operation committed in its own transaction, if it tried.
-    pub(crate) fn commit(&self) -> Option<&Commit> {
+    /// How long the door keeps the claim's outcome; a day for a context no door gave.
+    pub(crate) fn retention(&self) -> Duration {
+        self.completion().map_or(Duration::from_secs(24 * 3600), |c| c.retention)
+    }
+
+    /// What became of the operation's transactions, if it began one.
+    pub(crate) fn commit(&self) -> Option<Commit> {
         self.completion().and_then(|c| c.commit.outcome())
     }
 

@@ -25,7 +25,7 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, RedisStore, http,
+    IdempotencyContext, IdempotencyLayer, RedisStore,
     store::{
         DurableOutcomes, RecoveryPoints, StoreError,
         sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions},
@@ -53,20 +53,22 @@ struct App {
 /// 500 naming why.
 async fn pay(State(app): State<App>, context: IdempotencyContext, body: String) -> Response {
     let run = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
-    let mut tx = app.pool.begin().await.unwrap();
-    sqlx::query("INSERT INTO payments (run) VALUES ($1)")
-        .bind(i64::try_from(run).unwrap())
-        .execute(&mut *tx)
-        .await
-        .unwrap();
     let held = app.hold.lock().unwrap().take();
-    if let Some(held) = held {
-        let _ = held.await;
-    }
-    let response = (StatusCode::CREATED, format!("run {run}: {body}"));
-    let sealed = http::seal(&context, response).await.unwrap();
-    match app.outcomes.commit(tx, &sealed).await {
-        Ok(()) => sealed.into_response(),
+    let paid = app.outcomes.transaction(&context, move |tx| {
+        Box::pin(async move {
+            sqlx::query("INSERT INTO payments (run) VALUES ($1)")
+                .bind(i64::try_from(run).unwrap())
+                .execute(&mut *tx)
+                .await?;
+            if let Some(held) = held {
+                let _ = held.await;
+            }
+            let response = (StatusCode::CREATED, format!("run {run}: {body}"));
+            Ok::<_, sqlx::Error>(response.into_response())
+        })
+    });
+    match paid.await {
+        Ok(response) => response,
         Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
     }
 }
@@ -114,7 +116,7 @@ async fn a_slow_holder_is_fenced_out_by_the_outcome_table_and_its_payment_rolled
     go_on.send(()).unwrap();
     let first = first.await.unwrap();
     assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR);
-    assert_eq!(first.body, StoreError::FencedOut.to_string());
+    assert_eq!(first.body, format!("rolled back: {}", StoreError::FencedOut));
     // One payment: the first's went with its refused commit.
     assert_eq!(payments(&app).await, 1);
     let replay = send(&router, keyed("POST", "/pay", "k1", "a")).await;

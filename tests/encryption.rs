@@ -302,12 +302,12 @@ async fn the_memory_store_keeps_the_sealed_bytes_it_was_given() {
 #[cfg(feature = "postgres")]
 mod postgres_raw {
     //! The rows PostgreSQL holds: the record table after a tampered byte, a transaction's
-    //! commit (`http::seal`, `PostgresStore::commit`), and `DurableOutcomes` beside Redis.
+    //! commit (`PostgresStore::transaction`), and `DurableOutcomes` beside Redis.
     use super::*;
     use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::post};
     use axum_idempotency::{
-        IdempotencyContext, RedisStore, http,
-        store::{DurableOutcomes, PostgresStore, sqlx::PgPool},
+        IdempotencyContext, RedisStore,
+        store::{DurableOutcomes, PostgresStore},
     };
     use common::postgres::{TestDatabase, pool_for};
 
@@ -328,7 +328,6 @@ mod postgres_raw {
 
     #[derive(Clone)]
     struct Ledger {
-        pool: PgPool,
         store: PostgresStore,
         outcomes: DurableOutcomes,
     }
@@ -337,22 +336,22 @@ mod postgres_raw {
         State(app): State<Ledger>,
         context: IdempotencyContext,
     ) -> impl IntoResponse {
-        let tx = app.pool.begin().await.unwrap();
-        let sealed =
-            http::seal(&context, (StatusCode::CREATED, format!("card {CARD}"))).await.unwrap();
-        app.store.commit(tx, &sealed).await.unwrap();
-        sealed
+        let response = (StatusCode::CREATED, format!("card {CARD}")).into_response();
+        let committed = app.store.transaction(&context, |_| {
+            Box::pin(async move { Ok::<_, std::convert::Infallible>(response) })
+        });
+        committed.await.unwrap()
     }
 
     async fn pay_beside(
         State(app): State<Ledger>,
         context: IdempotencyContext,
     ) -> impl IntoResponse {
-        let tx = app.pool.begin().await.unwrap();
-        let sealed =
-            http::seal(&context, (StatusCode::CREATED, format!("card {CARD}"))).await.unwrap();
-        app.outcomes.commit(tx, &sealed).await.unwrap();
-        sealed
+        let response = (StatusCode::CREATED, format!("card {CARD}")).into_response();
+        let committed = app.outcomes.transaction(&context, |_| {
+            Box::pin(async move { Ok::<_, std::convert::Infallible>(response) })
+        });
+        committed.await.unwrap()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -363,8 +362,7 @@ mod postgres_raw {
         store.migrate().await.unwrap();
         let outcomes = DurableOutcomes::new(pool.clone());
         outcomes.migrate().await.unwrap();
-        let ledger =
-            Ledger { pool: pool.clone(), store: store.clone(), outcomes: outcomes.clone() };
+        let ledger = Ledger { store: store.clone(), outcomes: outcomes.clone() };
         let app = Router::new()
             .route("/pay", post(pay_committed))
             .with_state(ledger.clone())

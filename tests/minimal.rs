@@ -172,14 +172,14 @@ async fn a_minimal_record_is_a_few_bytes_whatever_the_body() {
     }
 }
 
-/// A minimal response committed in the handler's own transaction (`http::seal`,
-/// `PostgresStore::commit`): the row keeps the minimal record, and the retry is rebuilt.
+/// A minimal response committed in the store's transaction (`PostgresStore::transaction`): the row keeps the minimal record, and the retry is rebuilt.
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_minimal_response_commits_in_the_handlers_transaction() {
-    use axum_idempotency::{IdempotencyContext, http, store::PostgresStore};
+    use axum::response::IntoResponse;
+    use axum_idempotency::{IdempotencyContext, store::PostgresStore};
     let h = PostgresHarness::start().await;
-    let (store, pool) = (h.store(), h.pool());
+    let store = h.store();
     let orders = Orders::default();
     let handler = {
         let (orders, store) = (orders.clone(), store.clone());
@@ -187,11 +187,11 @@ async fn a_minimal_response_commits_in_the_handlers_transaction() {
             let id = orders.created.next_call().to_string();
             let order = serde_json::json!({"id": id, "card": CARD});
             orders.rows.lock().unwrap().insert(id.clone(), order.clone());
-            let tx = pool.begin().await.unwrap();
-            let response = (StatusCode::CREATED, Minimal::new(id), Json(order));
-            let sealed = http::seal(&context, response).await.unwrap();
-            store.commit(tx, &sealed).await.unwrap();
-            sealed
+            let response = (StatusCode::CREATED, Minimal::new(id), Json(order)).into_response();
+            let committed = store.transaction(&context, |_| {
+                Box::pin(async move { Ok::<_, std::convert::Infallible>(response) })
+            });
+            committed.await.unwrap()
         }
     };
     let hooked = orders.clone();

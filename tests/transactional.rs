@@ -1,5 +1,5 @@
-//! The consumer door's outcome written in the operation's own PostgreSQL transaction
-//! (`consumer::seal`, `PostgresStore::commit`): it commits with the side effect, or
+//! The consumer door's outcome written in the store's own PostgreSQL transaction with the
+//! operation's side effect (`PostgresStore::transaction`): it commits with the side effect, or
 //! neither does; a holder whose lease was taken over cannot commit one; and a worker killed
 //! with SIGKILL (a real process: this test binary, run again as a worker) at each point of
 //! its operation leaves either the committed outcome, which the redelivery replays, or
@@ -16,11 +16,12 @@ use std::{
     time::Duration,
 };
 
+use axum::Json;
 use axum_idempotency::{
-    Idempotent, consumer,
+    Idempotent,
     consumer::{Error, Outcome},
     store::{
-        PostgresStore, StoreError,
+        PostgresStore, StoreError, TransactionError,
         sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions},
     },
 };
@@ -72,25 +73,28 @@ enum Stop {
 
 /// The operation: a payment row and its outcome in one transaction; `Err` to roll back.
 async fn pay(
-    pool: PgPool,
+    _pool: PgPool,
     store: PostgresStore,
     event: &'static str,
     context: axum_idempotency::IdempotencyContext,
     stop: Stop,
     roll_back: bool,
 ) -> Result<i64, BoxError> {
-    let mut tx = pool.begin().await?;
-    let sql = "INSERT INTO payments (event) VALUES ($1) RETURNING id";
-    let id: i64 = sqlx::query_scalar(sql).bind(event).fetch_one(&mut *tx).await?;
-    let sealed = consumer::seal(&context, &id)?;
-    if stop == Stop::BeforeCommit {
-        println!("stopped before-commit");
-        std::future::pending::<()>().await;
-    }
-    if roll_back {
-        return Err("rolled back".into());
-    }
-    store.commit(tx, &sealed).await?;
+    let paid = store.transaction(&context, move |tx| {
+        Box::pin(async move {
+            let sql = "INSERT INTO payments (event) VALUES ($1) RETURNING id";
+            let id: i64 = sqlx::query_scalar(sql).bind(event).fetch_one(&mut *tx).await?;
+            if stop == Stop::BeforeCommit {
+                println!("stopped before-commit");
+                std::future::pending::<()>().await;
+            }
+            if roll_back {
+                return Err::<Json<i64>, BoxError>("rolled back".into());
+            }
+            Ok(Json(id))
+        })
+    });
+    let Json(id) = paid.await?;
     if stop == Stop::AfterCommit {
         println!("stopped after-commit");
         std::future::pending::<()>().await;
@@ -176,8 +180,8 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
     // The first holder wrote its payment, then was fenced out of the outcome: its whole
     // transaction rolled back (and the door released nothing of the new holder's).
     let Err(Error::Operation(error)) = first.await.unwrap() else { panic!("the first committed") };
-    let fenced = error.downcast_ref::<StoreError>();
-    assert!(matches!(fenced, Some(StoreError::FencedOut)), "{error}");
+    let fenced = error.downcast_ref::<TransactionError<BoxError>>();
+    assert!(matches!(fenced, Some(TransactionError::Store(StoreError::FencedOut))), "{error}");
     assert_eq!(payments(&pool, "evt_1").await, 1);
     let replay = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(0) }).await;
     assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");

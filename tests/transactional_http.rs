@@ -1,9 +1,10 @@
-//! The HTTP door's response committed in the handler's own PostgreSQL transaction
-//! (`http::seal`, `PostgresStore::commit`), in process: the client is answered what the
-//! database holds, whatever the handler returns after its commit; a commit that fails leaves
-//! nothing stored, whatever the handler returns; a response the layer would not store cannot
-//! be sealed. Each test has a database of its own, dropped at the end. (The crash windows, with
-//! real SIGKILL, are `tests/ledger.rs`.)
+//! The HTTP door's response committed with the handler's side effect in the store's own
+//! PostgreSQL transaction (`PostgresStore::transaction`), in process: the client is answered
+//! what the database holds, whatever the handler returns after its commit; a commit that fails
+//! leaves nothing stored, whatever the handler returns; a response the layer would not store is
+//! refused and rolled back; and each misuse of the transaction (retried after a lost answer,
+//! nested, sent to another store) is refused, never paid twice. Each test has a database of
+//! its own, dropped at the end. (The crash windows, with real SIGKILL, are `tests/ledger.rs`.)
 #![cfg(feature = "postgres")]
 
 mod common;
@@ -21,9 +22,9 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, http,
+    IdempotencyContext, IdempotencyLayer,
     store::{
-        PostgresStore, SealError,
+        PostgresStore, StoreError, TransactionError,
         sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions},
     },
 };
@@ -45,6 +46,8 @@ const TABLES: &str = "CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, code TEXT
 struct App {
     pool: PgPool,
     store: PostgresStore,
+    /// A store of the same database on another table: not the layer's.
+    other: PostgresStore,
     runs: Arc<AtomicUsize>,
 }
 
@@ -58,32 +61,51 @@ async fn setup(d: &TestDatabase) -> (App, Router) {
         .command_timeout(std::time::Duration::from_millis(300));
     store.migrate().await.unwrap();
     sqlx::raw_sql(TABLES).execute(&pool).await.unwrap();
-    let app = App { pool, store: store.clone(), runs: Arc::default() };
+    let other = PostgresStore::with_table(pool.clone(), "other_records").unwrap();
+    let other = other.sweep_every(None);
+    other.migrate().await.unwrap();
+    let app = App { pool, store: store.clone(), other, runs: Arc::default() };
     let router = Router::new()
         .route("/pay", post(pay))
         .route("/pay-then-answer-otherwise", post(pay_then_answer_otherwise))
         .route("/pay-twice-ignoring-the-commit", post(pay_twice_ignoring_the_commit))
-        .route("/seal-a-500", post(seal_a_500))
+        .route("/commit-a-500", post(commit_a_500))
         .route("/pay-slowly", post(pay_slowly))
+        .route("/pay-slowly-and-retry", post(pay_slowly_and_retry))
+        .route("/pay-nested", post(pay_nested))
+        .route("/pay-through-another-store", post(pay_through_another_store))
         .with_state(app.clone())
         .layer(IdempotencyLayer::new(store));
     (app, router)
 }
 
-/// One payment row with `code`, and `response` sealed and committed with it.
+/// One payment row with `code`, and `response` committed with it in the store's transaction.
 async fn commit_payment(
     app: &App,
     context: &IdempotencyContext,
-    code: &str,
+    code: &'static str,
     response: impl IntoResponse,
-) -> Result<http::SealedResponse, String> {
+) -> Result<Response, TransactionError<sqlx::Error>> {
+    commit_payment_in(&app.store, app, context, code, response.into_response()).await
+}
+
+async fn commit_payment_in(
+    store: &PostgresStore,
+    app: &App,
+    context: &IdempotencyContext,
+    code: &'static str,
+    response: Response,
+) -> Result<Response, TransactionError<sqlx::Error>> {
     app.runs.fetch_add(1, Ordering::SeqCst);
-    let mut tx = app.pool.begin().await.map_err(|e| e.to_string())?;
-    let sql = "INSERT INTO payments (code) VALUES ($1)";
-    sqlx::query(sql).bind(code).execute(&mut *tx).await.map_err(|e| e.to_string())?;
-    let sealed = http::seal(context, response).await.map_err(|e| e.to_string())?;
-    app.store.commit(tx, &sealed).await.map_err(|e| e.to_string())?;
-    Ok(sealed)
+    store
+        .transaction(context, |tx| {
+            Box::pin(async move {
+                let sql = "INSERT INTO payments (code) VALUES ($1)";
+                sqlx::query(sql).bind(code).execute(&mut *tx).await?;
+                Ok(response)
+            })
+        })
+        .await
 }
 
 fn created(body: serde_json::Value) -> impl IntoResponse {
@@ -91,17 +113,61 @@ fn created(body: serde_json::Value) -> impl IntoResponse {
 }
 
 async fn pay(State(app): State<App>, context: IdempotencyContext) -> Response {
-    match commit_payment(&app, &context, "a", created(json!({ "paid": "a" }))).await {
-        Ok(sealed) => sealed.into_response(),
-        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
-    }
+    commit_payment(&app, &context, "a", created(json!({ "paid": "a" }))).await.into_response()
 }
 
 /// A payment whose commit lands after the store stopped waiting for its answer.
 async fn pay_slowly(State(app): State<App>, context: IdempotencyContext) -> Response {
-    match commit_payment(&app, &context, "slow", created(json!({ "paid": "slowly" }))).await {
-        Ok(sealed) => sealed.into_response(),
-        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+    commit_payment(&app, &context, "slow", created(json!({ "paid": "slowly" })))
+        .await
+        .into_response()
+}
+
+/// The misuse of a handler that retries its transaction when the commit's answer is lost:
+/// the second call must be refused, whatever the first did.
+async fn pay_slowly_and_retry(State(app): State<App>, context: IdempotencyContext) -> Response {
+    let response = || created(json!({ "paid": "slowly" }));
+    let first = commit_payment(&app, &context, "slow", response()).await;
+    assert!(matches!(&first, Err(e) if e.may_have_committed()), "{first:?}");
+    let again = commit_payment(&app, &context, "again", response()).await;
+    let Err(TransactionError::Misuse(reason)) = again else { panic!("retried: {again:?}") };
+    (StatusCode::SERVICE_UNAVAILABLE, reason).into_response()
+}
+
+/// The misuse of a transaction begun inside another of the same claim.
+async fn pay_nested(State(app): State<App>, context: IdempotencyContext) -> Response {
+    let (inner_app, inner_context) = (app.clone(), context.clone());
+    let outer = app
+        .store
+        .transaction(&context, move |tx| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO payments (code) VALUES ('outer')")
+                    .execute(&mut *tx)
+                    .await?;
+                let response = created(json!({ "paid": "inner" })).into_response();
+                let inner = commit_payment(&inner_app, &inner_context, "inner", response).await;
+                let Err(TransactionError::Misuse(reason)) = inner else {
+                    panic!("a nested transaction ran: {inner:?}")
+                };
+                Ok::<_, sqlx::Error>((StatusCode::CREATED, reason).into_response())
+            })
+        })
+        .await;
+    outer.into_response()
+}
+
+/// The misuse of a commit sent to a store that is not the layer's.
+async fn pay_through_another_store(
+    State(app): State<App>,
+    context: IdempotencyContext,
+) -> Response {
+    let response = created(json!({ "paid": "elsewhere" })).into_response();
+    let paid = commit_payment_in(&app.other, &app, &context, "a", response).await;
+    match paid {
+        Err(TransactionError::Store(StoreError::FencedOut)) => {
+            (StatusCode::CONFLICT, "fenced out").into_response()
+        }
+        other => panic!("committed through another store: {other:?}"),
     }
 }
 
@@ -112,7 +178,7 @@ async fn pay_then_answer_otherwise(
 ) -> Response {
     match commit_payment(&app, &context, "a", created(json!({ "paid": "a" }))).await {
         Ok(_) => (StatusCode::OK, Json(json!({ "something": "else" }))).into_response(),
-        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error).into_response(),
+        Err(error) => error.into_response(),
     }
 }
 
@@ -124,17 +190,17 @@ async fn pay_twice_ignoring_the_commit(
 ) -> Response {
     let response = created(json!({ "paid": "a" }));
     match commit_payment(&app, &context, "a", response).await {
-        Ok(sealed) => sealed.into_response(),
+        Ok(response) => response,
         // The misuse the layer must survive: a success answered after a failed commit.
         Err(_) => created(json!({ "paid": "not really" })).into_response(),
     }
 }
 
-async fn seal_a_500(context: IdempotencyContext) -> Response {
-    let failed = (StatusCode::INTERNAL_SERVER_ERROR, "no");
-    match http::seal(&context, failed).await {
-        Err(SealError::NotStored(why)) => (StatusCode::BAD_GATEWAY, why).into_response(),
-        other => panic!("a 500 was sealed: {other:?}"),
+async fn commit_a_500(State(app): State<App>, context: IdempotencyContext) -> Response {
+    let failed = (StatusCode::INTERNAL_SERVER_ERROR, "no").into_response();
+    match commit_payment_in(&app.store, &app, &context, "a", failed).await {
+        Err(TransactionError::NotStored(why)) => (StatusCode::BAD_GATEWAY, why).into_response(),
+        other => panic!("a 500 was committed: {other:?}"),
     }
 }
 
@@ -200,14 +266,15 @@ async fn a_commit_that_fails_stores_nothing_whatever_the_handler_returns() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_response_the_layer_would_not_store_cannot_be_sealed() {
+async fn a_response_the_layer_would_not_store_is_refused_and_its_side_effect_rolled_back() {
     let d = TestDatabase::create("txnhttp").await;
     let (app, router) = setup(&d).await;
-    let first = send(&router, keyed("POST", "/seal-a-500", "k1", "{}")).await;
+    let first = send(&router, keyed("POST", "/commit-a-500", "k1", "{}")).await;
     assert_eq!(first.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(first.body, "the status is not stored");
-    // A 502 is not stored either: the key is released.
+    assert_eq!(first.body, "the outcome is not stored: the status is not stored");
+    // A 502 is not stored either: the key is released, and the payment was rolled back.
     assert_eq!(record_state(&app).await, None);
+    assert_eq!(payments(&app).await, 0);
 }
 
 /// The commit's answer is lost (it lands after the command timeout): the door cannot know
@@ -219,8 +286,8 @@ async fn a_commit_whose_answer_is_lost_is_replayed_not_run_again() {
     let d = TestDatabase::create("txnhttp").await;
     let (app, router) = setup(&d).await;
     let first = send(&router, keyed("POST", "/pay-slowly", "k1", "{}")).await;
-    assert_eq!(first.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", first.body);
-    assert!(first.body.contains("did not answer within 300ms"), "{}", first.body);
+    first.assert_problem(503, "store-unavailable");
+    assert!(first.body.contains("the commit's answer was lost"), "{}", first.body);
     // The commit lands after its answer was given up on.
     tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
     assert_eq!(record_state(&app).await.as_deref(), Some("C"));
@@ -229,4 +296,58 @@ async fn a_commit_whose_answer_is_lost_is_replayed_not_run_again() {
     assert_eq!((retry.status, retry.body.as_str()), (StatusCode::CREATED, r#"{"paid":"slowly"}"#));
     assert_eq!(retry.headers["idempotency-replayed"], "true");
     assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
+}
+
+/// A handler that retries its transaction after the commit's answer was lost (the commit
+/// landed after the command timeout) is refused: one payment, not two; the client's retry is
+/// the committed response, replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_retried_after_its_commit_answer_was_lost_is_refused() {
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, router) = setup(&d).await;
+    let first = send(&router, keyed("POST", "/pay-slowly-and-retry", "k1", "{}")).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE, "{}", first.body);
+    assert!(first.body.contains("fate unknown"), "{}", first.body);
+    tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+    assert_eq!(payments(&app).await, 1, "the retried transaction paid again");
+    let retry = send(&router, keyed("POST", "/pay-slowly-and-retry", "k1", "{}")).await;
+    assert_eq!((retry.status, retry.body.as_str()), (StatusCode::CREATED, r#"{"paid":"slowly"}"#));
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+    assert_eq!(payments(&app).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_nested_in_another_of_the_same_claim_is_refused() {
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, router) = setup(&d).await;
+    let first = send(&router, keyed("POST", "/pay-nested", "k1", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{}", first.body);
+    assert!(first.body.contains("nested"), "{}", first.body);
+    let rows: Vec<String> =
+        sqlx::query_scalar("SELECT code FROM payments").fetch_all(&app.pool).await.unwrap();
+    assert_eq!(rows, ["outer"], "only the outer transaction's row committed");
+    let retry = send(&router, keyed("POST", "/pay-nested", "k1", "{}")).await;
+    assert_eq!((retry.status, &retry.body), (StatusCode::CREATED, &first.body));
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+}
+
+/// A commit through a store that is not the layer's (another table of the same database) is
+/// fenced out and rolled back: no payment, nothing written in the other table, and the layer's
+/// key released, so that the retry runs (and is refused again), never a payment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_through_another_store_is_refused_and_rolled_back() {
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, router) = setup(&d).await;
+    for _ in 0..2 {
+        let answer = send(&router, keyed("POST", "/pay-through-another-store", "k1", "{}")).await;
+        assert_eq!((answer.status, answer.body.as_str()), (StatusCode::CONFLICT, "fenced out"));
+        assert!(answer.headers.get("idempotency-replayed").is_none());
+    }
+    assert_eq!(payments(&app).await, 0);
+    let other: i64 = sqlx::query_scalar("SELECT count(*) FROM other_records")
+        .fetch_one(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(other, 0, "the other store wrote a record");
+    assert_eq!(record_state(&app).await, None, "the layer's key is released");
 }

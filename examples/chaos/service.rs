@@ -19,7 +19,10 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
     consumer::{Error, Outcome},
     recovery::{BoxError, Lookup, Recovered},
-    store::{PostgresStore, Store, sqlx::postgres::PgPoolOptions},
+    store::{
+        Committable, PostgresStore, Store,
+        sqlx::{self, postgres::PgPoolOptions},
+    },
 };
 use bytes::Bytes;
 use deadpool_postgres::{Manager, Pool};
@@ -76,38 +79,64 @@ struct App {
     db: Pool,
     door: &'static str,
     process: String,
+    /// Over `PostgresStore`: the store whose transaction the row and the outcome commit in,
+    /// the crate's one transactional way (`PostgresStore::transaction`).
+    records: Option<PostgresStore>,
 }
+
+/// The row of an execution, in `tx` (the store's transaction) or committed on its own.
+const INSERT: &str =
+    "INSERT INTO executions (door, key, key_hash, amount, process, started_ms, written_ms)
+     VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id";
 
 impl App {
     /// The side effect: a call to the payment provider (20 to 150 ms), then the row, in one
-    /// transaction.
-    async fn pay(
+    /// transaction: the store's, with the outcome `committed` makes of the receipt, over
+    /// `PostgresStore`; the system of record's own otherwise.
+    async fn pay<O: Committable>(
         &self,
         context: &IdempotencyContext,
         payment: &Payment,
+        committed: fn(&Receipt) -> O,
     ) -> Result<Receipt, BoxError> {
         let started = now_ms();
+        let provider = Duration::from_millis(20 + rand::random::<u64>() % 130);
+        let (key, amount) = (payment.key.clone(), payment.amount);
+        if let Some(records) = &self.records {
+            let (door, process) = (self.door, self.process.clone());
+            let key_hash = context.key_hash().to_owned();
+            let written = std::sync::Arc::new(std::sync::Mutex::new(None));
+            let receipt = written.clone();
+            let paid = records.transaction(context, move |tx| {
+                Box::pin(async move {
+                    tokio::time::sleep(provider).await;
+                    let id: i64 = sqlx::query_scalar(INSERT)
+                        .bind(door)
+                        .bind(&key)
+                        .bind(&key_hash)
+                        .bind(amount)
+                        .bind(&process)
+                        .bind(started)
+                        .bind(now_ms())
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    let receipt = Receipt { payment: id, key, amount };
+                    let outcome = committed(&receipt);
+                    *written.lock().unwrap() = Some(receipt);
+                    Ok::<_, sqlx::Error>(outcome)
+                })
+            });
+            paid.await?;
+            return Ok(receipt.lock().unwrap().take().ok_or("no receipt")?);
+        }
         let mut client = self.db.get().await?;
         let tx = client.transaction().await?;
-        let provider = Duration::from_millis(20 + rand::random::<u64>() % 130);
         tokio::time::sleep(provider).await;
-        let row = tx
-            .query_one(
-                "INSERT INTO executions (door, key, key_hash, amount, process, started_ms, written_ms)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id",
-                &[
-                    &self.door,
-                    &payment.key,
-                    &context.key_hash(),
-                    &payment.amount,
-                    &self.process,
-                    &started,
-                    &now_ms(),
-                ],
-            )
-            .await?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 7] =
+            [&self.door, &key, &context.key_hash(), &amount, &self.process, &started, &now_ms()];
+        let row = tx.query_one(INSERT, &params).await?;
         tx.commit().await?;
-        Ok(Receipt { payment: row.get(0), key: payment.key.clone(), amount: payment.amount })
+        Ok(Receipt { payment: row.get(0), key, amount })
     }
 
     /// The recovery hook's question: the first execution committed for `key_hash`, if any.
@@ -136,15 +165,20 @@ pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
         let store = PostgresStore::new(pool);
         // Every instance migrates as it starts, side by side.
         store.migrate().await?;
-        serve_over(store, door, port).await
+        serve_over(store.clone(), door, port, Some(store)).await
     } else if let Some(urls) = spec.strip_prefix("cluster:") {
-        serve_over(RedisStore::cluster_from_urls(urls.split(','))?, door, port).await
+        serve_over(RedisStore::cluster_from_urls(urls.split(','))?, door, port, None).await
     } else {
-        serve_over(RedisStore::from_url(&spec)?, door, port).await
+        serve_over(RedisStore::from_url(&spec)?, door, port, None).await
     }
 }
 
-async fn serve_over<St: Store>(store: St, door: &str, port: u16) -> Result<(), BoxError> {
+async fn serve_over<St: Store>(
+    store: St,
+    door: &str,
+    port: u16,
+    records: Option<PostgresStore>,
+) -> Result<(), BoxError> {
     let var = |name: &str| std::env::var(name).map_err(|_| format!("{name} is not set"));
     let config: tokio_postgres::Config = var("CHAOS_DATABASE_URL")?.parse()?;
     let db = Pool::builder(Manager::new(config, NoTls))
@@ -157,7 +191,7 @@ async fn serve_over<St: Store>(store: St, door: &str, port: u16) -> Result<(), B
     let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await?;
     let router = match door {
         "http" => {
-            let app = App { db, door: "http", process };
+            let app = App { db, door: "http", process, records };
             let hook_app = app.clone();
             let layer = IdempotencyLayer::new(store)
                 .lease(LEASE)
@@ -174,7 +208,7 @@ async fn serve_over<St: Store>(store: St, door: &str, port: u16) -> Result<(), B
             Router::new().route("/payments", post(create_payment)).with_state(app).layer(layer)
         }
         "consumer" => {
-            let app = App { db, door: "consumer", process };
+            let app = App { db, door: "consumer", process, records };
             let hook_app = app.clone();
             let idempotent = Idempotent::new(store)
                 .lease(LEASE)
@@ -209,7 +243,8 @@ async fn create_payment(
     context: IdempotencyContext,
     Json(payment): Json<Payment>,
 ) -> Response<Body> {
-    match app.pay(&context, &payment).await {
+    let committed = |receipt: &Receipt| receipt_response(receipt).map(Body::from);
+    match app.pay(&context, &payment, committed).await {
         Ok(receipt) => receipt_response(&receipt).map(Body::from),
         Err(error) => {
             eprintln!("payment failed: {error}");
@@ -231,8 +266,9 @@ where
         return Response::builder().status(400).body(Body::from("not a payment")).unwrap();
     };
     let key = payment.key.clone();
-    let operation =
-        move |context: IdempotencyContext| async move { app.pay(&context, &payment).await };
+    let operation = move |context: IdempotencyContext| async move {
+        app.pay(&context, &payment, |receipt| Json(receipt.clone())).await
+    };
     let (status, outcome) = match idempotent.run("payments", &key, &body, operation).await {
         Ok(Outcome::Ran(receipt)) => (200, Some(("ran", receipt))),
         Ok(Outcome::Replayed(receipt)) => (200, Some(("replayed", receipt))),

@@ -69,10 +69,9 @@ use serde::{Serialize, de::DeserializeOwned};
 pub use self::durable::DurableRecovery;
 pub use self::outcome::{Error, Outcome};
 use self::record::{Unstorable, decode, encode, not_stored};
-pub use self::seal::seal;
-use self::seal::settle_sealed;
 #[cfg(feature = "postgres")]
 pub(crate) use self::seal::stored_form;
+use self::seal::{ConsumerEncoding, settle_sealed};
 use crate::{
     context::{Completion, IdempotencyContext},
     engine::{
@@ -292,7 +291,7 @@ impl<St: Store, H> Idempotent<St, H> {
             holder.retention(),
             holder.commit_slot().clone(),
             holder.at_rest().clone(),
-            None,
+            Arc::new(ConsumerEncoding),
         );
         let context = IdempotencyContext::new(
             scope.as_bytes().to_vec(),
@@ -324,7 +323,7 @@ impl<St: Store, H> Idempotent<St, H> {
             match settled.commit() {
                 // The operation committed its outcome in its own transaction (`seal`), or
                 // tried to: the door writes nothing of its own.
-                Some(commit) => settle_sealed(holder, commit.clone(), value, &scope, answer).await,
+                Some(commit) => settle_sealed(holder, commit, value, &scope, answer).await,
                 None => settle_ran(holder, value, stored_limit, answer).await,
             }
         };

@@ -35,6 +35,13 @@ pub(super) fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, Uns
     Ok(out.freeze())
 }
 
+/// A value already serialized as `json`, in the stored form [`encode`] gives it.
+pub(super) fn encode_json(json: &[u8]) -> Bytes {
+    let mut out = envelope::seal(Format::Json, json.len());
+    out.put_slice(json);
+    out.freeze()
+}
+
 /// The record of a result that ran but could not be encoded: every redelivery is answered
 /// [`Error::ResultNotStored`] with `reason`, and the operation does not run again.
 pub(super) fn not_stored(reason: &str) -> Bytes {

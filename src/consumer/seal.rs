@@ -1,44 +1,55 @@
-//! [`seal`]: a result encoded as the consumer door stores it, for the operation to commit in
-//! its own transaction.
+//! The consumer door's side of a store's transaction: how it encodes the result an operation
+//! commits ([`Committable`] for `axum::Json`), and how it settles a claim whose operation
+//! committed (or tried to).
 
 use std::panic::AssertUnwindSafe;
 
+use axum::{Json, response::Response};
 use bytes::Bytes;
-
+use futures_util::future::BoxFuture;
 use serde::{Serialize, de::DeserializeOwned};
 
 use super::{
-    Outcome,
-    record::{Unstorable, decode, encode},
+    Outcome, finite,
+    record::{Unstorable, decode, encode, encode_json},
 };
 use crate::{
-    context::IdempotencyContext,
+    context::{Encoding, IdempotencyContext},
     engine::{Answer, Holder, envelope},
-    store::{Commit, SealError, SealedOutcome, Store},
+    store::{Commit, Committable, SealError, Store},
 };
 
-/// `value` as the consumer door stores it, for the operation to commit in its own transaction,
-/// beside its side effect, so that both commit or neither does: with `PostgresStore`,
-/// [`commit`](crate::store::PostgresStore::commit) the operation's transaction with it, then
-/// return `Ok(value)`.
-///
-/// The door then writes nothing more: the committed row is the record, and every redelivery
-/// is answered from it, even when the process dies between the commit and the door's answer.
-/// The committed value is the outcome: an operation that returns another value after the
-/// commit has the committed one answered (a warning is logged). When the commit fails (or is
-/// fenced out), the door writes nothing either and releases the key, whatever the operation
-/// returns: the redelivery replays the outcome if the commit landed after all, and runs the
-/// operation if it did not.
-///
-/// # Errors
-///
-/// [`SealError::Unencodable`] when serde cannot encode `value`, or it holds NaN or an infinity;
-/// [`SealError::NotClaimed`] for a context no front door gave.
-pub fn seal<T: Serialize>(
-    context: &IdempotencyContext,
-    value: &T,
-) -> Result<SealedOutcome, SealError> {
-    context.sealed(stored_form(value)?)
+/// The consumer door's encoding of a committed outcome: a value, as JSON.
+pub(super) struct ConsumerEncoding;
+
+impl Encoding for ConsumerEncoding {
+    fn response(
+        &self,
+        _response: Response,
+    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>> {
+        Box::pin(async {
+            Err(SealError::NotStored(
+                "the consumer door stores values (axum::Json), not HTTP responses",
+            ))
+        })
+    }
+
+    fn json(&self, json: Bytes) -> Result<Bytes, SealError> {
+        Ok(encode_json(&json))
+    }
+}
+
+/// A value committed as the context's front door stores it: the consumer door's result `T`,
+/// or, for the HTTP door, the 200 JSON response `axum::Json` answers. A value that holds NaN
+/// or an infinity (which JSON would store as `null`) is refused, as serde's own failures are.
+impl<T: Serialize + Send + 'static> Committable for Json<T> {
+    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), SealError> {
+        let completion = context.completion().ok_or(SealError::NotClaimed)?;
+        finite::check(&self.0).map_err(|error| SealError::Unencodable(error.to_string()))?;
+        let json = serde_json::to_vec(&self.0)
+            .map_err(|error| SealError::Unencodable(error.to_string()))?;
+        Ok((completion.encoding.json(Bytes::from(json))?, self))
+    }
 }
 
 /// `value` as the consumer door stores it, whatever its size.
@@ -51,10 +62,10 @@ pub(crate) fn stored_form<T: Serialize>(value: &T) -> Result<Bytes, SealError> {
     }
 }
 
-/// Settles a claim whose operation committed its outcome in its own transaction, or tried to:
-/// the door writes nothing. A committed outcome is the answer, whatever the operation
-/// returned; a commit that failed releases the key (a fenced delete, which a committed record
-/// refuses), whatever the operation returned.
+/// Settles a claim whose operation committed its outcome in a store's transaction, or tried
+/// to: the door writes nothing. A committed outcome is the answer, whatever the operation
+/// returned; a transaction rolled back, or whose commit's answer was lost, releases the key (a
+/// fenced delete, which a committed record refuses), whatever the operation returned.
 pub(super) async fn settle_sealed<St: Store, T, E>(
     holder: Holder<St>,
     commit: Commit,
@@ -67,7 +78,7 @@ pub(super) async fn settle_sealed<St: Store, T, E>(
     let (committed, in_store) = match commit {
         Commit::Committed(committed) => (committed, true),
         Commit::CommittedBeside(committed) => (committed, false),
-        Commit::NotCommitted => {
+        Commit::RolledBack | Commit::Unknown => {
             holder.release("the operation's transaction did not commit its outcome").await;
             return answer.send(Outcome::Ran(value));
         }

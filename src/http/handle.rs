@@ -21,19 +21,19 @@ use super::{
     BoxError, Minimal,
     body::{CollectedBody, Streamed, Teed, collect_response, forward, read_body, tee},
     config::Config,
-    problem::{ProblemType, problem, problem_retry_after},
+    problem::{KeyReused, ProblemType, problem, problem_retry_after},
     record,
     recover::lookup_request,
     replay::Replay,
     scope::ScopeExtractor,
-    seal::{not_stored, settle_sealed},
+    seal::{HttpEncoding, not_stored, settle_sealed},
 };
 use crate::{
     context::{Completion, IdempotencyContext},
     engine::{Answer, Claimed, Ended, Engine, Holder, Recovering},
     key::RecordKey,
     recovery::Lookup,
-    store::{Store, StoreError},
+    store::{Commit, Store, StoreError},
 };
 
 /// How long a client is told to wait when the store is unavailable.
@@ -136,14 +136,13 @@ where
 
         // The handler's view of its claim; the recovery hook's too, with a copy of the request
         // when it is to be asked.
-        // What a handler that commits its response in its own transaction (`seal`) needs.
-        let rules: Arc<dyn std::any::Any + Send + Sync> = self.config.clone();
+        // What a handler that commits its response in a store's transaction needs.
         let completion = Completion::new(
             holder.owner().clone(),
             holder.retention(),
             holder.commit_slot().clone(),
             holder.at_rest().clone(),
-            Some(rules),
+            Arc::new(HttpEncoding(self.config.clone())),
         );
         let context = IdempotencyContext::new(
             scope,
@@ -175,12 +174,20 @@ where
         let handler = self.inner.oneshot(Request::from_parts(parts, Body::from(body)));
         let config = self.config.clone();
         let rebuild_timeout = self.engine.recovery_timeout();
-        let settle = move |holder, response, answer| async move {
-            match context.commit() {
-                // The handler committed its response in its own transaction (`seal`), or
-                // tried to: the layer writes nothing of its own.
+        let settle = move |holder: Holder<St>,
+                           response: Response<ResBody>,
+                           answer: Answer<Response, S::Error>| async move {
+            let commit = context.commit();
+            let committed =
+                matches!(commit, Some(Commit::Committed(_) | Commit::CommittedBeside(_)));
+            if !committed && response.extensions().get::<KeyReused>().is_some() {
+                holder.release("the handler found the key reused with another request").await;
+                return answer.send(problem(config.mismatch_status, ProblemType::Mismatch, None));
+            }
+            match commit {
+                // The handler committed its response in a store's transaction, or tried
+                // to: the layer writes nothing of its own.
                 Some(commit) => {
-                    let commit = commit.clone();
                     let route = (&*route, rebuild_timeout);
                     settle_sealed(&config, holder, commit, response, route, answer).await;
                 }

@@ -39,7 +39,7 @@ pub use self::{
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
     minimal::{Minimal, Rebuild},
-    seal::{SealedResponse, seal},
+    problem::KeyReused,
     service::Idempotency,
 };
 

@@ -124,6 +124,22 @@ pub(crate) fn problem(
     response
 }
 
+/// A handler's answer to a request whose key it found reused with another payload
+/// ([`StoreError::KeyReused`](crate::store::StoreError::KeyReused), from
+/// `RecoveryPoints::done`): the layer answers its mismatch problem (409 `key-mismatch`, 422
+/// under the IETF preset) and releases the key, so that the request the key's steps belong
+/// to can still resume.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KeyReused;
+
+impl axum::response::IntoResponse for KeyReused {
+    fn into_response(self) -> Response<Body> {
+        let mut response = problem(StatusCode::CONFLICT, ProblemType::Mismatch, None);
+        response.extensions_mut().insert(self);
+        response
+    }
+}
+
 /// Builds a problem+json response with a `Retry-After` of `seconds`.
 pub(crate) fn problem_retry_after(
     status: StatusCode,

@@ -1,8 +1,10 @@
-//! [`seal`]: a response encoded as the HTTP door stores it, for the handler to commit in its own
-//! transaction beside its side effect; and how the door settles a claim whose handler did.
+//! The HTTP door's side of a store's transaction: how it encodes the outcome a handler commits
+//! ([`Committable`] for `Response`), how it answers a [`TransactionError`], and how it settles
+//! a claim whose handler committed (or tried to).
 
 use std::{
     fmt,
+    sync::Arc,
     time::{Duration, SystemTime},
 };
 
@@ -11,109 +13,112 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use bytes::Bytes;
-use http::StatusCode;
+use futures_util::future::BoxFuture;
+use http::{HeaderValue, StatusCode, header};
 use http_body::Body as HttpBody;
 
 use super::{
     BoxError, Minimal,
     body::{CollectedBody, collect_response},
     config::Config,
+    problem::{ProblemType, problem, problem_retry_after},
     record, replay,
 };
 use crate::{
-    context::IdempotencyContext,
+    context::{Encoding, IdempotencyContext},
     engine::{Answer, Holder, envelope},
-    store::{Commit, SealError, SealedOutcome, Store},
+    store::{Commit, Committable, SealError, Store, TransactionError},
 };
 
-/// A response sealed by [`seal`]: the outcome to commit in the handler's transaction
-/// (`PostgresStore::commit(tx, &sealed)`), and the response to return, the same one.
-pub struct SealedResponse {
-    outcome: SealedOutcome,
-    head: http::response::Parts,
-    body: Bytes,
-}
+/// The HTTP door's encoding of a committed outcome: the layer's own rules (store policy,
+/// limits, header filter).
+pub(super) struct HttpEncoding(pub(super) Arc<Config>);
 
-impl SealedResponse {
-    /// The outcome to commit, as the layer stores it.
-    #[must_use]
-    pub fn outcome(&self) -> &SealedOutcome {
-        &self.outcome
+impl Encoding for HttpEncoding {
+    fn response(
+        &self,
+        response: Response,
+    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>> {
+        let config = self.0.clone();
+        Box::pin(async move {
+            let (head, body) = response.into_parts();
+            if let Some(why) = not_stored(&config, &head, &body) {
+                return Err(SealError::NotStored(why));
+            }
+            // A minimal record stores nothing of the body: no stored limit applies to it.
+            let limit = match head.extensions.get::<Minimal>() {
+                Some(_) => usize::MAX,
+                None => config.stored_body_limit,
+            };
+            let body = match collect_response(body, limit).await {
+                CollectedBody::Whole(body) => body,
+                CollectedBody::TooLarge(_) => return Err(SealError::NotStored(OVER_BODY_LIMIT)),
+                CollectedBody::Failed(_) => {
+                    return Err(SealError::NotStored("the response body failed"));
+                }
+            };
+            let outcome = record::encode_response(&head, &config.header_filter, &body);
+            Ok((outcome, Response::from_parts(head, Body::from(body))))
+        })
+    }
+
+    fn json(&self, json: Bytes) -> Result<Bytes, SealError> {
+        // What `axum::Json` answers: 200, `application/json`.
+        let mut response = Response::new(Body::empty());
+        let json_type = HeaderValue::from_static("application/json");
+        response.headers_mut().insert(header::CONTENT_TYPE, json_type);
+        let (head, _) = response.into_parts();
+        let body = http_body_util::Full::new(json.clone());
+        if let Some(why) = not_stored(&self.0, &head, &body) {
+            return Err(SealError::NotStored(why));
+        }
+        Ok(record::encode_response(&head, &self.0.header_filter, &json))
     }
 }
 
-impl AsRef<SealedOutcome> for SealedResponse {
-    fn as_ref(&self) -> &SealedOutcome {
-        &self.outcome
+/// The handler's response, committed as the layer stores it.
+impl Committable for Response {
+    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), SealError> {
+        let completion = context.completion().ok_or(SealError::NotClaimed)?;
+        completion.encoding.response(self).await
     }
 }
 
-impl IntoResponse for SealedResponse {
+/// A transaction that did not commit, answered as the layer answers its own failures
+/// (`application/problem+json`): the operation's error 500 `handler-failed` (logged, never
+/// shown); a store error 503 `store-unavailable` with `Retry-After`; a commit whose answer was
+/// lost 503 `store-unavailable` with `Retry-After` (the retry learns what committed); an
+/// outcome the layer does not store and a misuse 500 `handler-failed`, with the reason.
+impl<E: fmt::Display> IntoResponse for TransactionError<E> {
     fn into_response(self) -> Response {
-        Response::from_parts(self.head, Body::from(self.body))
+        match self {
+            Self::Operation(error) => {
+                tracing::error!(%error, "idempotency: the handler's transaction failed");
+                problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::HandlerFailed, None)
+            }
+            Self::Store(error) => {
+                tracing::error!(%error, "idempotency: the handler's transaction was rolled back");
+                let detail = error.to_string();
+                let status = StatusCode::SERVICE_UNAVAILABLE;
+                problem_retry_after(status, ProblemType::StoreUnavailable, Some(&detail), 1)
+            }
+            Self::CommitUnknown(error) => {
+                tracing::error!(%error, "idempotency: the commit's answer was lost");
+                let detail = "the commit's answer was lost: retry to learn its outcome";
+                let status = StatusCode::SERVICE_UNAVAILABLE;
+                problem_retry_after(status, ProblemType::StoreUnavailable, Some(detail), 1)
+            }
+            Self::NotStored(reason) => {
+                tracing::error!(reason, "idempotency: the handler's outcome is not stored");
+                let status = StatusCode::INTERNAL_SERVER_ERROR;
+                problem(status, ProblemType::HandlerFailed, Some(&reason))
+            }
+            Self::Misuse(reason) => {
+                tracing::error!(reason, "idempotency: the handler's transaction was refused");
+                problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::HandlerFailed, Some(reason))
+            }
+        }
     }
-}
-
-impl fmt::Debug for SealedResponse {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SealedResponse")
-            .field("status", &self.head.status)
-            .field("outcome", &self.outcome)
-            .finish_non_exhaustive()
-    }
-}
-
-/// `response` as the idempotency layer stores it (the status, the headers it keeps, the
-/// body), for the handler to commit in its own transaction, beside its side effect, so that
-/// both commit or neither does: with `PostgresStore`,
-/// [`commit`](crate::store::PostgresStore::commit) the handler's transaction with it, then
-/// return it.
-///
-/// The layer then writes nothing more: the committed row is the record, and every retry is
-/// replayed from it, even when the process dies between the commit and the answer. The client
-/// is answered the committed response: a handler that returns another one after the commit
-/// has the committed one answered instead (a warning is logged; headers the layer never
-/// stores, such as `Set-Cookie`, go only with a returned response that is the committed one).
-/// When the commit fails (or is fenced out), the layer writes nothing either and releases the
-/// key, whatever the handler returns: the retry replays the response if the commit landed
-/// after all, and runs the handler if it did not.
-///
-/// The body is read here, up to the layer's stored body limit.
-///
-/// # Errors
-///
-/// - [`SealError::NotStored`]: the layer would not store this response (a status its store
-///   policy does not keep, a 405, headers or a body over the stored limits, a body that
-///   failed). Answer it without committing an outcome; the key is released as for any such
-///   response.
-/// - [`SealError::NotClaimed`]: the context is not one the idempotency layer gave.
-pub async fn seal(
-    context: &IdempotencyContext,
-    response: impl IntoResponse,
-) -> Result<SealedResponse, SealError> {
-    let completion = context.completion().ok_or(SealError::NotClaimed)?;
-    let config = completion
-        .rules
-        .as_deref()
-        .and_then(|rules| rules.downcast_ref::<Config>())
-        .ok_or(SealError::NotClaimed)?;
-    let (head, body) = response.into_response().into_parts();
-    if let Some(why) = not_stored(config, &head, &body) {
-        return Err(SealError::NotStored(why));
-    }
-    // A minimal record stores nothing of the body: no stored limit applies to it.
-    let limit = match head.extensions.get::<Minimal>() {
-        Some(_) => usize::MAX,
-        None => config.stored_body_limit,
-    };
-    let body = match collect_response(body, limit).await {
-        CollectedBody::Whole(body) => body,
-        CollectedBody::TooLarge(_) => return Err(SealError::NotStored(OVER_BODY_LIMIT)),
-        CollectedBody::Failed(_) => return Err(SealError::NotStored("the response body failed")),
-    };
-    let outcome = record::encode_response(&head, &config.header_filter, &body);
-    let outcome = context.sealed(outcome)?;
-    Ok(SealedResponse { outcome, head, body })
 }
 
 const OVER_BODY_LIMIT: &str = "the response is over the stored body limit";
@@ -143,10 +148,10 @@ pub(super) fn not_stored<B: HttpBody>(
     }
 }
 
-/// Settles a claim whose handler committed its response in its own transaction, or tried to:
-/// the layer writes nothing. The committed response is the answer, whatever the handler
-/// returned; a commit that failed releases the key (a fenced delete, which a committed record
-/// refuses), whatever the handler returned.
+/// Settles a claim whose handler committed its response in a store's transaction, or tried
+/// to: the layer writes nothing. The committed response is the answer, whatever the handler
+/// returned; a transaction rolled back, or whose commit's answer was lost, releases the key (a
+/// fenced delete, which a committed record refuses), whatever the handler returned.
 pub(super) async fn settle_sealed<St: Store, E, ResBody>(
     config: &Config,
     holder: Holder<St>,
@@ -161,7 +166,7 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
     let (committed, in_store) = match commit {
         Commit::Committed(committed) => (committed, true),
         Commit::CommittedBeside(committed) => (committed, false),
-        Commit::NotCommitted => {
+        Commit::RolledBack | Commit::Unknown => {
             holder.release("the handler's transaction did not commit its response").await;
             return answer.send(response.map(Body::new));
         }

@@ -26,8 +26,8 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
-mod sealed;
 mod subscription;
+mod transaction;
 
 use std::{fmt, future::Future, time::Duration};
 
@@ -45,9 +45,9 @@ pub use self::postgres::{
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
-pub(crate) use self::sealed::{Commit, CommitSlot};
-pub use self::sealed::{SealError, SealedOutcome};
 pub use self::subscription::{OnLastLeave, Subscription, Waiters};
+pub(crate) use self::transaction::{Commit, CommitSlot, Running, SealedOutcome};
+pub use self::transaction::{Committable, SealError, TransactionError};
 use crate::fingerprint::Fingerprint;
 pub use crate::key::RecordKey;
 /// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.
@@ -312,10 +312,20 @@ pub enum StoreError {
     /// what is needed. Nothing is written to it; the layer answers 503 (and logs the message),
     /// as for a server it cannot reach.
     UnsupportedServer(String),
-    /// Another claim holds the key now (this holder's lease lapsed and a duplicate took it
-    /// over): an outcome committed in the caller's transaction (`PostgresStore::commit`) was
-    /// not written, and the transaction was rolled back: the other holder runs the operation.
+    /// The outcome was not written, and the transaction that would have carried it was
+    /// rolled back (`PostgresStore::transaction`, `DurableOutcomes::transaction`): the
+    /// claim is not this store's live claim. Another claim holds the key now (this holder's
+    /// lease lapsed and a duplicate took it over: the other holder runs the operation), or
+    /// the key was claimed in another store than the one asked to commit.
     FencedOut,
+    /// The store's tables or functions are missing from the database: run the store's
+    /// `migrate()` at start (or apply its schema). The database's message. Answered 503, as
+    /// for a store that cannot serve.
+    SchemaMissing(String),
+    /// The key's recovery points were committed for another request (another payload under
+    /// the same key): its steps are not this request's to resume. A key reused with a
+    /// different request, answered as the doors answer a mismatch.
+    KeyReused,
 }
 
 impl StoreError {
@@ -330,7 +340,7 @@ impl StoreError {
     /// through when it fails open.
     #[must_use]
     pub fn is_unavailable(&self) -> bool {
-        !matches!(self, Self::CorruptRecord(_) | Self::FencedOut)
+        !matches!(self, Self::CorruptRecord(_) | Self::FencedOut | Self::KeyReused)
     }
 }
 
@@ -345,7 +355,19 @@ impl fmt::Display for StoreError {
             }
             Self::ClaimAbandoned => f.write_str("the claim was abandoned by its caller"),
             Self::UnsupportedServer(why) => write!(f, "unsupported server: {why}"),
-            Self::FencedOut => f.write_str("another claim holds the key: nothing was written"),
+            Self::FencedOut => f.write_str(
+                "the claim is not this store's live claim (taken over, or claimed in another \
+                 store): nothing was written",
+            ),
+            Self::KeyReused => f.write_str(
+                "the key's recovery points belong to another request: a key reused with a \
+                 different payload",
+            ),
+            Self::SchemaMissing(why) => write!(
+                f,
+                "the store's schema is missing: run migrate() at start, or apply its schema \
+                 ({why})"
+            ),
         }
     }
 }
@@ -359,6 +381,8 @@ impl std::error::Error for StoreError {
             | Self::CapacityReached(_)
             | Self::ClaimAbandoned
             | Self::UnsupportedServer(_)
+            | Self::SchemaMissing(_)
+            | Self::KeyReused
             | Self::FencedOut => None,
         }
     }

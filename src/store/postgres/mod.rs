@@ -170,17 +170,7 @@ impl PostgresStore {
     ///
     /// When the database cannot be reached or refuses the schema.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        let mut tx = self.inner.pool.begin().await.map_err(StoreError::unavailable)?;
-        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-            .bind(format!("axum-idempotency:{}", self.inner.statements.table))
-            .execute(&mut *tx)
-            .await
-            .map_err(StoreError::unavailable)?;
-        sqlx::raw_sql(&self.inner.statements.schema)
-            .execute(&mut *tx)
-            .await
-            .map_err(StoreError::unavailable)?;
-        tx.commit().await.map_err(StoreError::unavailable)
+        migrate(&self.inner.pool, &self.inner.statements.table, &self.inner.statements.schema).await
     }
 
     /// Runs `query` within the command timeout.
@@ -247,7 +237,8 @@ impl PostgresStore {
             .bind(millis(lease.duration))
             .bind(millis(lease.recovery_window))
             .bind(waiting)
-            .bind(i64::try_from(deadline).unwrap_or(i64::MAX));
+            .bind(i64::try_from(deadline).unwrap_or(i64::MAX))
+            .bind(lock_wait(self.command_timeout));
         let row = self.fetch(query).await?;
         let outcome: i32 = row.try_get(0).map_err(corrupt)?;
         let remaining = || {
@@ -284,7 +275,27 @@ impl PostgresStore {
     }
 }
 
-/// `duration` in whole milliseconds, at most 30 years.
+/// Runs `schema` in one transaction under an advisory lock named after `table`, so that
+/// instances starting side by side do not collide (two `CREATE TABLE IF NOT EXISTS` at once
+/// fail on the catalog's unique index).
+async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<(), StoreError> {
+    let mut tx = pool.begin().await.map_err(StoreError::unavailable)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+        .bind(format!("axum-idempotency:{table}"))
+        .execute(&mut *tx)
+        .await
+        .map_err(StoreError::unavailable)?;
+    sqlx::raw_sql(schema).execute(&mut *tx).await.map_err(StoreError::unavailable)?;
+    tx.commit().await.map_err(StoreError::unavailable)
+}
+
+/// How long a claim waits for a row another transaction holds locked before it answers "in
+/// progress": half the command timeout, so that the answer comes within it; at least a
+/// millisecond (0 would be no limit).
+fn lock_wait(command_timeout: Duration) -> i64 {
+    millis(command_timeout / 2).max(1)
+}
+
 /// `call`, within `timeout`: its error is the store being unavailable, its timeout
 /// [`StoreError::Timeout`]. Every call of the PostgreSQL stores goes through here.
 async fn bounded<T>(
@@ -293,11 +304,27 @@ async fn bounded<T>(
 ) -> Result<T, StoreError> {
     match tokio::time::timeout(timeout, call).await {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(error)) => Err(StoreError::unavailable(error)),
+        Ok(Err(error)) => Err(store_error(error)),
         Err(_) => Err(StoreError::Timeout(timeout)),
     }
 }
 
+/// A database error as the store reports it: a missing function or table is the schema
+/// missing (`migrate()` was not run), any other error the store being unavailable.
+fn store_error(error: sqlx::Error) -> StoreError {
+    // undefined_function, undefined_table
+    let missing = error
+        .as_database_error()
+        .and_then(sqlx::error::DatabaseError::code)
+        .is_some_and(|code| code == "42883" || code == "42P01");
+    if missing {
+        StoreError::SchemaMissing(error.to_string())
+    } else {
+        StoreError::unavailable(error)
+    }
+}
+
+/// `duration` in whole milliseconds, at most 30 years.
 fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(LONGEST_MS).min(LONGEST_MS)
 }

@@ -6,19 +6,52 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::{PgPool, Postgres, Transaction};
+use futures_util::future::BoxFuture;
+use sqlx::{PgConnection, PgPool};
 
-use super::{bounded, millis, transaction::finish};
+use super::{
+    bounded, millis,
+    transaction::{Write, idle_limit, run},
+};
 use crate::{
+    context::IdempotencyContext,
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Commit, SealedOutcome, StoreError},
+    store::{Commit, Committable, SealedOutcome, StoreError, TransactionError},
 };
+
+/// Writes an outcome, unless the table holds a live one for its key: an expired row is the
+/// past, taken over; a live one is another holder's. The transaction is then left to the
+/// database's `idle_in_transaction_session_timeout` (`$5` ms) should its COMMIT be lost.
+const INSERT: &str = "WITH idle AS (
+        SELECT set_config('idle_in_transaction_session_timeout', $5, true))
+    INSERT INTO idempotency_outcomes AS t (key, fingerprint, outcome, expires_at)
+    SELECT $1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond' FROM idle
+    ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint,
+        outcome = excluded.outcome, expires_at = excluded.expires_at
+    WHERE t.expires_at <= clock_timestamp()
+    RETURNING 1";
+
+/// Writes `sealed` in the transaction: `Ok(false)` when the table holds another live outcome.
+async fn write(
+    tx: &mut PgConnection,
+    sealed: &SealedOutcome,
+    timeout: Duration,
+    statement: &str,
+) -> Result<bool, StoreError> {
+    let query = sqlx::query_scalar::<_, i32>(statement)
+        .bind(sealed.key.as_str())
+        .bind(&sealed.fingerprint.as_bytes()[..])
+        .bind(&sealed.stored[..])
+        .bind(millis(sealed.retention))
+        .bind(idle_limit(timeout));
+    Ok(bounded(timeout, query.fetch_optional(tx)).await?.is_some())
+}
 
 /// Outcomes committed with their side effects, in the table `idempotency_outcomes` of the
 /// app's own PostgreSQL database, beside a record store that does not share that database
 /// (Redis). Set up once, and handlers commit their outcomes to it
-/// ([`commit`](Self::commit)); the front doors answer from it what the record store cannot
+/// ([`transaction`](Self::transaction)); the front doors answer from it what the record store cannot
 /// (`IdempotencyLayer::durable`, `Idempotent::durable`).
 ///
 /// The table's primary key is the fence: of two holders of one key (one that was slow, not
@@ -55,54 +88,40 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
         self
     }
 
-    /// Creates the table when it is missing ([`SCHEMA`](Self::SCHEMA)).
+    /// Creates the table when it is missing ([`SCHEMA`](Self::SCHEMA)), under an advisory
+    /// lock, so that instances starting side by side do not collide. Safe on every start.
     ///
     /// # Errors
     ///
     /// When the database cannot be reached or refuses the schema.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        sqlx::raw_sql(Self::SCHEMA).execute(&self.pool).await.map_err(StoreError::unavailable)?;
-        Ok(())
+        super::migrate(&self.pool, "idempotency_outcomes", Self::SCHEMA).await
     }
 
-    /// Writes `sealed` in the caller's transaction and commits it: the outcome is kept if and
-    /// only if the side effect written in `transaction` commits. The front door then stores
-    /// it in its record store as the outcome it answers.
+    /// Runs `operation` in a transaction the table's pool begins, writes the operation's
+    /// outcome to the table in that same transaction and commits it: the outcome is kept if
+    /// and only if the side effect commits. The front door then stores it in its record store
+    /// too, as the outcome it answers. Used as
+    /// [`PostgresStore::transaction`](super::PostgresStore::transaction) is, with the same
+    /// outcomes, errors and refusals of misuse.
     ///
     /// # Errors
     ///
-    /// - [`StoreError::FencedOut`] when the table holds an outcome for the key already (another
-    ///   holder of the key committed first): the transaction is rolled back.
-    /// - A database error or the command timeout: the transaction is rolled back, or, when
-    ///   the commit itself failed, its fate is unknown. Either way the front door stores
-    ///   nothing and releases its claim; the retry is answered from the table if the commit
-    ///   landed after all, and runs again if not.
-    pub async fn commit(
+    /// [`TransactionError`]; [`StoreError::FencedOut`] (rolled back) when the table holds a
+    /// live outcome for the key already: another holder of the key committed first.
+    pub async fn transaction<O, E, F>(
         &self,
-        mut transaction: Transaction<'_, Postgres>,
-        sealed: impl AsRef<SealedOutcome>,
-    ) -> Result<(), StoreError> {
-        let sealed = sealed.as_ref();
-        sealed.begin();
-        // An expired row is the past: taken over. A live one is another holder's outcome.
-        let insert = "INSERT INTO idempotency_outcomes AS t (key, fingerprint, outcome, expires_at)
-            VALUES ($1, $2, $3, clock_timestamp() + $4 * interval '1 millisecond')
-            ON CONFLICT (key) DO UPDATE SET fingerprint = excluded.fingerprint,
-                outcome = excluded.outcome, expires_at = excluded.expires_at
-            WHERE t.expires_at <= clock_timestamp()
-            RETURNING 1";
-        let query = sqlx::query_scalar::<_, i32>(insert)
-            .bind(sealed.key().as_str())
-            .bind(&sealed.fingerprint().as_bytes()[..])
-            .bind(&sealed.stored()[..])
-            .bind(millis(sealed.retention()));
-        let timeout = self.command_timeout;
-        let written = match bounded(timeout, query.fetch_optional(&mut *transaction)).await {
-            Ok(Some(_)) => Ok(()),
-            Ok(None) => Err(StoreError::FencedOut),
-            Err(error) => Err(error),
-        };
-        finish(transaction, sealed, written, timeout, Commit::CommittedBeside).await
+        context: &IdempotencyContext,
+        operation: F,
+    ) -> Result<O, TransactionError<E>>
+    where
+        O: Committable,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<O, E>> + Send,
+    {
+        let pool = (&self.pool, self.command_timeout);
+        let write: Write =
+            |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
+        run(pool, (write, INSERT), Commit::CommittedBeside, context, operation).await
     }
 
     /// The live outcome of `key`, with the fingerprint of the request that made it.

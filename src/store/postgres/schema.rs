@@ -14,6 +14,7 @@ pub(super) struct Statements {
     pub(super) channel: String,
     pub(super) claim: String,
     pub(super) complete: String,
+    pub(super) commit: String,
     pub(super) release: String,
     pub(super) touch: String,
     pub(super) abandon: String,
@@ -57,8 +58,9 @@ impl Statements {
                  coalesce((SELECT bool_or(waited) FROM gone), false)"
             ),
             channel,
-            claim: call("claim", 7),
+            claim: call("claim", 8),
             complete: call("complete", 5),
+            commit: call("commit", 6),
             release: call("release", 2),
             touch: call("touch", 4),
             abandon: call("abandon", 5),

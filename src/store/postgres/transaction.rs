@@ -1,105 +1,196 @@
-//! [`PostgresStore::commit`]: an outcome committed in the caller's own transaction, with the
-//! side effect written there, or neither.
+//! The one transactional path: [`PostgresStore::transaction`] (and
+//! [`DurableOutcomes::transaction`](super::DurableOutcomes::transaction)) begins a transaction
+//! on the store's own pool, hands it to the operation, writes the operation's outcome in it,
+//! fenced by the claim's owner token, and commits: the side effect and the outcome, or
+//! neither.
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::{Postgres, Row as _, Transaction};
+use futures_util::future::BoxFuture;
+use sqlx::{PgConnection, PgPool, Row as _};
 
 use super::{PostgresStore, bounded, corrupt, millis};
-use crate::store::{Commit, SealedOutcome, StoreError};
+use crate::{
+    context::IdempotencyContext,
+    store::{Commit, Committable, Running, SealedOutcome, StoreError, TransactionError},
+};
 
-/// Commits `transaction` once `written` holds, and tells the front door what became of it:
-/// `committed` with the outcome, or not committed (the write failed or was fenced out, and the
-/// transaction is rolled back; or the commit failed, and its fate is unknown).
-pub(super) async fn finish(
-    transaction: Transaction<'_, Postgres>,
-    sealed: &SealedOutcome,
-    written: Result<(), StoreError>,
-    timeout: Duration,
+/// Writes a sealed outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
+/// fence refused it.
+pub(super) type Write = for<'t> fn(
+    &'t mut PgConnection,
+    &'t SealedOutcome,
+    Duration,
+    &'t str,
+) -> BoxFuture<'t, Result<bool, StoreError>>;
+
+/// Runs `operation` in a transaction of `pool` for `context`'s claim, and commits it with the
+/// outcome `write` writes: see [`PostgresStore::transaction`].
+pub(super) async fn run<O, E, F>(
+    (pool, timeout): (&PgPool, Duration),
+    (write, statement): (Write, &str),
     committed: fn(Bytes) -> Commit,
-) -> Result<(), StoreError> {
-    let result = match written {
-        // A commit cut off by the timeout drops the transaction mid-flight: its fate is
-        // unknown, and answered as for any failed commit.
-        Ok(()) => bounded(timeout, transaction.commit()).await,
-        // Dropped unfinished: sqlx rolls it back.
-        Err(error) => Err(error),
-    };
-    sealed.settle(match result {
-        Ok(()) => committed(sealed.outcome().clone()),
-        Err(_) => Commit::NotCommitted,
-    });
-    result
+    context: &IdempotencyContext,
+    operation: F,
+) -> Result<O, TransactionError<E>>
+where
+    O: Committable,
+    F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<O, E>> + Send,
+{
+    let completion = context.completion().ok_or(TransactionError::Misuse(
+        "the context is not one a front door gave to an operation it runs",
+    ))?;
+    completion.commit.start().map_err(TransactionError::Misuse)?;
+    // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
+    // rolled back, and sqlx rolls the transaction back.
+    let mut running = Running::new(completion.commit.clone());
+    let mut tx = bounded(timeout, pool.begin()).await.map_err(TransactionError::Store)?;
+    let value = operation(&mut tx).await.map_err(TransactionError::Operation)?;
+    let (outcome, value) =
+        value.encode(context).await.map_err(|why| TransactionError::NotStored(why.to_string()))?;
+    let sealed =
+        context.sealed(outcome).map_err(|why| TransactionError::NotStored(why.to_string()))?;
+    match write(&mut tx, &sealed, timeout, statement).await {
+        Ok(true) => {}
+        Ok(false) => return Err(TransactionError::Store(StoreError::FencedOut)),
+        Err(error) => return Err(TransactionError::Store(error)),
+    }
+    running.committing();
+    match tokio::time::timeout(timeout, tx.commit()).await {
+        Ok(Ok(())) => {
+            running.end(committed(sealed.outcome));
+            Ok(value)
+        }
+        // The server answered: it refused the commit (a deferred constraint, a
+        // serialization failure) and rolled the transaction back.
+        Ok(Err(error @ sqlx::Error::Database(_))) => {
+            running.end(Commit::RolledBack);
+            Err(TransactionError::Store(StoreError::unavailable(error)))
+        }
+        Ok(Err(error)) => {
+            running.end(Commit::Unknown);
+            Err(TransactionError::CommitUnknown(StoreError::unavailable(error)))
+        }
+        // Dropped mid-flight: sent or not, its fate is unknown.
+        Err(_) => {
+            running.end(Commit::Unknown);
+            Err(TransactionError::CommitUnknown(StoreError::Timeout(timeout)))
+        }
+    }
+}
+
+/// How long the database keeps a transaction that went idle after its outcome was written
+/// (its COMMIT lost on the way) before it ends it, and with it the record's row lock: the
+/// command timeout, past which the caller took the commit's fate as unknown anyway.
+pub(super) fn idle_limit(timeout: Duration) -> String {
+    millis(timeout).max(1).to_string()
 }
 
 impl PostgresStore {
-    /// Writes `sealed` in the caller's transaction and commits it: the record completes if and
-    /// only if the side effect written in `transaction` commits. Fenced by the claim's owner
-    /// token, as [`Store::complete`](crate::store::Store::complete) is. The front door then
-    /// writes nothing: every retry is answered from the committed row, even when the process
-    /// dies before the door answers.
+    /// Runs `operation` in a transaction the store begins on its own pool, then writes the
+    /// operation's outcome in that same transaction and commits it: the side effect and its
+    /// idempotency record commit together, or neither does. The one way to commit an
+    /// outcome with its side effect, for both front doors: the HTTP door (the handler finds
+    /// `context` in its request's extensions) and the consumer door (`Idempotent::run` hands
+    /// it to the operation).
+    ///
+    /// `operation` gets the transaction's connection and returns the outcome: an
+    /// `axum::response::Response` (the HTTP door stores it as it stores a handler's response,
+    /// under its store policy and limits) or an `axum::Json<T>` (the consumer door's result
+    /// `T`; for the HTTP door, a 200 JSON response). It is handed back as the call's `Ok`; the
+    /// door answers the committed outcome, and every retry replays it from the committed row,
+    /// even when the process dies before the door answers.
     ///
     /// ```no_run
-    /// # #[cfg(feature = "postgres")] async fn run(
+    /// # async fn run(
     /// #     idem: axum_idempotency::Idempotent<axum_idempotency::store::PostgresStore>,
     /// #     store: axum_idempotency::store::PostgresStore,
-    /// #     pool: axum_idempotency::store::sqlx::PgPool,
     /// # ) {
-    /// use axum_idempotency::consumer;
+    /// use axum::Json;
     ///
     /// let outcome = idem
     ///     .run("payments", "evt_1", br#"{"amount":100}"#, move |context| async move {
-    ///         let mut tx = pool.begin().await?;
-    ///         let (id,): (i64,) =
-    ///             sqlx::query_as("INSERT INTO payments (amount) VALUES (100) RETURNING id")
-    ///                 .fetch_one(&mut *tx)
-    ///                 .await?;
-    ///         store.commit(tx, &consumer::seal(&context, &id)?).await?;
-    ///         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(id)
+    ///         let Json(id) = store
+    ///             .transaction(&context, |tx| {
+    ///                 Box::pin(async move {
+    ///                     let sql = "INSERT INTO payments (amount) VALUES (100) RETURNING id";
+    ///                     let id: i64 = sqlx::query_scalar(sql).fetch_one(&mut *tx).await?;
+    ///                     Ok::<_, sqlx::Error>(Json(id))
+    ///                 })
+    ///             })
+    ///             .await?;
+    ///         Ok::<_, axum_idempotency::store::TransactionError<sqlx::Error>>(id)
     ///     })
     ///     .await;
     /// # }
     /// # use axum_idempotency::store::sqlx;
     /// ```
     ///
+    /// What a misuse gets, each by construction or refused before anything is written:
+    ///
+    /// - *Retrying the call after an error*: allowed only when the transaction was rolled back
+    ///   (every variant of [`TransactionError`] but `CommitUnknown`). After
+    ///   [`CommitUnknown`](TransactionError::CommitUnknown) (the commit's answer was lost), or
+    ///   after a commit, the call is refused with [`TransactionError::Misuse`]: the outcome is
+    ///   never committed twice. The next claim of the key answers from the database.
+    /// - *Nesting it* (a call inside another's operation, for the same claim): refused
+    ///   ([`TransactionError::Misuse`]).
+    /// - *Another store* (another table, or the layer's records are in Redis): the record is
+    ///   written only where this claim's owner token holds a live claim of the same
+    ///   fingerprint in this store's table; anywhere else the write is refused,
+    ///   [`StoreError::FencedOut`], and the transaction is rolled back.
+    /// - *A savepoint or the caller's own transaction*: cannot be passed; the store begins its
+    ///   own top-level transaction.
+    /// - *A holder whose lease was taken over*: [`StoreError::FencedOut`], rolled back; the
+    ///   other holder runs the operation.
+    ///
+    /// A transaction whose COMMIT is lost on the way (a partition) keeps the record's row
+    /// locked until the database ends it: the store sets the transaction's
+    /// `idle_in_transaction_session_timeout` to the command timeout once the outcome is
+    /// written, and meanwhile every claim of the key answers "in progress".
+    ///
     /// # Errors
     ///
-    /// - [`StoreError::FencedOut`] when another claim holds the key now (this holder's lease
-    ///   lapsed and a duplicate took it over): the transaction is rolled back, nothing of it
-    ///   was written.
-    /// - A database error or the command timeout, as for every call: the transaction is rolled
-    ///   back, or, when the commit itself failed, its fate is unknown. Either way the front
-    ///   door writes nothing and releases the key with a fenced delete, which a committed
-    ///   record refuses: the retry replays the outcome if it committed, and runs again if not.
-    pub async fn commit(
+    /// [`TransactionError`]: the operation's own error, the store's, an outcome the door does
+    /// not store, a misuse (each rolled back, nothing written), or a commit whose answer was
+    /// lost ([`TransactionError::CommitUnknown`]). Whatever the operation returns then, the
+    /// door writes nothing of its own and releases the claim with a fenced delete, which a
+    /// committed record refuses: the retry replays the outcome if it committed, and runs the
+    /// operation again if not.
+    pub async fn transaction<O, E, F>(
         &self,
-        mut transaction: Transaction<'_, Postgres>,
-        sealed: impl AsRef<SealedOutcome>,
-    ) -> Result<(), StoreError> {
-        let sealed = sealed.as_ref();
-        sealed.begin();
-        let written = self.write_sealed(&mut transaction, sealed).await;
-        finish(transaction, sealed, written, self.command_timeout, Commit::Committed).await
+        context: &IdempotencyContext,
+        operation: F,
+    ) -> Result<O, TransactionError<E>>
+    where
+        O: Committable,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<O, E>> + Send,
+    {
+        let pool = (&self.inner.pool, self.command_timeout);
+        let write: Write =
+            |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
+        let statement = &*self.inner.statements.commit;
+        run(pool, (write, statement), Commit::Committed, context, operation).await
     }
+}
 
-    /// Writes `sealed` in `transaction`, fenced by its owner token.
-    async fn write_sealed(
-        &self,
-        transaction: &mut Transaction<'_, Postgres>,
-        sealed: &SealedOutcome,
-    ) -> Result<(), StoreError> {
-        let query = sqlx::query(&self.inner.statements.complete)
-            .bind(sealed.key().as_str())
-            .bind(sealed.owner().as_bytes())
-            .bind(sealed.fingerprint().as_bytes())
-            .bind(&sealed.stored()[..])
-            .bind(millis(sealed.retention()));
-        let row = bounded(self.command_timeout, query.fetch_one(&mut **transaction)).await?;
-        let outcome: i32 = row.try_get(0).map_err(corrupt)?;
-        if outcome == 0 {
-            return Err(StoreError::FencedOut);
-        }
-        Ok(())
-    }
+/// Completes the claim in the transaction, fenced by its owner token (the store's `commit`
+/// function).
+async fn write(
+    tx: &mut PgConnection,
+    sealed: &SealedOutcome,
+    timeout: Duration,
+    statement: &str,
+) -> Result<bool, StoreError> {
+    let query = sqlx::query(statement)
+        .bind(sealed.key.as_str())
+        .bind(sealed.owner.as_bytes())
+        .bind(sealed.fingerprint.as_bytes())
+        .bind(&sealed.stored[..])
+        .bind(millis(sealed.retention))
+        .bind(millis(timeout).max(1));
+    let row = bounded(timeout, query.fetch_one(tx)).await?;
+    let outcome: i32 = row.try_get(0).map_err(corrupt)?;
+    Ok(outcome == 1)
 }

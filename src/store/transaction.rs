@@ -1,0 +1,310 @@
+//! The transactional path's door-neutral parts: [`Committable`] (what an operation run in a
+//! store-owned transaction returns), [`TransactionError`], and the slot through which the
+//! store tells the claim's holder and its front door what became of the commit.
+
+use std::{
+    fmt,
+    future::Future,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
+
+use bytes::Bytes;
+
+use super::{OwnerToken, StoreError};
+use crate::{context::IdempotencyContext, fingerprint::Fingerprint, key::RecordKey};
+
+/// What an operation run in a store's transaction returns (`PostgresStore::transaction`,
+/// `DurableOutcomes::transaction`): its outcome, which the store encodes as the operation's
+/// front door stores it and writes in the same transaction as the side effect.
+///
+/// Implemented for `axum::response::Response` (the HTTP door: the response as the layer
+/// stores it, checked by the layer's store policy and limits) and for `axum::Json<T>` (the
+/// consumer door: the value `T` as it stores results; the HTTP door: a 200 JSON response).
+/// The context the outcome is committed for names the door; a response committed for the
+/// consumer door is refused ([`TransactionError::NotStored`]).
+pub trait Committable: Sized + Send + 'static {
+    /// The outcome as the context's front door stores it, and the value to hand back to the
+    /// operation's caller (the same outcome).
+    #[doc(hidden)]
+    fn encode(
+        self,
+        context: &IdempotencyContext,
+    ) -> impl Future<Output = Result<(Bytes, Self), SealError>> + Send;
+}
+
+/// Why a store's transaction ([`PostgresStore::transaction`](crate::store::PostgresStore),
+/// [`DurableOutcomes::transaction`](crate::store::DurableOutcomes)) did not commit, or does not
+/// know whether it did. Every variant but [`CommitUnknown`](Self::CommitUnknown) means the
+/// transaction was rolled back: neither the side effect nor the outcome was written.
+///
+/// Answer it as the operation's failure. Do not run the transaction again with the same
+/// context after [`CommitUnknown`](Self::CommitUnknown): the store refuses it
+/// ([`Misuse`](Self::Misuse)), since the first may have committed. The next claim of the key
+/// finds the truth: the committed outcome, replayed, or nothing, and the operation runs.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TransactionError<E> {
+    /// The operation returned this error: rolled back.
+    Operation(E),
+    /// The store refused or failed before the commit (it could not begin the transaction, the
+    /// database failed, or [`StoreError::FencedOut`]: the context's claim is not this store's
+    /// live claim, because its lease was taken over or it was claimed in another store):
+    /// rolled back.
+    Store(StoreError),
+    /// The front door does not store this outcome (a status its store policy does not keep,
+    /// a response over the stored limits, a value serde cannot encode, a response committed
+    /// for the consumer door): rolled back. The reason.
+    NotStored(String),
+    /// The commit was sent, and its answer was lost (the connection broke, or the command
+    /// timeout ran out): the transaction committed, or not. Nothing is retried; the key stays
+    /// with the claim until the database settles the transaction, and the next claim
+    /// answers from what committed.
+    CommitUnknown(StoreError),
+    /// The call was refused before anything was written: the context is not one a front door
+    /// gave to an operation it runs, or this claim's transaction committed already, is
+    /// running (a nested call), or ended with its fate unknown. The reason.
+    Misuse(&'static str),
+}
+
+impl<E> TransactionError<E> {
+    /// Whether the transaction may have committed: only
+    /// [`CommitUnknown`](Self::CommitUnknown).
+    #[must_use]
+    pub fn may_have_committed(&self) -> bool {
+        matches!(self, Self::CommitUnknown(_))
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for TransactionError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Operation(error) => write!(f, "the operation failed: {error}"),
+            Self::Store(error) => write!(f, "rolled back: {error}"),
+            Self::NotStored(reason) => {
+                write!(f, "rolled back: the outcome is not stored: {reason}")
+            }
+            Self::CommitUnknown(error) => {
+                write!(f, "the commit's answer was lost, it may have committed: {error}")
+            }
+            Self::Misuse(reason) => write!(f, "refused: {reason}"),
+        }
+    }
+}
+
+/// An error whatever the operation's error type (`Box<dyn Error + Send + Sync>` included, which
+/// is no `Error` itself), so that `?` carries it on; the store's error is its source.
+impl<E: fmt::Debug + fmt::Display> std::error::Error for TransactionError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Store(error) | Self::CommitUnknown(error) => Some(error),
+            Self::Operation(_) | Self::NotStored(_) | Self::Misuse(_) => None,
+        }
+    }
+}
+
+/// An operation's outcome, encoded as its front door stores it, with what a store needs to
+/// write it for the operation's own claim: the key, the owner token that fences it, the
+/// fingerprint and the retention. Made by the store's transaction, never by a caller.
+pub(crate) struct SealedOutcome {
+    pub(crate) key: RecordKey,
+    pub(crate) owner: OwnerToken,
+    pub(crate) fingerprint: Fingerprint,
+    /// The outcome in clear, as the door answers it.
+    pub(crate) outcome: Bytes,
+    /// The outcome as the store keeps it: encrypted when the door encrypts at rest.
+    pub(crate) stored: Bytes,
+    pub(crate) retention: Duration,
+}
+
+impl fmt::Debug for SealedOutcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SealedOutcome")
+            .field("key_hash", &self.key.hash())
+            .field("outcome_len", &self.outcome.len())
+            .field("retention", &self.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What became of the transaction of a claim's operation, shared by the store that runs it,
+/// the claim's holder (whose lease renewal then stops quietly: the record it finds settled
+/// was settled by its own operation) and the front door.
+#[derive(Debug, Default)]
+pub(crate) struct CommitSlot {
+    state: Mutex<Stage>,
+}
+
+/// Where the claim's transaction is.
+#[derive(Debug, Default, Clone)]
+enum Stage {
+    /// No transaction was begun.
+    #[default]
+    None,
+    /// A transaction runs.
+    Running,
+    /// Every transaction begun was rolled back: a new one may begin.
+    RolledBack,
+    /// Ended: committed, or its fate unknown.
+    Ended(Commit),
+}
+
+/// What became of the transaction an operation committed its outcome in, as its front door
+/// learns it.
+#[derive(Debug, Clone)]
+pub(crate) enum Commit {
+    /// The transaction committed, and the record holds this outcome (the record store shares
+    /// the caller's database: `PostgresStore`). The door writes nothing.
+    Committed(Bytes),
+    /// The transaction committed this outcome to a durable table beside the record store
+    /// (`DurableOutcomes`, beside Redis): the door stores it in the record store too, as the
+    /// outcome it answers, and a takeover or a lost record is answered from the table.
+    CommittedBeside(Bytes),
+    /// Every transaction begun was rolled back: the door releases its claim, whatever the
+    /// operation returned.
+    RolledBack,
+    /// The commit's answer was lost: committed or not. The door releases its claim with a
+    /// fenced delete: with `PostgresStore` it waits for the transaction's row lock, and a
+    /// committed record refuses it; with `DurableOutcomes` the retry's recovery reads the
+    /// table, and a second run's commit is refused by the table's key while the first's stands.
+    Unknown,
+}
+
+impl CommitSlot {
+    /// Whether the operation ever began a transaction: from then, a renewal that finds the
+    /// record settled is not a lost lease.
+    pub(crate) fn begun(&self) -> bool {
+        !matches!(*self.lock(), Stage::None)
+    }
+
+    /// What became of the operation's transactions, if it began one.
+    pub(crate) fn outcome(&self) -> Option<Commit> {
+        match &*self.lock() {
+            Stage::None => None,
+            Stage::RolledBack => Some(Commit::RolledBack),
+            // A transaction still running when its operation returned (spawned and left):
+            // its fate is not known here.
+            Stage::Running => Some(Commit::Unknown),
+            Stage::Ended(commit) => Some(commit.clone()),
+        }
+    }
+
+    /// Begins a transaction, unless one runs or ended in a commit (known or not).
+    pub(crate) fn start(&self) -> Result<(), &'static str> {
+        let mut stage = self.lock();
+        match &*stage {
+            Stage::None | Stage::RolledBack => {
+                *stage = Stage::Running;
+                Ok(())
+            }
+            Stage::Running => Err("a transaction of this claim is running (a nested call)"),
+            Stage::Ended(Commit::Unknown) => {
+                Err("this claim's commit ended with its fate unknown: it may have committed")
+            }
+            Stage::Ended(_) => Err("this claim's outcome was committed already"),
+        }
+    }
+
+    /// Ends the running transaction.
+    pub(crate) fn end(&self, commit: Commit) {
+        *self.lock() = match commit {
+            Commit::RolledBack => Stage::RolledBack,
+            commit => Stage::Ended(commit),
+        };
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Stage> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Ends a claim's running transaction when dropped: rolled back unless told otherwise (an
+/// operation cancelled mid-way drops its transaction, which sqlx rolls back), unknown once
+/// the commit was sent.
+pub(crate) struct Running {
+    slot: Arc<CommitSlot>,
+    ending: Option<Commit>,
+}
+
+impl Running {
+    pub(crate) fn new(slot: Arc<CommitSlot>) -> Self {
+        Self { slot, ending: Some(Commit::RolledBack) }
+    }
+
+    /// From now, a drop leaves the commit's fate unknown.
+    pub(crate) fn committing(&mut self) {
+        self.ending = Some(Commit::Unknown);
+    }
+
+    /// Ends the transaction with `commit`.
+    pub(crate) fn end(mut self, commit: Commit) {
+        self.ending = Some(commit);
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(commit) = self.ending.take() {
+            self.slot.end(commit);
+        }
+    }
+}
+
+impl fmt::Debug for Running {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Running").finish_non_exhaustive()
+    }
+}
+
+/// Why a front door made no stored outcome of a value.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SealError {
+    /// serde could not encode the value, or it holds NaN or an infinity (which JSON would
+    /// store as `null`): the reason.
+    Unencodable(String),
+    /// The front door does not store this outcome (the HTTP door: a status its store policy
+    /// does not keep, a 405, or headers or a body over the stored limits; the body failed;
+    /// the consumer door: a response): the reason.
+    NotStored(&'static str),
+    /// The context is not one a front door gave to an operation it runs.
+    NotClaimed,
+}
+
+impl fmt::Display for SealError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unencodable(reason) => write!(f, "the result cannot be stored: {reason}"),
+            Self::NotStored(reason) => write!(f, "the outcome is not stored: {reason}"),
+            Self::NotClaimed => f.write_str("the context is not one a front door gave"),
+        }
+    }
+}
+
+impl std::error::Error for SealError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_claim_commits_once_and_begins_again_only_after_a_roll_back() {
+        let slot = Arc::new(CommitSlot::default());
+        assert!(slot.outcome().is_none() && !slot.begun());
+        slot.start().unwrap();
+        assert!(slot.start().is_err(), "a nested transaction began");
+        drop(Running::new(slot.clone()));
+        assert!(matches!(slot.outcome(), Some(Commit::RolledBack)));
+        slot.start().unwrap();
+        let mut running = Running::new(slot.clone());
+        running.committing();
+        drop(running);
+        assert!(matches!(slot.outcome(), Some(Commit::Unknown)));
+        assert!(slot.start().is_err(), "a transaction began after an unknown commit");
+        let slot = Arc::new(CommitSlot::default());
+        slot.start().unwrap();
+        Running::new(slot.clone()).end(Commit::Committed(Bytes::from_static(b"r")));
+        assert!(slot.start().is_err(), "a transaction began after a commit");
+        assert!(matches!(slot.outcome(), Some(Commit::Committed(_))));
+    }
+}
