@@ -24,14 +24,15 @@ PG = [["--test", "store_contract", "--test", "store_lost_answers", "--test", "co
        "--", "postgres"], ["--test", "postgres"]]
 PG_WAITING = [["--test", "waiting", "--", "postgres"], ["--test", "postgres"]]
 SQL = "sql/postgres.sql"
+TXN = [["--test", "transactional"]]
+TXN_HTTP = [["--test", "transactional_http"]]
 OPERATOR_REDIS = ["--test", "operator", "--", "redis::", "cluster::"]
 OPERATOR_MEMORY = ["--test", "operator", "--", "memory::"]
 OPERATOR_PG = ["--test", "operator", "--", "postgres::"]
 DEDUP_REDIS = ["--test", "dedup", "--", "redis", "cluster"]
 DEDUP_MEMORY = ["--test", "dedup", "--", "memory"]
-# Not mutated, being equivalent: dropping `state = 'P'` from release's or touch's WHERE, since a
-# completed row's owner is NULL and `owner = p_owner` is never true on it; nor from the
-# abandoned claims' listing, since a completed row and a marker have a NULL `lease_until`.
+# Not mutated, being equivalent: dropping `state = 'P'` from the abandoned claims' listing,
+# since a completed row and a marker have a NULL `lease_until`.
 MUTANTS = [
     ("complete.lua without the owner comparison", "lua/complete.lua",
      "\n      or string.sub(record, 35, 50) ~= ARGV[1] then", " then", REDIS),
@@ -135,11 +136,44 @@ MUTANTS = [
      "            Err(error) if tokio::time::Instant::now() + delay >= give_up_at => {",
      "            Err(error) if true => {", LOST),
     ("postgres complete without the owner comparison", SQL,
-     "AND state = 'P' AND owner = p_owner AND expires_at > v_now\n    RETURNING waited",
-     "AND state = 'P' AND expires_at > v_now\n    RETURNING waited", PG),
+     "expires_at = v_expires_at\n    WHERE key = p_key AND state = 'P' AND owner = p_owner AND",
+     "expires_at = v_expires_at\n    WHERE key = p_key AND state = 'P' AND", PG),
     ("postgres complete taking any row of its fingerprint for its own response", SQL,
-     "outcome := CASE WHEN r.state = 'C' AND r.response = p_response",
+     "outcome := CASE WHEN r.state = 'C' AND r.owner = p_owner AND r.response = p_response",
      "outcome := CASE WHEN true", PG),
+    ("postgres complete answering 'already stored' to another owner", SQL,
+     "WHEN r.state = 'C' AND r.owner = p_owner AND", "WHEN r.state = 'C' AND", PG),
+    # The transactional path (PostgresStore::transaction): the commit's owner fence, the lock a
+    # claim does not wait on past half its timeout, the abandoned transaction the database ends,
+    # the commit's NOTIFY, and a completed row (which keeps its owner) that no renewal or
+    # release of that owner touches. Not mutated, being equivalent: dropping `state = 'P'`
+    # from the commit's WHERE (the same owner cannot commit twice: the claim's transaction is
+    # refused after a commit, before any SQL).
+    ("postgres commit without the owner comparison", SQL,
+     "p_retention_ms * INTERVAL '1 millisecond'\n    WHERE key = p_key AND state = 'P' AND owner = p_owner AND",
+     "p_retention_ms * INTERVAL '1 millisecond'\n    WHERE key = p_key AND state = 'P' AND", TXN),
+    ("postgres claim waiting on a locked row", SQL,
+     "    PERFORM set_config('lock_timeout', p_lock_ms::text, true);\n", "", TXN_HTTP),
+    ("postgres commit leaving an abandoned transaction its row lock", SQL,
+     "    PERFORM set_config('idle_in_transaction_session_timeout', p_idle_ms::text, true);\n",
+     "", TXN_HTTP),
+    ("postgres commit never notifying", SQL,
+     "    IF v_waited THEN\n        PERFORM pg_notify('idempotency_records_settled', p_key);\n    END IF;\n    PERFORM set_config",
+     "    PERFORM set_config", TXN_HTTP),
+    ("postgres touch of a completed record", SQL,
+     "WHERE key = p_key AND state = 'P' AND owner = p_owner AND expires_at > v_now;",
+     "WHERE key = p_key AND owner = p_owner AND expires_at > v_now;", TXN_HTTP),
+    ("postgres release of a completed record", SQL,
+     "DELETE FROM idempotency_records WHERE key = p_key AND state = 'P' AND owner = p_owner",
+     "DELETE FROM idempotency_records WHERE key = p_key AND owner = p_owner", TXN_HTTP),
+    ("postgres migrate without its advisory lock", "src/store/postgres/mod.rs",
+     "\"SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\\n{schema}\"",
+     "\"{schema}\"", [["--test", "postgres"]]),
+    ("recovery points resumed for another request", "src/store/postgres/steps.rs",
+     "SELECT result, fingerprint = $3 FROM", "SELECT result, true FROM", [["--test", "recovery_points"]]),
+    ("recovery points kept past the key's retention", "src/store/postgres/steps.rs",
+     "            .bind(millis(context.retention()));",
+     "            .bind(millis(Duration::from_secs(86_400)));", [["--test", "recovery_points"]]),
     ("postgres complete refusing its own response stored already", SQL,
      "THEN 2 ELSE 0 END", "THEN 0 ELSE 0 END", PG),
     ("postgres complete reading a marker as a record", SQL,

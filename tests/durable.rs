@@ -159,35 +159,55 @@ async fn an_expired_outcome_answers_nothing_and_is_taken_over_by_a_new_run() {
     assert_eq!(app.outcomes.sweep_expired().await.unwrap(), 0, "the live outcome was swept");
 }
 
+/// The context a door gives an operation run for `key` with `payload`, whose outcome is kept
+/// `retention`.
+async fn context_of(key: &str, payload: &[u8], retention: Duration) -> IdempotencyContext {
+    let idem = axum_idempotency::Idempotent::new(axum_idempotency::MemoryStore::new())
+        .retention(retention);
+    let (sender, context) = oneshot::channel();
+    let ran = idem.run("steps", key, payload, |context| async move {
+        sender.send(context).unwrap();
+        Ok::<_, std::convert::Infallible>(())
+    });
+    ran.await.unwrap();
+    context.await.unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_is_marked_once_and_expires_with_its_retention() {
     let d = TestDatabase::create("durable").await;
     let pool = pool(&d);
-    let steps = RecoveryPoints::new(pool.clone()).retention(Duration::from_millis(300));
+    let steps = RecoveryPoints::new(pool.clone());
     steps.migrate().await.unwrap();
-    let key = "a-key-hash";
-    assert_eq!(steps.done::<i64>(key, "order").await.unwrap(), None);
+    let retention = Duration::from_millis(300);
+    let key = context_of("k1", b"a", retention).await;
+    assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), None);
     let mut tx = pool.begin().await.unwrap();
-    steps.mark(&mut tx, key, "order", &7_i64).await.unwrap();
+    steps.mark(&mut tx, &key, "order", &7_i64).await.unwrap();
     // Not done until its transaction commits.
-    assert_eq!(steps.done::<i64>(key, "order").await.unwrap(), None);
+    assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), None);
     tx.commit().await.unwrap();
-    assert_eq!(steps.done::<i64>(key, "order").await.unwrap(), Some(7));
-    assert_eq!(steps.done::<i64>("another-key", "order").await.unwrap(), None);
-    assert_eq!(steps.done::<i64>(key, "charge").await.unwrap(), None);
+    assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), Some(7));
+    let another_key = context_of("k2", b"a", retention).await;
+    assert_eq!(steps.done::<i64>(&another_key, "order").await.unwrap(), None);
+    assert_eq!(steps.done::<i64>(&key, "charge").await.unwrap(), None);
+    // Another request under the same key: its steps are not this one's.
+    let another_request = context_of("k1", b"b", retention).await;
+    let reused = steps.done::<i64>(&another_request, "order").await;
+    assert!(matches!(reused, Err(StoreError::KeyReused)), "{reused:?}");
     // A second holder's mark of the same step is refused.
     let mut tx = pool.begin().await.unwrap();
-    let twice = steps.mark(&mut tx, key, "order", &8_i64).await;
+    let twice = steps.mark(&mut tx, &key, "order", &8_i64).await;
     assert!(matches!(twice, Err(StoreError::FencedOut)), "{twice:?}");
     drop(tx);
-    assert_eq!(steps.done::<i64>(key, "order").await.unwrap(), Some(7));
+    assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), Some(7));
     // A result that does not read back as the type asked is an error, never another value.
-    assert!(matches!(steps.done::<String>(key, "order").await, Err(StoreError::CorruptRecord(_))));
+    assert!(matches!(steps.done::<String>(&key, "order").await, Err(StoreError::CorruptRecord(_))));
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(steps.done::<i64>(key, "order").await.unwrap(), None);
+    assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), None);
     let mut tx = pool.begin().await.unwrap();
-    steps.mark(&mut tx, key, "order", &9_i64).await.unwrap();
+    steps.mark(&mut tx, &key, "order", &9_i64).await.unwrap();
     tx.commit().await.unwrap();
-    assert_eq!(steps.done::<i64>(key, "order").await.unwrap(), Some(9));
+    assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), Some(9));
     assert_eq!(steps.sweep_expired().await.unwrap(), 0);
 }

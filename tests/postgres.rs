@@ -749,3 +749,80 @@ async fn a_release_after_the_record_expired_is_fenced_out() {
         Fenced::Rejected
     );
 }
+
+/// A holder whose lease was taken over, completing with the very bytes the new holder stored
+/// (an outcome with no time in it, or a transaction's sealed outcome sent twice), is fenced
+/// out: "already stored" is an answer for the owner that stored it, never for another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_taken_over_cannot_complete_with_the_new_holders_bytes() {
+    let h = harness().await;
+    let store = h.store();
+    let (k, fingerprint) = (key("taken"), Fingerprint::of_payload(b"1"));
+    let short = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(60));
+    let (first, second) = (OwnerToken::random(), OwnerToken::random());
+    assert_eq!(store.claim(&k, &fingerprint, &first, short).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(store.claim(&k, &fingerprint, &second, short).await.unwrap(), Claim::TakenOver);
+    let (bytes, day) = (Bytes::from_static(b"same answer"), Duration::from_secs(86_400));
+    let stored = store.complete(&k, &second, &fingerprint, bytes.clone(), day).await.unwrap();
+    assert_eq!(stored, Fenced::Applied);
+    let late = store.complete(&k, &first, &fingerprint, bytes.clone(), day).await.unwrap();
+    assert_eq!(late, Fenced::Rejected, "the fenced-out holder's complete was counted as stored");
+    // The owner that stored it, asking again (its first answer lost), is told it is stored.
+    let again = store.complete(&k, &second, &fingerprint, bytes, day).await.unwrap();
+    assert_eq!(again, Fenced::Applied);
+}
+
+/// Six instances migrating one fresh database at once, ten times over: every table of the
+/// crate (the records, the durable outcomes, the recovery points), no failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_migrating_at_once_never_collide() {
+    use axum_idempotency::store::{DurableOutcomes, RecoveryPoints};
+    let h = harness().await;
+    let pool = h.pool();
+    let drop_all = "DROP TABLE IF EXISTS idempotency_records, idempotency_outcomes, \
+                    idempotency_steps";
+    let mut failures = Vec::new();
+    for _ in 0..10 {
+        h.database.client().await.batch_execute(drop_all).await.unwrap();
+        let instances = (0..6).map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                PostgresStore::new(pool.clone()).migrate().await?;
+                DurableOutcomes::new(pool.clone()).migrate().await?;
+                RecoveryPoints::new(pool).migrate().await
+            })
+        });
+        for instance in instances.collect::<Vec<_>>() {
+            if let Err(error) = instance.await.unwrap() {
+                failures.push(error.to_string());
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} of 60 failed: {:?}", failures.len(), failures.first());
+}
+
+/// A store whose `migrate()` was never run: the request is answered 503 as for a store that
+/// cannot serve, and the error names the fix, for the log and for the consumer door's caller.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_schema_is_named_as_such() {
+    let d = common::postgres::TestDatabase::create("noschema").await;
+    let store = PostgresStore::new(common::postgres::pool_for(&d)).sweep_every(None);
+    let (k, fingerprint) = (key("k"), Fingerprint::of_payload(b"1"));
+    let lease = Lease::new(Duration::from_secs(30));
+    let error = store.claim(&k, &fingerprint, &OwnerToken::random(), lease).await.unwrap_err();
+    assert!(matches!(error, StoreError::SchemaMissing(_)), "{error:?}");
+    assert!(error.is_unavailable());
+    assert!(error.to_string().contains("run migrate()"), "{error}");
+    let idem = axum_idempotency::Idempotent::new(store.clone());
+    let ran = idem.run("s", "k", b"{}", |_| async { Ok::<_, std::io::Error>(1) }).await;
+    let Err(axum_idempotency::consumer::Error::Store(StoreError::SchemaMissing(_))) = ran else {
+        panic!("not a missing schema: {ran:?}")
+    };
+    let calls = Calls::default();
+    let app = common::app(&calls).layer(IdempotencyLayer::new(store));
+    send(&app, keyed("POST", "/payments", "k1", "{}"))
+        .await
+        .assert_problem(503, "store-unavailable");
+    assert_eq!(calls.get(), 0);
+}

@@ -369,3 +369,47 @@ async fn a_worker_killed_before_its_commit_leaves_nothing_and_the_redelivery_run
     assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
     assert_eq!(payments(&pool, "evt_1").await, 1);
 }
+
+/// A holder whose lease lapsed and was taken over commits while the new holder still runs:
+/// its transaction is fenced out by the owner token (not only by a completed record) and rolled
+/// back, payment and all; the new holder's commit stands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_taken_over_cannot_commit_while_the_new_holder_runs() {
+    let d = TestDatabase::create("txn").await;
+    let (pool, store) = setup(&d).await;
+    let idem = Idempotent::new(store.clone()).lease(Duration::from_millis(300)).keep_alive(None);
+    let (first_store, first_pool) = (store.clone(), pool.clone());
+    let (go_on, resumed) = tokio::sync::oneshot::channel::<()>();
+    let first_idem = idem.clone();
+    let first = tokio::spawn(async move {
+        let operation = move |context| async move {
+            let _ = resumed.await;
+            pay(first_pool, first_store, "evt_1", context, Stop::Nowhere, false).await
+        };
+        first_idem.run("payments", "evt_1", b"{}", operation).await
+    });
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The second holder takes over and holds its claim, running, while the first commits.
+    let (taken, holding) = tokio::sync::oneshot::channel::<()>();
+    let (release, released) = tokio::sync::oneshot::channel::<()>();
+    let (second_store, second_pool, second_idem) = (store.clone(), pool.clone(), idem.clone());
+    let second = tokio::spawn(async move {
+        let operation = move |context| async move {
+            taken.send(()).unwrap();
+            let _ = released.await;
+            pay(second_pool, second_store, "evt_1", context, Stop::Nowhere, false).await
+        };
+        second_idem.run("payments", "evt_1", b"{}", operation).await
+    });
+    holding.await.unwrap();
+    go_on.send(()).unwrap();
+    let Err(Error::Operation(error)) = first.await.unwrap() else { panic!("the first committed") };
+    let fenced = error.downcast_ref::<TransactionError<BoxError>>();
+    assert!(matches!(fenced, Some(TransactionError::Store(StoreError::FencedOut))), "{error}");
+    assert_eq!(payments(&pool, "evt_1").await, 0, "the fenced-out payment committed");
+    release.send(()).unwrap();
+    let Ok(Outcome::Ran(id)) = second.await.unwrap() else { panic!("the takeover did not run") };
+    assert_eq!(payments(&pool, "evt_1").await, 1);
+    let replay = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(0) }).await;
+    assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
+}

@@ -351,3 +351,168 @@ async fn a_commit_through_another_store_is_refused_and_rolled_back() {
     assert_eq!(other, 0, "the other store wrote a record");
     assert_eq!(record_state(&app).await, None, "the layer's key is released");
 }
+
+/// A TCP proxy to the database that, once armed, swallows the first message carrying
+/// `COMMIT` and holds that connection open, as a partition does: the server keeps the
+/// transaction, and its row locks, idle.
+struct SwallowingProxy {
+    port: u16,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    swallowed: Arc<tokio::sync::Notify>,
+}
+
+impl SwallowingProxy {
+    async fn start(target: (String, u16)) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let armed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let swallowed = Arc::new(tokio::sync::Notify::new());
+        let (arm, notify) = (armed.clone(), swallowed.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(target.clone()).await.unwrap();
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                let (arm, notify) = (arm.clone(), notify.clone());
+                tokio::spawn(async move {
+                    let mut buffer = vec![0u8; 64 * 1024];
+                    loop {
+                        let Ok(n @ 1..) = client_read.read(&mut buffer).await else { return };
+                        let chunk = &buffer[..n];
+                        let commit = chunk.windows(7).any(|w| w == b"COMMIT\0");
+                        if commit && arm.swap(false, Ordering::SeqCst) {
+                            notify.notify_one();
+                            // Held open (this task keeps both ends), never forwarded.
+                            std::future::pending::<()>().await;
+                        }
+                        if server_write.write_all(chunk).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut server_read, &mut client_write).await;
+                });
+            }
+        });
+        Self { port, armed, swallowed }
+    }
+}
+
+/// The handler's COMMIT is lost in a partition, its connection held open: the transaction
+/// stays idle with the record's row locked. A claim on another instance is answered "in
+/// progress" within its command timeout, never 503 `store-unavailable`; the database ends the
+/// abandoned transaction after the command timeout (the store set its
+/// `idle_in_transaction_session_timeout`), and a retry that waits (the layer's default) then
+/// runs, within its wait: one payment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_lost_in_a_partition_is_in_progress_then_runs_once() {
+    use std::time::{Duration, Instant};
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, router_b) = setup(&d).await;
+    let proxy = SwallowingProxy::start((d.host(), d.port())).await;
+    let options = PgConnectOptions::new()
+        .host("127.0.0.1")
+        .port(proxy.port)
+        .username(d.user())
+        .database(&d.name);
+    let pool_a = PgPoolOptions::new().test_before_acquire(false).connect_lazy_with(options);
+    let store_a =
+        PostgresStore::new(pool_a).sweep_every(None).command_timeout(Duration::from_secs(2));
+    let app_a = App { store: store_a.clone(), ..app.clone() };
+    let router_a = Router::new()
+        .route("/pay", post(pay))
+        .with_state(app_a)
+        .layer(IdempotencyLayer::new(store_a).lease(Duration::from_secs(1)));
+    // Instance B answers at once, or waits (the default), over the same table.
+    let at_once = Router::new()
+        .route("/pay", post(pay))
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(app.store.clone()).wait_for_in_progress(Duration::ZERO));
+    proxy.armed.store(true, Ordering::SeqCst);
+    let first = common::send_in_background(&router_a, keyed("POST", "/pay", "k1", "{}"));
+    proxy.swallowed.notified().await;
+    // B's command timeout is 300 ms: the row is locked by the idle transaction.
+    let started = Instant::now();
+    let retry = send(&at_once, keyed("POST", "/pay", "k1", "{}")).await;
+    retry.assert_problem(202, "in-progress");
+    assert!(retry.headers.contains_key("retry-after"));
+    assert!(started.elapsed() < Duration::from_millis(300), "{:?}", started.elapsed());
+    let started = Instant::now();
+    let waited = send(&router_b, keyed("POST", "/pay", "k1", "{}")).await;
+    assert_eq!(waited.status, StatusCode::CREATED, "{waited:?}");
+    assert!(waited.headers.get("idempotency-replayed").is_none());
+    assert!(started.elapsed() < Duration::from_secs(10), "not within the wait");
+    let first = first.await.unwrap();
+    first.assert_problem(503, "store-unavailable");
+    assert!(first.body.contains("the commit's answer was lost"), "{}", first.body);
+    assert_eq!(payments(&app).await, 1);
+    let replay = send(&router_b, keyed("POST", "/pay", "k1", "{}")).await;
+    assert_eq!((replay.status, replay.replayed()), (StatusCode::CREATED, true));
+}
+
+/// A duplicate that waits for a handler whose transaction is still running is woken by the
+/// transaction's commit (its NOTIFY goes out at the commit) and answered with the replay at
+/// once, not at the end of its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_duplicate_is_woken_by_the_transactions_commit() {
+    use std::time::{Duration, Instant};
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, _) = setup(&d).await;
+    let holding = Router::new()
+        .route(
+            "/pay-holding",
+            post(|State(app): State<App>, context: IdempotencyContext| async move {
+                let paid = app.store.transaction(&context, |tx| {
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO payments (code) VALUES ('held')")
+                            .execute(&mut *tx)
+                            .await?;
+                        tokio::time::sleep(Duration::from_millis(800)).await;
+                        Ok::<_, sqlx::Error>(created(json!({ "paid": "held" })).into_response())
+                    })
+                });
+                paid.await.into_response()
+            }),
+        )
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(app.store.clone()));
+    let first = common::send_in_background(&holding, keyed("POST", "/pay-holding", "k1", "{}"));
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = Instant::now();
+    let duplicate = send(&holding, keyed("POST", "/pay-holding", "k1", "{}")).await;
+    assert_eq!((duplicate.status, duplicate.replayed()), (StatusCode::CREATED, true));
+    assert!(started.elapsed() < Duration::from_secs(3), "woken late: {:?}", started.elapsed());
+    assert_eq!(first.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(payments(&app).await, 1);
+}
+
+/// The lease is renewed while the handler runs, and goes on being renewed after its commit
+/// until the layer settles: a renewal that finds the committed record leaves it as it is (its
+/// retention), so that the retry a second later is a replay, not a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_after_the_commit_keeps_the_records_retention() {
+    use std::time::Duration;
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, _) = setup(&d).await;
+    let lingering = Router::new()
+        .route(
+            "/pay-then-linger",
+            post(|State(app): State<App>, context: IdempotencyContext| async move {
+                let response = created(json!({ "paid": "lingering" })).into_response();
+                let paid = commit_payment_in(&app.store, &app, &context, "l", response).await;
+                // Renewals (every 100 ms) run on while the handler lingers.
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                paid.into_response()
+            }),
+        )
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(app.store.clone()).lease(Duration::from_millis(300)));
+    let first = send(&lingering, keyed("POST", "/pay-then-linger", "k1", "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let retry = send(&lingering, keyed("POST", "/pay-then-linger", "k1", "{}")).await;
+    assert_eq!((retry.status, retry.replayed()), (StatusCode::CREATED, true), "{retry:?}");
+    assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
+}

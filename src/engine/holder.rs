@@ -314,9 +314,9 @@ mod tests {
                     panic!("not claimed")
                 };
                 if committing {
-                    holder.commit_slot().begin();
+                    holder.commit_slot().start().unwrap();
                 }
-                // The operation's transaction completes the record, as `PostgresStore::commit`
+                // The operation's transaction completes the record, as `PostgresStore::transaction`
                 // does, while the renewal runs.
                 let (owner, response) = (holder.owner().clone(), Bytes::from_static(b"r"));
                 let retention = Duration::from_secs(60);

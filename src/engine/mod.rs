@@ -259,8 +259,8 @@ impl<St: Store> Engine<St> {
 
     /// Waits up to `wait` for an in-progress record to settle: subscribe, claim again
     /// (marking the record as waited for, so its settle publishes), then sleep until the
-    /// settle or the deadline. A lost notification cannot strand the waiter: at the deadline
-    /// a last claim decides. A store that cannot notify ([`Subscription::is_live`] false) is
+    /// settle, the original's lease lapsing, or the deadline. A lost notification cannot strand
+    /// the waiter: at the deadline a last claim decides. A store that cannot notify ([`Subscription::is_live`] false) is
     /// polled instead, every 50 ms at first and backing off to every second.
     async fn wait(
         &self,
@@ -273,11 +273,15 @@ impl<St: Store> Engine<St> {
         let mut poll = (!subscription.is_live()).then_some(FIRST_POLL);
         loop {
             let (claim, owner) = self.claim_once(key, fingerprint, true).await?;
-            if !matches!(claim, Claim::InProgress { .. }) {
+            let Claim::InProgress { remaining } = claim else {
                 tracing::debug!(key_hash = key.hash(), "idempotency: waited for the original");
                 return Ok((claim, owner));
-            }
-            let wake = poll.map_or(deadline, |every| after(every).min(deadline));
+            };
+            // Claim again when the original's lease would lapse (a holder that died settles
+            // nothing: its key is taken over then, within the wait), or when the store says to
+            // look again (a row another transaction holds locked).
+            let lapse = after(remaining.max(FIRST_POLL));
+            let wake = poll.map_or(deadline, |every| after(every).min(deadline)).min(lapse);
             tokio::select! {
                 () = subscription.settled() => {}
                 () = tokio::time::sleep_until(wake) => if wake >= deadline { break },

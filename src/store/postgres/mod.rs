@@ -15,7 +15,7 @@ use std::{
 };
 
 use bytes::Bytes;
-use sqlx::{PgPool, Row as _, postgres::PgRow};
+use sqlx::{Executor as _, PgPool, Row as _, postgres::PgRow};
 
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
 pub use self::{
@@ -279,13 +279,13 @@ impl PostgresStore {
 /// instances starting side by side do not collide (two `CREATE TABLE IF NOT EXISTS` at once
 /// fail on the catalog's unique index).
 async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<(), StoreError> {
+    // One statement, so that no borrow of the transaction is held across two awaits (which
+    // would make the future not `Send` for every lifetime, and `tokio::spawn` refuse it).
+    let locked =
+        format!("SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\n{schema}");
     let mut tx = pool.begin().await.map_err(StoreError::unavailable)?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
-        .bind(format!("axum-idempotency:{table}"))
-        .execute(&mut *tx)
-        .await
-        .map_err(StoreError::unavailable)?;
-    sqlx::raw_sql(schema).execute(&mut *tx).await.map_err(StoreError::unavailable)?;
+    let connection: &mut sqlx::PgConnection = &mut tx;
+    connection.execute(sqlx::raw_sql(&locked)).await.map_err(StoreError::unavailable)?;
     tx.commit().await.map_err(StoreError::unavailable)
 }
 
