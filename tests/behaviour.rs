@@ -33,8 +33,11 @@ every_store!(
     different_payload_is_409_in_progress_and_completed,
     server_error_releases_the_key_so_the_retry_runs,
     statuses_408_and_429_are_released_other_4xx_stored,
-    response_over_the_stored_limit_is_sent_and_released,
-    streamed_response_over_the_stored_limit_is_sent_whole_and_released,
+    response_over_the_stored_limit_is_sent_and_never_run_again,
+    response_over_the_stored_limit_is_released_when_so_configured,
+    a_two_mebibyte_response_is_sent_and_never_run_again,
+    streamed_response_over_the_stored_limit_is_sent_whole_and_never_run_again,
+    streamed_response_over_the_stored_limit_is_released_when_so_configured,
     response_body_that_fails_reaches_the_client_and_is_released,
     configuration_setters_take_effect,
     scopes_keep_tenants_apart,
@@ -276,17 +279,51 @@ async fn statuses_408_and_429_are_released_other_4xx_stored<H: Harness>(h: H) {
     assert_eq!(calls.get(), 3 * 2 + 3);
 }
 
-async fn response_over_the_stored_limit_is_sent_and_released<H: Harness>(h: H) {
+/// A response too large to keep goes whole to the client; its key keeps "completed, not
+/// replayable", so that a retry (its answer lost on the way) is told so and never runs the
+/// handler again.
+async fn response_over_the_stored_limit_is_sent_and_never_run_again<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(1024));
+    let seen = send(&app, keyed("POST", "/big", "k1", "")).await;
+    assert_eq!((seen.status.as_u16(), seen.body.len(), seen.replayed()), (200, 4096, false));
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+    for _ in 0..2 {
+        let retry = send(&app, keyed("POST", "/big", "k1", "")).await;
+        retry.assert_problem(500, "response-not-replayable");
+        assert!(retry.body.contains("status 200"), "{retry:?}");
+    }
+    assert_eq!(calls.get(), 1);
+}
+
+async fn response_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer =
+        IdempotencyLayer::new(h.store()).stored_body_limit(1024).release_when_too_large(true);
+    let app = app(&calls).layer(layer);
     for _ in 0..2 {
         let seen = send(&app, keyed("POST", "/big", "k1", "")).await;
-        assert_eq!(seen.status, 200);
-        assert_eq!(seen.body.len(), 4096);
-        assert!(!seen.replayed());
+        assert_eq!((seen.status.as_u16(), seen.body.len(), seen.replayed()), (200, 4096, false));
         assert_eq!(h.held(&global("k1")).await, None);
     }
     assert_eq!(calls.get(), 2);
+}
+
+/// Under the default limits (1 MiB): a 2 MiB response, and its retry.
+async fn a_two_mebibyte_response_is_sent_and_never_run_again<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let counted = calls.clone();
+    let handler = move || async move {
+        counted.next_call();
+        (StatusCode::CREATED, vec![b'x'; 2 * 1024 * 1024])
+    };
+    let app = Router::new().route("/huge", post(handler)).layer(IdempotencyLayer::new(h.store()));
+    let seen = send(&app, keyed("POST", "/huge", "k1", "")).await;
+    assert_eq!((seen.status, seen.body.len()), (StatusCode::CREATED, 2 * 1024 * 1024));
+    let retry = send(&app, keyed("POST", "/huge", "k1", "")).await;
+    retry.assert_problem(500, "response-not-replayable");
+    assert!(retry.body.contains("status 201"), "{retry:?}");
+    assert_eq!(calls.get(), 1);
 }
 
 async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
@@ -474,16 +511,31 @@ async fn keep_alive_stops_at_its_ceiling<H: Harness>(h: H) {
     assert_eq!(calls.get(), 2);
 }
 
-async fn streamed_response_over_the_stored_limit_is_sent_whole_and_released<H: Harness>(h: H) {
+async fn streamed_response_over_the_stored_limit_is_sent_whole_and_never_run_again<H: Harness>(
+    h: H,
+) {
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(1500));
+    let seen = send(&app, keyed("POST", "/streamed", "k1", "")).await;
+    assert_eq!(seen.status, 200);
+    // What the layer read before it saw the limit, then the rest: nothing lost, in order.
+    let expected: String = ["a", "b", "c", "d"].iter().map(|c| c.repeat(1024)).collect();
+    assert_eq!(seen.body, expected);
+    assert!(!seen.replayed());
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+    let retry = send(&app, keyed("POST", "/streamed", "k1", "")).await;
+    retry.assert_problem(500, "response-not-replayable");
+    assert_eq!(calls.get(), 1);
+}
+
+async fn streamed_response_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let layer =
+        IdempotencyLayer::new(h.store()).stored_body_limit(1500).release_when_too_large(true);
+    let app = app(&calls).layer(layer);
     for _ in 0..2 {
         let seen = send(&app, keyed("POST", "/streamed", "k1", "")).await;
-        assert_eq!(seen.status, 200);
-        // What the layer read before it saw the limit, then the rest: nothing lost, in order.
-        let expected: String = ["a", "b", "c", "d"].iter().map(|c| c.repeat(1024)).collect();
-        assert_eq!(seen.body, expected);
-        assert!(!seen.replayed());
+        assert_eq!((seen.status.as_u16(), seen.body.len(), seen.replayed()), (200, 4096, false));
         assert_eq!(h.held(&global("k1")).await, None);
     }
     assert_eq!(calls.get(), 2);

@@ -34,7 +34,8 @@ every_store!(
     fifty_deliveries_across_two_workers_run_the_operation_once,
     consumers_with_different_scopes_each_run_once,
     a_stored_result_of_another_type_is_an_error_naming_the_key_hash,
-    a_result_over_the_stored_limit_is_returned_and_released,
+    a_result_over_the_stored_limit_is_returned_and_never_run_again,
+    a_result_over_the_stored_limit_is_released_when_so_configured,
     a_result_of_exactly_the_stored_limit_is_stored,
 );
 
@@ -340,11 +341,23 @@ async fn a_stored_result_of_another_type_is_an_error_naming_the_key_hash<H: Harn
     assert_eq!(h.held(&record_key("evt_1")).await, Some(Held::Completed));
 }
 
-async fn a_result_over_the_stored_limit_is_returned_and_released<H: Harness>(h: H) {
+async fn a_result_over_the_stored_limit_is_returned_and_never_run_again<H: Harness>(h: H) {
     let idem = Idempotent::new(h.store()).stored_limit(16);
     let charges = Charges::default();
+    // The receipt encodes to more than 16 bytes.
+    let ran = idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await.unwrap();
+    assert!(matches!(ran, Outcome::Ran(_)));
+    assert_eq!(h.held(&record_key("evt_1")).await, Some(Held::Completed));
+    let again = idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await;
+    let Err(Error::ResultNotStored { reason, .. }) = again else { panic!("{again:?}") };
+    assert!(reason.contains("over the stored limit"), "{reason}");
+    assert_eq!(charges.count(), 1);
+}
+
+async fn a_result_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
+    let idem = Idempotent::new(h.store()).stored_limit(16).release_when_too_large(true);
+    let charges = Charges::default();
     for _ in 0..2 {
-        // The receipt encodes to more than 16 bytes.
         let ran = idem.run(SCOPE, "evt_1", PAYLOAD, charges.charge(Duration::ZERO)).await.unwrap();
         assert!(matches!(ran, Outcome::Ran(_)));
         assert_eq!(h.held(&record_key("evt_1")).await, None);
@@ -377,5 +390,8 @@ async fn a_result_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
     );
     let under = Idempotent::new(h.store()).stored_limit(4);
     assert_eq!(under.run(SCOPE, "evt_2", PAYLOAD, five).await.unwrap(), Outcome::Ran(12345));
-    assert_eq!(h.held(&record_key("evt_2")).await, None);
+    // Too large to keep: held as completed, not replayable.
+    assert_eq!(h.held(&record_key("evt_2")).await, Some(Held::Completed));
+    let again = under.run(SCOPE, "evt_2", PAYLOAD, five).await;
+    assert!(matches!(again, Err(Error::ResultNotStored { .. })), "{again:?}");
 }

@@ -34,7 +34,7 @@ every_store!(
     run_when_recovery_fails_runs_the_handler,
     a_fresh_claim_asks_the_hook_only_when_every_claim_is_on,
     the_handler_finds_its_context_in_the_request,
-    a_lapsed_claim_without_a_hook_is_gone_with_its_lease,
+    a_lapsed_claim_without_a_hook_is_kept_and_taken_over,
     a_takeover_on_the_consumer_door_asks_the_hook_and_replays_what_it_knows,
     a_failed_hook_on_the_consumer_door_runs_nothing,
 );
@@ -280,14 +280,18 @@ async fn the_handler_finds_its_context_in_the_request<H: Harness>(h: H) {
     assert_eq!(send(&app, keyed("POST", "/optional", "k2", "{}")).await.body, global("k2").hash());
 }
 
-async fn a_lapsed_claim_without_a_hook_is_gone_with_its_lease<H: Harness>(h: H) {
-    // No hook, so no window: the layer's claim lapses with its lease, as before recovery.
+async fn a_lapsed_claim_without_a_hook_is_kept_and_taken_over<H: Harness>(h: H) {
+    // No hook: the lapsed claim is still kept for the window, so that the next claim is a
+    // takeover (counted and traced as one), and it runs.
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).lease(LAPSE).keep_alive(None);
     let app = app(&calls).layer(layer);
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 2000, "{}"), "k1").await;
     tokio::time::sleep(PAST_LAPSE).await;
-    assert_eq!(h.held(&global("k1")).await, None);
+    assert_eq!(h.held(&global("k1")).await, Some(Held::InProgress));
+    let retry = send(&app, delayed("/slow", "k1", 0, "{}")).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false), "{retry:?}");
+    assert_eq!(calls.get(), 2);
     first.abort();
 }
 

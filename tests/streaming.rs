@@ -27,8 +27,8 @@ use tower::ServiceExt;
 every_store!(
     an_event_stream_reaches_the_client_before_the_handler_finishes_and_is_replayed_whole,
     a_client_that_leaves_mid_stream_still_has_the_stream_stored,
-    an_endless_stream_is_never_buffered_and_its_key_is_released,
-    a_two_mib_header_is_sent_but_not_stored,
+    an_endless_stream_is_never_buffered_and_never_run_again,
+    a_two_mib_header_is_sent_and_never_run_again,
     headers_of_exactly_the_stored_limit_are_stored,
 );
 
@@ -148,7 +148,7 @@ async fn a_client_that_leaves_mid_stream_still_has_the_stream_stored<H: Harness>
     assert_eq!(calls.get(), 1);
 }
 
-async fn an_endless_stream_is_never_buffered_and_its_key_is_released<H: Harness>(h: H) {
+async fn an_endless_stream_is_never_buffered_and_never_run_again<H: Harness>(h: H) {
     let (calls, produced, chunks) = (Calls::default(), Produced::default(), Arc::default());
     let layer = IdempotencyLayer::new(h.store()).stored_body_limit(16 * 1024);
     let app = streaming_app(&calls, &produced, &chunks).layer(layer);
@@ -160,11 +160,15 @@ async fn an_endless_stream_is_never_buffered_and_its_key_is_released<H: Harness>
     // (140 ms later): nothing waits for the stored limit (16 chunks) to fill.
     let eighth = produced.0.lock().unwrap().get(7).copied();
     assert!(eighth.is_none_or(|eighth| first_arrived < eighth), "the first chunk was held back");
-    // Past the stored limit the copy is dropped and the key released, while the stream goes on.
+    // Past the stored limit the copy is dropped, while the stream goes on, and the key is kept
+    // as completed, not replayable.
     for _ in 0..20 {
         body.frame().await.unwrap().unwrap();
     }
-    eventually("the key is released", async || h.held(&global("k1")).await.is_none()).await;
+    eventually("the key is kept as not replayable", async || {
+        h.held(&global("k1")).await == Some(Held::Completed)
+    })
+    .await;
     // The client leaves: the layer stops reading the endless body.
     drop(body);
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -177,18 +181,18 @@ async fn an_endless_stream_is_never_buffered_and_its_key_is_released<H: Harness>
     assert_eq!(calls.get(), 1);
 }
 
-async fn a_two_mib_header_is_sent_but_not_stored<H: Harness>(h: H) {
+async fn a_two_mib_header_is_sent_and_never_run_again<H: Harness>(h: H) {
     let (calls, produced, chunks) = (Calls::default(), Produced::default(), Arc::default());
     let app = streaming_app(&calls, &produced, &chunks).layer(IdempotencyLayer::new(h.store()));
-    for call in 1..=2 {
-        let seen = send(&app, keyed("POST", "/big-header", "k1", "")).await;
-        assert_eq!(seen.status, 200);
-        assert_eq!(seen.header("x-huge").map(str::len), Some(2 * 1024 * 1024));
-        assert!(!seen.replayed());
-        assert_eq!(seen.body, format!("call {call}"));
-        assert_eq!(h.held(&global("k1")).await, None);
-    }
-    assert_eq!(calls.get(), 2);
+    let seen = send(&app, keyed("POST", "/big-header", "k1", "")).await;
+    assert_eq!(seen.status, 200);
+    assert_eq!(seen.header("x-huge").map(str::len), Some(2 * 1024 * 1024));
+    assert!(!seen.replayed());
+    assert_eq!(seen.body, "call 1");
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+    let retry = send(&app, keyed("POST", "/big-header", "k1", "")).await;
+    retry.assert_problem(500, "response-not-replayable");
+    assert_eq!(calls.get(), 1);
 }
 
 /// The stored headers limit is inclusive: headers that take exactly the limit are stored, one
@@ -214,5 +218,8 @@ async fn headers_of_exactly_the_stored_limit_are_stored<H: Harness>(h: H) {
         send(&app, keyed("POST", "/big-header", key, "")).await;
         let again = send(&app, keyed("POST", "/big-header", key, "")).await;
         assert_eq!(again.replayed(), replayed, "limit {limit}, stored headers {stored}");
+        if !replayed {
+            again.assert_problem(500, "response-not-replayable");
+        }
     }
 }

@@ -110,7 +110,7 @@ impl Nemesis {
         }
     }
 
-    /// A fault of the store's network, through the proxy: 0 slow, 1 silent, else reset.
+    /// A fault of the store's network, through the proxy: 0 slow, 1 silent, 2 down, else reset.
     fn network(&self, proxy: &Proxy, which: usize) {
         match which {
             0 => self.fault("slow-network", "proxy", || {
@@ -123,19 +123,27 @@ impl Nemesis {
                 std::thread::sleep(between(300, 3000));
                 proxy.set(Weather::Clear);
             }),
+            // Longer than a settle's old retry budget (50 + 200 + 800 ms), shorter than the
+            // lease less a renewal period: the settles of the handlers that finish meanwhile
+            // fail fast and keep trying, their leases held.
+            2 => self.fault("store-down", "proxy", || {
+                proxy.set(Weather::Down);
+                std::thread::sleep(between(1200, LEASE.as_millis() as u64 - 1200));
+                proxy.set(Weather::Clear);
+            }),
             _ => self.fault("reset-connections", "proxy", || proxy.reset_all()),
         }
     }
 
     /// A single Redis: pause it, restart it (AOF keeps its data), or make its network slow,
-    /// silent or reset.
+    /// silent, down or reset.
     pub(crate) fn single_redis(&self) {
         let proxy = self.proxy.as_ref().expect("a single Redis runs behind the proxy");
         while !self.stop.load(Ordering::SeqCst) {
             self.rest();
             let mut redis = self.redis.lock().unwrap();
             let server = &mut redis[0];
-            let fault = if self.lossy && rand::random::<bool>() { 1 } else { pick(5) };
+            let fault = if self.lossy && rand::random::<bool>() { 1 } else { pick(6) };
             match fault {
                 0 => self.fault("pause-redis", &server.name, || {
                     server.signal("-STOP");
@@ -239,7 +247,7 @@ impl Nemesis {
         }
     }
 
-    /// `PostgresStore`: its network slow, silent or reset (the proxy), or its connections
+    /// `PostgresStore`: its network slow, silent, down or reset (the proxy), or its connections
     /// terminated by the server (`pg_terminate_backend`). The database itself is the machine's
     /// own server, shared with the system of record: it is neither paused nor restarted.
     pub(crate) fn postgres(&self) {
@@ -247,8 +255,8 @@ impl Nemesis {
         let (admin, database) = &self.database;
         while !self.stop.load(Ordering::SeqCst) {
             self.rest();
-            match pick(4) {
-                network @ 0..=2 => self.network(proxy, network),
+            match pick(5) {
+                network @ 0..=3 => self.network(proxy, network),
                 _ => {
                     let mut failed = None;
                     self.fault("terminate-backends", database, || {

@@ -1,5 +1,6 @@
 //! A TCP proxy between the services and Redis that the nemesis can make slow, silent (bytes
-//! held, not forwarded) or reset (every connection closed at once).
+//! held, not forwarded), down (every command's connection reset, new ones refused: commands
+//! fail at once) or reset (every connection closed at once).
 
 use std::{
     sync::{
@@ -23,6 +24,9 @@ pub(crate) enum Weather {
     Slow(Duration),
     /// Nothing is forwarded (a partition that drops packets): bytes wait until it clears.
     Silent,
+    /// The store is gone (a failover, a crash before the restart): a connection that carries
+    /// bytes is reset, and new ones are refused, so every command fails at once.
+    Down,
 }
 
 /// A handle on a running proxy.
@@ -43,6 +47,10 @@ impl Proxy {
         let accepting = proxy.clone();
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if *accepting.weather.borrow() == Weather::Down {
+                    drop(client);
+                    continue;
+                }
                 let proxy = accepting.clone();
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await {
@@ -109,6 +117,10 @@ impl Proxy {
                     Weather::Silent => {
                         let _ = tokio::time::timeout(Duration::from_millis(50), weather.changed())
                             .await;
+                    }
+                    Weather::Down => {
+                        reset(&to);
+                        return;
                     }
                 }
             }

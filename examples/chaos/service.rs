@@ -30,8 +30,10 @@ use serde::{Deserialize, Serialize};
 use tokio_postgres::NoTls;
 
 /// How long a claim holds its key without renewal. Short, so that a dead holder's keys are
-/// taken over within the run; the keep-alive renews it every third.
-pub(crate) const LEASE: Duration = Duration::from_secs(2);
+/// taken over within the run; the keep-alive renews it every second. Long enough for the
+/// nemesis's store outages (`store-down`, up to the lease less 1.2 s) to be shorter than the
+/// lease less a renewal period.
+pub(crate) const LEASE: Duration = Duration::from_secs(4);
 
 /// The schema of the system of record: one row per execution of the side effect.
 pub(crate) const SCHEMA: &str = "CREATE TABLE executions (

@@ -223,8 +223,10 @@ impl<St: Store, H> Idempotent<St, H> {
     }
 
     /// Sets the largest encoded result stored, in bytes. A larger one is returned to the
-    /// caller and its key released, so a redelivery runs the operation again. Defaults to
-    /// 1 MiB.
+    /// caller, and its key keeps a record that the operation ran: every redelivery gets
+    /// [`Error::ResultNotStored`], and the operation does not run again
+    /// ([`release_when_too_large`](Self::release_when_too_large) releases the key instead).
+    /// Defaults to 1 MiB.
     pub fn stored_limit(mut self, bytes: usize) -> Self {
         self.stored_limit = bytes;
         self
@@ -246,7 +248,9 @@ impl<St: Store, H> Idempotent<St, H> {
     /// infinity, which JSON would turn into `null`) is returned to this caller as
     /// [`Outcome::Ran`], and its key is completed with a record of that failure: the operation
     /// never runs again for the key, and every redelivery gets [`Error::ResultNotStored`]. A
-    /// result over the [`stored_limit`](Self::stored_limit) is returned and its key released.
+    /// result over the [`stored_limit`](Self::stored_limit) is returned too, and its key
+    /// completed the same way ([`release_when_too_large`](Self::release_when_too_large)
+    /// releases it instead).
     ///
     /// # Panics
     ///
@@ -373,12 +377,9 @@ async fn settle_ran<St: Store, T: Serialize, E>(
     match stored {
         Ok(stored) => holder.complete(stored, move || answer.send(Outcome::Ran(value))).await,
         Err(()) => {
-            tracing::warn!(
-                key_hash = holder.key().hash(),
-                "idempotency: the result is over the stored limit; the key is released"
-            );
-            holder.release("the result is over the stored limit").await;
-            answer.send(Outcome::Ran(value));
+            let why = "the result is over the stored limit";
+            let record = not_stored(why);
+            holder.complete_too_large(record, why, move || answer.send(Outcome::Ran(value))).await;
         }
     }
 }

@@ -8,7 +8,7 @@ use futures_util::FutureExt as _;
 use super::{
     Engine, Settings, observe,
     renewals::Renewing,
-    settle::{complete_with_retries, release},
+    settle::{complete_while_held, release},
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -24,9 +24,10 @@ pub(crate) type Panic = Box<dyn Any + Send>;
 /// or [`release`](Self::release) consume it.
 ///
 /// From the claim to the settle, whatever runs in between (the recovery hook, the operation,
-/// a response body), the engine's [`Renewals`] renew the lease every third of a lease, for at
-/// most the keep-alive ceiling from the claim. The settle stops them first, and waits for a
-/// renewal on the wire, so that no renewal lands after the settle.
+/// a response body), the engine's [`Renewals`] renew the lease every third of a lease (at most
+/// every second), for at most the keep-alive ceiling from the claim. A release stops them
+/// first, and waits for a renewal on the wire, so that no renewal lands after it; a complete
+/// keeps them running until the store answered it.
 pub(crate) struct Holder<St> {
     store: St,
     key: RecordKey,
@@ -235,6 +236,28 @@ impl<St: Store> Holder<St> {
         answered();
     }
 
+    /// Settles an operation whose outcome is too large to keep: by default a "completed, not
+    /// replayable" record (`record`, made by the door: the reason, no outcome), so that a
+    /// retry is answered an error and the operation never runs again; its key released when
+    /// the door is so configured.
+    pub(crate) async fn complete_too_large(
+        self,
+        record: Bytes,
+        why: &'static str,
+        answered: impl FnOnce(),
+    ) {
+        if self.settings.release_too_large {
+            self.release(why).await;
+            return answered();
+        }
+        tracing::warn!(
+            key_hash = self.key.hash(),
+            why,
+            "idempotency: the outcome is too large to keep; retries are answered that it ran"
+        );
+        self.complete(record, answered).await;
+    }
+
     /// Deletes the claim, so that a retry runs the operation again.
     pub(crate) async fn release(mut self, why: &'static str) {
         self.stop_renewal().await;
@@ -242,14 +265,33 @@ impl<St: Store> Holder<St> {
     }
 
     /// Stores `outcome` for the retention period. `answered` runs after the first attempt,
-    /// whatever the store said: the front door's caller gets its answer there, and a failed
-    /// first attempt is then retried in the background of this task.
+    /// whatever the store said: the front door's caller gets its answer there. A failed
+    /// attempt is tried again in this task, the lease renewed meanwhile, until the store
+    /// answers or the lease no longer holds (lost, past the keep-alive ceiling, or lapsed for
+    /// want of a renewal the store applied; the lease itself without keep-alive): a stall of
+    /// the store shorter than the lease less a renewal period never lets a retry take the key
+    /// over and run the operation again. A renewal that lands after the
+    /// complete is refused by the completed record.
     pub(crate) async fn complete(mut self, outcome: Bytes, answered: impl FnOnce()) {
+        let outcome = self.settings.at_rest.seal(&self.key, outcome);
+        let retention = self.settings.retention;
+        // A renewal that finds the record completed from here is this complete's, not a lease
+        // lost.
+        self.commit.completing();
+        let holding = match &self.renewal {
+            Some(_) => None,
+            None => Some(super::after(self.settings.lease)),
+        };
+        let write = (&self.store, &self.key, &self.owner, &self.fingerprint);
+        let renewal = &self.renewal;
+        let still_held = || match holding {
+            Some(lease_end) => tokio::time::Instant::now() < lease_end,
+            None => renewal.as_ref().is_some_and(Renewing::is_held),
+        };
+        let settled =
+            complete_while_held(write, &self.route, outcome, retention, answered, still_held).await;
         self.stop_renewal().await;
-        let Self { store, key, fingerprint, owner, settings, route, .. } = self;
-        let outcome = settings.at_rest.seal(&key, outcome);
-        let write = (&store, &key, &owner, &fingerprint);
-        complete_with_retries(write, &route, outcome, settings.retention, answered).await;
+        settled.report(self.key.hash(), &self.route);
     }
 }
 
@@ -333,7 +375,7 @@ mod tests {
         // Once each: a renewal rejected ends the claim's renewals.
         let quiet = renewal_logs(true);
         assert!(!quiet.contains("lease lost"), "{quiet}");
-        assert_eq!(quiet.matches("settled in the operation's transaction").count(), 1, "{quiet}");
+        assert_eq!(quiet.matches("settled by its holder").count(), 1, "{quiet}");
         let lost = renewal_logs(false);
         assert!(lost.contains("WARN"), "{lost}");
         assert_eq!(lost.matches("lease lost").count(), 1, "{lost}");

@@ -70,6 +70,9 @@ pub(crate) struct Settings {
     pub(crate) recovering: bool,
     /// Whether outcomes are encrypted at rest.
     pub(crate) at_rest: AtRest,
+    /// Release the key of an outcome too large to keep, rather than keep a "completed, not
+    /// replayable" record of it.
+    pub(crate) release_too_large: bool,
 }
 
 /// How the engine uses a front door's recovery hook.
@@ -98,13 +101,22 @@ impl Default for RecoveryPolicy {
 }
 
 impl Settings {
-    /// The lease of a claim: with a recovery window when a hook is there to use it.
+    /// The lease of a claim, with its recovery window.
     pub(crate) fn lease(&self) -> Lease {
-        let window = match self.recovering {
-            true => self.recovery.window.unwrap_or(self.retention),
-            false => Duration::ZERO,
-        };
+        // Kept with a hook or without: a claim after a lapse is a takeover, counted and traced
+        // as one (a holder died), whether or not a hook is there to ask.
+        let window = self.recovery.window.unwrap_or(self.retention);
         Lease::new(self.lease).recovery_window(window)
+    }
+
+    /// The lease a claim whose answer was never seen is abandoned with: a record it may have
+    /// taken over is kept for the window only when a hook is there to ask (without one, the
+    /// claim never ran anything, and the key is freed).
+    pub(crate) fn abandoned_lease(&self) -> Lease {
+        match self.recovering {
+            true => self.lease(),
+            false => Lease::new(self.lease),
+        }
     }
 }
 
@@ -117,6 +129,11 @@ const LAST_POLL: Duration = Duration::from_secs(1);
 /// (nginx's `proxy_read_timeout`, AWS ALB's idle timeout) and clients (stripe-python's 80 s)
 /// give a request.
 pub(crate) const DEFAULT_HTTP_WAIT: Duration = Duration::from_secs(10);
+
+/// The HTTP door's default lease: no longer than its wait, so that a retry that waits for a
+/// holder that died takes its key over within the wait (the lease is renewed while the handler
+/// runs, so a handler may run longer).
+pub(crate) const DEFAULT_HTTP_LEASE: Duration = DEFAULT_HTTP_WAIT;
 
 /// The default for the number of waiters at once.
 pub(crate) const DEFAULT_MAX_WAITERS: usize = 1024;
@@ -134,6 +151,7 @@ impl Default for Settings {
             recovery: RecoveryPolicy::default(),
             recovering: false,
             at_rest: AtRest::default(),
+            release_too_large: false,
         }
     }
 }
@@ -303,8 +321,9 @@ impl<St: Store> Engine<St> {
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let owner = OwnerToken::random();
         let lease = self.settings.lease();
+        let abandoned = self.settings.abandoned_lease();
         let mut guard =
-            UnsettledClaim { armed: Some((&self.store, key, &owner, fingerprint, lease)) };
+            UnsettledClaim { armed: Some((&self.store, key, &owner, fingerprint, abandoned)) };
         let claim = if waiting {
             self.store.claim_waiting(key, fingerprint, &owner, lease).await
         } else {

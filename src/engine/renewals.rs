@@ -1,7 +1,7 @@
 //! [`Renewals`]: the leases of one engine's running claims, renewed by one task per runtime for them all.
 //!
 //! A claim registers here ([`Renewals::register`]: a lock and a slab slot) and is renewed every
-//! third of a lease, from the claim to its settle, for at most the keep-alive ceiling. One task
+//! third of a lease (every second at most), from the claim to its settle, for at most the keep-alive ceiling. One task
 //! per engine and runtime looks over that runtime's claims every twelfth of a lease and sends
 //! each due renewal in a task of its own; a claim settled first costs no task and no timer of
 //! its own. The renewals run beside the request's task, not in it, so that an operation that
@@ -114,6 +114,9 @@ struct Entry {
     commit: Arc<CommitSlot>,
     /// The claim, then each renewal's sending.
     renewed_at: Instant,
+    /// Until when the lease surely holds: a lease from the claim, then from the sending of the
+    /// last renewal the store applied.
+    held_until: Instant,
     give_up_at: Instant,
     /// A renewal is on the wire.
     touching: bool,
@@ -132,7 +135,7 @@ struct Ticket {
 impl<St> Renewals<St> {
     /// Renewals of claims on `store` with `lease`, each for at most `ceiling` from its claim.
     fn new(store: St, lease: Lease, ceiling: Duration) -> Self {
-        let period = (lease.duration / 3).max(Duration::from_millis(1));
+        let period = (lease.duration / 3).min(LONGEST_PERIOD).max(Duration::from_millis(1));
         let state = State { claims: Slab::new(), serial: 0, tasks: Vec::new() };
         Self {
             shared: Arc::new(Shared { store, lease, period, ceiling, state: Mutex::new(state) }),
@@ -165,6 +168,7 @@ impl<St: Store> Renewals<St> {
             route,
             commit,
             renewed_at: now,
+            held_until: now + self.shared.lease.duration,
             give_up_at,
             touching: false,
             ended: None,
@@ -233,6 +237,17 @@ impl<St> Renewing<St> {
         self.spawned_task
     }
 
+    /// Whether the lease still holds: renewed (neither lost to another request nor past the
+    /// keep-alive ceiling), and not lapsed for want of a renewal the store applied.
+    pub(crate) fn is_held(&self) -> bool {
+        self.renewals.as_ref().is_some_and(|renewals| {
+            let mut state = renewals.shared.lock();
+            state
+                .entry(self.ticket)
+                .is_some_and(|entry| entry.ended.is_none() && Instant::now() < entry.held_until)
+        })
+    }
+
     /// Stops the renewals, and waits for one on the wire: before a settle, so that no renewal
     /// lands after it.
     pub(crate) async fn stop(mut self) {
@@ -253,8 +268,13 @@ impl<St> Drop for Renewing<St> {
     }
 }
 
-/// Every twelfth of a lease (a quarter of a period, so that a renewal is sent within a
-/// quarter period of its due time, and a failed one is tried again while the lease runs),
+/// The longest time between two renewals of a claim: the lease's last renewal is never more
+/// than this old, so that a store that stalls for the lease less this (a failover, a paused
+/// server) never lets a retry take over a key whose holder is alive and settling.
+const LONGEST_PERIOD: Duration = Duration::from_secs(1);
+
+/// Every quarter of a period (so that a renewal is sent between three quarters of a period and
+/// a period after the last, and a failed one is tried again while the lease runs),
 /// sends the due renewals of the claims made on `runtime`, the one it runs on. Ends when the
 /// engine and every claim of it are gone.
 async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration, runtime: runtime::Id) {
@@ -268,7 +288,7 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration, runtim
         for (index, entry) in &mut state.claims {
             if entry.runtime != runtime
                 || entry.touching
-                || now.duration_since(entry.renewed_at) < shared.period
+                || now.duration_since(entry.renewed_at) < shared.period - tick
             {
                 continue;
             }
@@ -284,7 +304,13 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration, runtim
             entry.renewed_at = now;
             let ticket = Ticket { index, serial: entry.serial };
             // Made before the task, so that a task the runtime drops unstarted still ends it.
-            let touched = Touched { shared: shared.clone(), ticket, keep: true };
+            let touched = Touched {
+                shared: shared.clone(),
+                ticket,
+                keep: true,
+                soon: false,
+                held_until: None,
+            };
             let touch = (entry.key.clone(), entry.owner.clone());
             due.push((touched, touch, entry.route.clone(), entry.commit.clone()));
         }
@@ -308,23 +334,23 @@ async fn renew<St: Store>(
     commit: Arc<CommitSlot>,
 ) {
     let hash = key.hash();
+    let sent = Instant::now();
     match touched.shared.store.touch(&key, &owner, touched.shared.lease).await {
-        Ok(Fenced::Applied) => {}
-        // The operation's own transaction settled the record (the renewal waited on its row
-        // lock): not a lease lost.
+        Ok(Fenced::Applied) => touched.held_until = Some(sent + touched.shared.lease.duration),
+        // The holder's own complete, or the operation's own transaction, settled the record
+        // (the renewal ran beside it, or waited on its row lock): not a lease lost.
         Ok(Fenced::Rejected) if commit.begun() => {
             touched.keep = false;
-            tracing::debug!(
-                key_hash = hash,
-                "idempotency: the record was settled in the operation's transaction"
-            );
+            tracing::debug!(key_hash = hash, "idempotency: the record was settled by its holder");
         }
         Ok(Fenced::Rejected) => {
             touched.keep = false;
             tracing::warn!(key_hash = hash, "idempotency: lease lost to another request");
         }
-        // The next is due a period on; the lease has two more periods to run.
+        // Tried again a quarter period on, not a period: a store that stalls for most of a
+        // lease is renewed as soon as it answers again.
         Err(error) => {
+            touched.soon = true;
             observe::store_error(&route, "touch");
             tracing::warn!(key_hash = hash, %error, "idempotency: lease renewal failed");
         }
@@ -339,13 +365,25 @@ struct Touched<St> {
     ticket: Ticket,
     /// Whether the claim is still to be renewed.
     keep: bool,
+    /// The renewal failed: the next is due a quarter period on.
+    soon: bool,
+    /// The renewal was applied: the lease holds until then.
+    held_until: Option<Instant>,
 }
 
 impl<St> Drop for Touched<St> {
     fn drop(&mut self) {
         let mut state = self.shared.lock();
+        let period = self.shared.period;
         let Some(entry) = state.entry(self.ticket) else { return };
         entry.touching = false;
+        if let Some(held_until) = self.held_until {
+            entry.held_until = held_until;
+        }
+        if self.soon {
+            let now = Instant::now();
+            entry.renewed_at = now.checked_sub(period - period / 4).unwrap_or(now);
+        }
         match entry.ended.take() {
             Some(waiter) => {
                 state.claims.remove(self.ticket.index);

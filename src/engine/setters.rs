@@ -10,10 +10,26 @@ macro_rules! engine_setters {
     () => {
         /// Sets how long a claim holds its key without renewal. Keep-alive renews it from the
         /// claim to the settle (see [`keep_alive`](Self::keep_alive)); a holder that stops
-        /// renewing, because its process died, frees the key within one lease. Defaults to 30
-        /// seconds. A duration too long for the clock saturates.
+        /// renewing, because its process died, frees the key within one lease. Defaults to 10
+        /// seconds for the HTTP layer (no longer than its wait, so that a waiting retry takes
+        /// a dead holder's key over within the wait) and 30 seconds for the consumer door. A
+        /// claim whose lease lapsed is kept for the recovery window, so that the next claim is
+        /// a takeover, counted and traced as one. A duration too long for the clock saturates.
         pub fn lease(mut self, lease: std::time::Duration) -> Self {
             self.settings().lease = lease;
+            self
+        }
+
+        /// Releases the key of an outcome too large to keep (an HTTP response whose headers
+        /// or body are over the stored limits, a stream whose copy went past them; a consumer
+        /// result over its stored limit), as earlier versions did, so that a retry runs the
+        /// operation again. **The risk:** a client whose answer was lost on the way retries,
+        /// and the side effect happens twice. Defaults to `false`: the key keeps a small
+        /// "completed, not replayable" record (the status and the reason, no body), and every
+        /// retry is answered 500 problem+json `response-not-replayable` (the consumer door:
+        /// `Error::ResultNotStored`), never by running the operation again.
+        pub fn release_when_too_large(mut self, release: bool) -> Self {
+            self.settings().release_too_large = release;
             self
         }
 
@@ -24,7 +40,7 @@ macro_rules! engine_setters {
             self
         }
 
-        /// Renews the lease every third of a lease from the claim to the settle (the recovery
+        /// Renews the lease every third of a lease (every second at most) from the claim to the settle (the recovery
         /// hook, the operation, an HTTP response body), for at most `ceiling` from the claim;
         /// `None` turns renewal off. Past the ceiling, or without renewal, an operation that
         /// outlives its lease can be taken over by a duplicate, which then runs it again (the

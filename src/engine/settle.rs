@@ -12,56 +12,91 @@ use crate::{
     store::{Fenced, Lease, OwnerToken, Store, StoreError},
 };
 
-/// How often, and how far apart, a failed `complete` or `release` is tried again.
+/// How often, and how far apart, a failed `release` is tried again.
 const SETTLE_RETRIES: [Duration; 3] =
     [Duration::from_millis(50), Duration::from_millis(200), Duration::from_millis(800)];
 
-/// Stores `outcome`, calls `answered` after the first attempt, then retries a failed first
-/// attempt so that a retry is replayed rather than run again.
-pub(super) async fn complete_with_retries<St: Store>(
+/// The first and the longest pause between tries of a `complete` the store failed: short, so
+/// that the outcome lands soon after a stall ends, well within the lease.
+const COMPLETE_FIRST_DELAY: Duration = Duration::from_millis(50);
+const COMPLETE_LONGEST_DELAY: Duration = Duration::from_millis(250);
+
+/// What became of a complete.
+#[must_use]
+pub(super) enum Completed {
+    /// The store answered.
+    Settled(Fenced),
+    /// The store never answered while the claim was held: the last error.
+    GaveUp(StoreError),
+}
+
+impl Completed {
+    /// Counts and logs what became of the complete.
+    pub(super) fn report(self, hash: &str, route: &str) {
+        match self {
+            Self::Settled(Fenced::Applied) => {
+                observe::settle(route, "stored");
+                tracing::debug!(key_hash = hash, "idempotency: completed");
+            }
+            Self::Settled(Fenced::Rejected) => {
+                observe::settle(route, "fenced_out");
+                tracing::warn!(
+                    key_hash = hash,
+                    "idempotency: lease lapsed and the key was taken over; outcome not stored"
+                );
+            }
+            Self::GaveUp(error) => {
+                observe::settle(route, "failed");
+                tracing::error!(
+                    key_hash = hash,
+                    %error,
+                    "idempotency: the response could not be stored while the key was held; a retry after the lease ends will run the handler again"
+                );
+            }
+        }
+    }
+}
+
+/// Stores `outcome`, calls `answered` after the first attempt, then tries a failed attempt
+/// again (backing off to a quarter second) for as long as `held` says the claim is held, so
+/// that a retry is replayed rather than run again.
+pub(super) async fn complete_while_held<St: Store>(
     (store, key, owner, fingerprint): (&St, &RecordKey, &OwnerToken, &Fingerprint),
     route: &str,
     outcome: Bytes,
     retention: Duration,
     answered: impl FnOnce(),
-) {
+    held: impl Fn() -> bool,
+) -> Completed {
     let hash = key.hash();
     let first = store.complete(key, owner, fingerprint, outcome.clone(), retention).await;
     answered();
-    let error = match first {
-        Ok(result) => return settled_complete(result, hash, route),
+    let mut error = match first {
+        Ok(result) => return Completed::Settled(result),
         Err(error) => error,
     };
     observe::store_error(route, "complete");
-    tracing::warn!(key_hash = hash, %error, "idempotency: storing the response failed; retrying");
-    let stored =
-        retry_settle(|| store.complete(key, owner, fingerprint, outcome.clone(), retention)).await;
-    if let Some(outcome) = stored {
-        tracing::info!(key_hash = hash, ?outcome, "idempotency: store answered on retry");
-        return settled_complete(outcome, hash, route);
-    }
-    observe::settle(route, "failed");
-    tracing::error!(
-        key_hash = hash,
-        %error,
-        "idempotency: the response could not be stored; a retry after the lease ends will run the handler again"
-    );
-}
-
-fn settled_complete(result: Fenced, hash: &str, route: &str) {
-    match result {
-        Fenced::Applied => {
-            observe::settle(route, "stored");
-            tracing::debug!(key_hash = hash, "idempotency: completed");
+    tracing::warn!(key_hash = hash, %error, "idempotency: storing the response failed; retrying while the key is held");
+    let mut delay = COMPLETE_FIRST_DELAY;
+    let mut failures = 1_u32;
+    while held() {
+        tokio::time::sleep(delay).await;
+        match store.complete(key, owner, fingerprint, outcome.clone(), retention).await {
+            Ok(result) => {
+                tracing::info!(
+                    key_hash = hash,
+                    failures,
+                    outcome = ?result,
+                    "idempotency: store answered on retry"
+                );
+                return Completed::Settled(result);
+            }
+            Err(again) => error = again,
         }
-        Fenced::Rejected => {
-            observe::settle(route, "fenced_out");
-            tracing::warn!(
-                key_hash = hash,
-                "idempotency: lease lapsed and the key was taken over; outcome not stored"
-            );
-        }
+        failures += 1;
+        delay = (delay * 2).min(COMPLETE_LONGEST_DELAY);
     }
+    Completed::GaveUp(error)
 }
 
 /// Releases the key if `owner` still holds it. A release the store fails is tried again in

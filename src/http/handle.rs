@@ -26,7 +26,7 @@ use super::{
     recover::lookup_request,
     replay::Replay,
     scope::ScopeExtractor,
-    seal::{HttpEncoding, not_stored, settle_sealed},
+    seal::{HttpEncoding, NotStored, OVER_BODY_LIMIT, not_stored, settle_sealed},
 };
 use crate::{
     context::{Completion, IdempotencyContext},
@@ -248,9 +248,17 @@ async fn settle_response<St: Store, E, ResBody>(
 {
     let (head, body) = response.into_parts();
     let body = Body::new(body);
-    if let Some(why) = not_stored(&config, &head, &body) {
-        holder.release(why).await;
-        return answer.send(Response::from_parts(head, body));
+    match not_stored(&config, &head, &body) {
+        Some(NotStored::Policy(why)) => {
+            holder.release(why).await;
+            return answer.send(Response::from_parts(head, body));
+        }
+        Some(NotStored::TooLarge(why)) => {
+            let record = record::not_replayable(head.status, why);
+            let answered = move || answer.send(Response::from_parts(head, body));
+            return holder.complete_too_large(record, why, answered).await;
+        }
+        None => {}
     }
     // Stored minimally: the record needs nothing of the body, which streams to the client
     // whatever its size.
@@ -280,8 +288,9 @@ async fn settle_whole<St: Store, E>(
     let body = match collect_response(body, config.stored_body_limit).await {
         CollectedBody::Whole(body) => body,
         CollectedBody::TooLarge(body) => {
-            holder.release("the response is over the stored body limit").await;
-            return answer.send(Response::from_parts(head, body));
+            let record = record::not_replayable(head.status, OVER_BODY_LIMIT);
+            let answered = move || answer.send(Response::from_parts(head, body));
+            return holder.complete_too_large(record, OVER_BODY_LIMIT, answered).await;
         }
         CollectedBody::Failed(error) => {
             tracing::error!(key_hash = holder.key().hash(), error = %error, "idempotency: response body failed");
@@ -329,8 +338,11 @@ async fn settle_streamed<St: Store, E>(
             holder.complete(blob, || {}).await;
         }
         Teed::OverLimit(rest) => {
-            holder.release("the response is over the stored body limit").await;
-            forward(rest, &client).await;
+            // The client gets the whole stream first: the settle does not hold it up.
+            let forwarded = forward(rest, &client);
+            let record = record::not_replayable(status, OVER_BODY_LIMIT);
+            let settled = holder.complete_too_large(record, OVER_BODY_LIMIT, || {});
+            futures_util::future::join(forwarded, settled).await;
         }
         Teed::Failed(error) => {
             tracing::error!(key_hash = holder.key().hash(), %error, "idempotency: response body failed");
@@ -340,8 +352,9 @@ async fn settle_streamed<St: Store, E>(
 }
 
 /// The `outcome` field of the request's span.
-fn outcome_name<St>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
+fn outcome_name<St: Store>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
     match claimed {
+        Ok(Claimed::Run(holder)) if holder.taken_over() => "taken_over",
         Ok(Claimed::Run(_)) => "claimed",
         Ok(Claimed::Replay(_)) => "replayed",
         Ok(Claimed::InProgress { .. }) => "in_progress",

@@ -12,7 +12,9 @@ use super::{
     service::Idempotency,
 };
 use crate::{
-    engine::{DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters},
+    engine::{
+        DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
+    },
     fingerprint::{PayloadRules, payload_rule_setters},
     key::RecordKey,
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, Store, StoreError},
@@ -65,7 +67,11 @@ impl<St: Store> IdempotencyLayer<St> {
             store,
             scope: GlobalScope,
             config: Arc::new(Config::default()),
-            settings: Arc::new(Settings { wait: Some(DEFAULT_HTTP_WAIT), ..Settings::default() }),
+            settings: Arc::new(Settings {
+                lease: DEFAULT_HTTP_LEASE,
+                wait: Some(DEFAULT_HTTP_WAIT),
+                ..Settings::default()
+            }),
             renewals: RenewalsCell::default(),
         }
     }

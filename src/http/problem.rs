@@ -20,12 +20,13 @@ pub(crate) enum ProblemType {
     EncodingNotAcceptable,
     RecoveryFailed,
     RebuildFailed,
+    ResponseNotReplayable,
 }
 
 impl ProblemType {
     /// Every type, for the test that holds the README's table to them.
     #[cfg(test)]
-    const ALL: [Self; 13] = [
+    const ALL: [Self; 14] = [
         Self::KeyMissing,
         Self::KeyMalformed,
         Self::ScopeMissing,
@@ -39,6 +40,7 @@ impl ProblemType {
         Self::EncodingNotAcceptable,
         Self::RecoveryFailed,
         Self::RebuildFailed,
+        Self::ResponseNotReplayable,
     ];
 
     fn uri_and_title(self) -> (&'static str, &'static str) {
@@ -92,6 +94,10 @@ impl ProblemType {
             Self::HandlerFailed => {
                 ("urn:axum-idempotency:problem:handler-failed", "The request handler failed")
             }
+            Self::ResponseNotReplayable => (
+                "urn:axum-idempotency:problem:response-not-replayable",
+                "The request ran, but its response was too large to keep; it does not run again",
+            ),
         }
     }
 }

@@ -15,7 +15,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use bytes::{Buf, Bytes};
+use bytes::{Buf, BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 pub(crate) use super::header_filter::HeaderFilter;
@@ -125,6 +125,15 @@ pub(crate) fn encoding_acceptable(stored: &HeaderMap, request: &HeaderMap) -> bo
         }
     }
     named.or(star).unwrap_or(false)
+}
+
+/// The record of a response that ran but is too large to keep: its status and why, no
+/// headers, no body. Every retry is answered that it ran (`response-not-replayable`).
+pub(crate) fn not_replayable(status: StatusCode, why: &str) -> Bytes {
+    let reason = format!("the request ran (status {}) but {why}", status.as_u16());
+    let mut out = envelope::seal(Format::NotStored, reason.len());
+    out.put_slice(reason.as_bytes());
+    out.freeze()
 }
 
 /// Decodes a blob written by [`encode`], observing its age for `route`. Never panics; the body

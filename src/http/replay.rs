@@ -14,6 +14,7 @@ use super::{
     problem::{ProblemType, problem, problem_retry_after},
     record::{self, StoredResponse},
 };
+use crate::engine::envelope::{self, Format};
 
 /// What a replay needs besides the record: the layer's configuration (its rebuild hook), the
 /// route, the retry's headers, the retention (for the expiry header) and the hook's bound.
@@ -29,7 +30,21 @@ impl Replay<'_> {
     /// The stored response in `blob`, as a replay, with its expiry when the layer advertises
     /// it. Never panics: an unreadable record, or one the hook cannot rebuild, is a problem.
     pub(super) async fn replay(&self, blob: Bytes, hash: &str) -> Response {
-        let stored = match record::decode(blob, self.route) {
+        let opened = envelope::open(blob, self.route);
+        if let Some(opened) = opened.as_ref().filter(|opened| opened.format == Format::NotStored) {
+            let reason = String::from_utf8_lossy(&opened.payload);
+            tracing::warn!(
+                key_hash = hash,
+                %reason,
+                "idempotency: the request ran before, but its response was too large to keep"
+            );
+            let status = StatusCode::INTERNAL_SERVER_ERROR;
+            return problem(status, ProblemType::ResponseNotReplayable, Some(&reason));
+        }
+        let decoded = opened
+            .ok_or(record::DecodeError("unknown response format, or a truncated header"))
+            .and_then(record::decode_opened);
+        let stored = match decoded {
             Ok(stored) => stored,
             Err(error) => {
                 tracing::error!(

@@ -43,7 +43,7 @@ impl Encoding for HttpEncoding {
         Box::pin(async move {
             let (head, body) = response.into_parts();
             if let Some(why) = not_stored(&config, &head, &body) {
-                return Err(SealError::NotStored(why));
+                return Err(SealError::NotStored(why.reason()));
             }
             // A minimal record stores nothing of the body: no stored limit applies to it.
             let limit = match head.extensions.get::<Minimal>() {
@@ -70,7 +70,7 @@ impl Encoding for HttpEncoding {
         let (head, _) = response.into_parts();
         let body = http_body_util::Full::new(json.clone());
         if let Some(why) = not_stored(&self.0, &head, &body) {
-            return Err(SealError::NotStored(why));
+            return Err(SealError::NotStored(why.reason()));
         }
         Ok(record::encode_response(&head, &self.0.header_filter, &json))
     }
@@ -121,7 +121,25 @@ impl<E: fmt::Display> IntoResponse for TransactionError<E> {
     }
 }
 
-const OVER_BODY_LIMIT: &str = "the response is over the stored body limit";
+pub(super) const OVER_BODY_LIMIT: &str = "the response is over the stored body limit";
+
+/// Why the layer does not store a response.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum NotStored {
+    /// Its policy: a status its store policy does not keep, a 405. The key is released.
+    Policy(&'static str),
+    /// Over the stored limits: kept as "completed, not replayable", unless the layer releases
+    /// such keys.
+    TooLarge(&'static str),
+}
+
+impl NotStored {
+    pub(super) fn reason(self) -> &'static str {
+        match self {
+            Self::Policy(why) | Self::TooLarge(why) => why,
+        }
+    }
+}
 
 /// Why the layer does not store a response with this head and body, if it does not: its store
 /// policy, a 405, or the stored limits as far as the body's size hint tells.
@@ -129,20 +147,20 @@ pub(super) fn not_stored<B: HttpBody>(
     config: &Config,
     head: &http::response::Parts,
     body: &B,
-) -> Option<&'static str> {
+) -> Option<NotStored> {
     if !(config.store_policy)(head.status) {
-        Some("the status is not stored")
+        Some(NotStored::Policy("the status is not stored"))
     } else if head.status == StatusCode::METHOD_NOT_ALLOWED {
         // The route exists, the method does not: the request was never handled.
-        Some("a 405 is never stored")
+        Some(NotStored::Policy("a 405 is never stored"))
     } else if record::stored_headers_len(&head.headers, &config.header_filter)
         > config.stored_headers_limit
     {
-        Some("the response headers are over the stored limit")
+        Some(NotStored::TooLarge("the response headers are over the stored limit"))
     } else if head.extensions.get::<super::Minimal>().is_none()
         && body.size_hint().lower() > config.stored_body_limit as u64
     {
-        Some(OVER_BODY_LIMIT)
+        Some(NotStored::TooLarge(OVER_BODY_LIMIT))
     } else {
         None
     }

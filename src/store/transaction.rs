@@ -133,6 +133,8 @@ impl fmt::Debug for SealedOutcome {
 #[derive(Debug, Default)]
 pub(crate) struct CommitSlot {
     state: Mutex<Stage>,
+    /// The holder began to complete the record itself.
+    completing: std::sync::atomic::AtomicBool,
 }
 
 /// Where the claim's transaction is.
@@ -171,10 +173,17 @@ pub(crate) enum Commit {
 }
 
 impl CommitSlot {
-    /// Whether the operation ever began a transaction: from then, a renewal that finds the
+    /// Whether the record may have been settled by its own holder: the operation began a
+    /// transaction, or the holder began to complete it. From then, a renewal that finds the
     /// record settled is not a lost lease.
     pub(crate) fn begun(&self) -> bool {
-        !matches!(*self.lock(), Stage::None)
+        self.completing.load(std::sync::atomic::Ordering::SeqCst)
+            || !matches!(*self.lock(), Stage::None)
+    }
+
+    /// Says that the holder begins to complete the record.
+    pub(crate) fn completing(&self) {
+        self.completing.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// What became of the operation's transactions, if it began one.

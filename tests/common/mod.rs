@@ -482,6 +482,8 @@ pub mod example;
 #[cfg(all(feature = "postgres", feature = "redis"))]
 pub mod ledger;
 pub mod load;
+#[allow(dead_code)]
+pub mod outage;
 pub mod postgres;
 #[cfg(feature = "postgres")]
 #[allow(unused_imports)]

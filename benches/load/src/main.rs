@@ -37,6 +37,7 @@ mod at_rest;
 mod dedup;
 mod matrix;
 mod postgres;
+mod renewals;
 mod storm;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -61,6 +62,7 @@ fn main() -> Result<(), Error> {
             runtime.block_on(inproc(target, scenario, requests.parse()?, redis_url))
         }
         ["storm"] => runtime.block_on(storm::storm()),
+        ["renewals", redis_url] => runtime.block_on(renewals::run(redis_url)),
         ["dedup"] => runtime.block_on(dedup::run(1_000_000, true)),
         ["dedup", events] => runtime.block_on(dedup::run(events.parse()?, false)),
         ["at-rest"] => {
@@ -71,7 +73,7 @@ fn main() -> Result<(), Error> {
         ["postgres", "ratios"] => runtime.block_on(postgres::run(false)),
         ["postgres", "transactional"] => runtime.block_on(postgres::transactional()),
         [] => runtime.block_on(matrix::run()),
-        _ => Err("usage: load | load storm | load at-rest | load dedup [EVENTS] | load postgres [ratios | transactional] | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
+        _ => Err("usage: load | load storm | load at-rest | load dedup [EVENTS] | load postgres [ratios | transactional] | load renewals REDIS_URL | load serve TARGET PORT REDIS_OR_DATABASE_URL | load drive PORT SCENARIO CONNECTIONS MILLIS WARMUP_MILLIS SIZE".into()),
     }
 }
 

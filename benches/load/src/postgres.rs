@@ -8,7 +8,7 @@
 //!
 //! `load postgres transactional`: the cost of the record committed with the side effect. A
 //! handler that writes its payment row in a transaction (`pg-row`, no idempotency) against the
-//! same handler under the layer over `PostgresStore`, its response sealed and committed in
+//! same handler under the layer over `PostgresStore`, its response committed (`transaction`) in
 //! that transaction (`pg-txn`), fresh keys, side by side in one run.
 
 use std::{
@@ -26,7 +26,7 @@ use axum::{
     routing::post,
 };
 use axum_idempotency::{
-    IdempotencyContext, IdempotencyLayer, http as idempotency_http,
+    IdempotencyContext, IdempotencyLayer,
     store::{
         PostgresStore,
         sqlx::{self, PgPool, postgres::PgPoolOptions},
@@ -117,12 +117,24 @@ async fn floor_handler(State(pool): State<PgPool>, headers: HeaderMap, body: Byt
 }
 
 /// A payment row and the trivial handler's response in one transaction; when `sealed` (and
-/// under the layer), the response sealed and committed with the row.
+/// under the layer), the store's transaction, with the response committed with the row.
 async fn payment(
     State((pool, store, sealed)): State<(PgPool, PostgresStore, bool)>,
     context: Option<IdempotencyContext>,
     body: Bytes,
 ) -> Response {
+    if let Some(context) = context.filter(|_| sealed) {
+        let paid = store.transaction(&context, |tx| {
+            Box::pin(async move {
+                sqlx::query("INSERT INTO payments (body) VALUES ($1)")
+                    .bind(&body[..])
+                    .execute(&mut *tx)
+                    .await?;
+                Ok::<_, sqlx::Error>(handler(body).await)
+            })
+        });
+        return paid.await.expect("transaction");
+    }
     let mut tx = pool.begin().await.expect("begin");
     sqlx::query("INSERT INTO payments (body) VALUES ($1)")
         .bind(&body[..])
@@ -130,17 +142,8 @@ async fn payment(
         .await
         .expect("insert");
     let response = handler(body).await;
-    match context.filter(|_| sealed) {
-        Some(context) => {
-            let sealed = idempotency_http::seal(&context, response).await.expect("seal");
-            store.commit(tx, &sealed).await.expect("commit");
-            axum::response::IntoResponse::into_response(sealed)
-        }
-        None => {
-            tx.commit().await.expect("commit");
-            response
-        }
-    }
+    tx.commit().await.expect("commit");
+    response
 }
 
 /// A database of the run's own; dropped with this.

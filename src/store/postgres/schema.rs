@@ -141,13 +141,18 @@ mod tests {
         assert!(!statements.schema.contains(DEFAULT_TABLE));
         for name in [
             "pay_keys_claim(",
+            "pay_keys_commit(",
             "pay_keys_settled",
             "pay_keys_expires_at",
             "TABLE IF NOT EXISTS pay_keys (",
         ] {
             assert!(statements.schema.contains(name), "{name}");
         }
-        assert_eq!(statements.claim, "SELECT * FROM pay_keys_claim($1, $2, $3, $4, $5, $6, $7)");
+        assert_eq!(
+            statements.claim,
+            "SELECT * FROM pay_keys_claim($1, $2, $3, $4, $5, $6, $7, $8)"
+        );
+        assert_eq!(statements.commit, "SELECT * FROM pay_keys_commit($1, $2, $3, $4, $5, $6)");
         assert_eq!(statements.channel, "pay_keys_settled");
     }
 }
