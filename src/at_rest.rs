@@ -4,8 +4,11 @@
 //!
 //! An encrypted outcome is [`ENCRYPTED`] (a byte no door's format takes), the key id's length (one byte) and
 //! the id, a 24-byte random nonce, then the door's whole record (its envelope included)
-//! encrypted with XChaCha20-Poly1305 and its 16-byte tag; the record key is the associated
-//! data. 42 bytes and the id over the record in clear.
+//! encrypted with XChaCha20-Poly1305 and its 16-byte tag. The associated data is every clear
+//! field a replay decision reads: the record key, the state (completed) and the fingerprint of
+//! the request the outcome answers, so that a store writer who rewrites the clear fingerprint
+//! (to have another request's body replayed) or moves the outcome to another key fails the
+//! tag. 42 bytes and the id over the record in clear.
 
 #[cfg(feature = "encryption")]
 use std::{fmt, sync::Arc};
@@ -18,7 +21,7 @@ use chacha20poly1305::{AeadInPlace, Tag, XNonce};
 
 #[cfg(feature = "encryption")]
 use crate::encryption::Keyring;
-use crate::{key::RecordKey, store::StoreError};
+use crate::{fingerprint::Fingerprint, key::RecordKey, store::StoreError};
 
 /// The first byte of an encrypted outcome: `engine::envelope::Format::Encrypted`, so that no
 /// door's format can take it.
@@ -41,26 +44,33 @@ impl AtRest {
         Self { keyring: Some(Arc::new(keyring)) }
     }
 
-    /// `outcome` as the store keeps it under `key`.
-    pub(crate) fn seal(&self, key: &RecordKey, outcome: Bytes) -> Bytes {
+    /// `outcome`, the answer to the request of `fingerprint`, as the store keeps it under `key`.
+    pub(crate) fn seal(&self, key: &RecordKey, fingerprint: &Fingerprint, outcome: Bytes) -> Bytes {
         #[cfg(feature = "encryption")]
         if let Some(keyring) = &self.keyring {
-            return seal(keyring, key.as_str(), &outcome);
+            return seal(keyring, &associated(key, fingerprint), &outcome);
         }
-        let _ = key;
+        let _ = (key, fingerprint);
         outcome
     }
 
-    /// The outcome the store kept under `key`, as its door wrote it; an error naming why when
-    /// it cannot be read (logged with the key's hash): never garbage.
-    pub(crate) fn open(&self, key: &RecordKey, stored: Bytes) -> Result<Bytes, StoreError> {
+    /// The outcome the store kept under `key` for the request of `fingerprint`, as its door
+    /// wrote it; an error naming why when it cannot be read (logged with the key's hash): never
+    /// garbage.
+    pub(crate) fn open(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        stored: Bytes,
+    ) -> Result<Bytes, StoreError> {
         #[cfg(feature = "encryption")]
         if let Some(keyring) = &self.keyring {
-            return open(keyring, key.as_str(), stored).map_err(|why| {
+            return open(keyring, &associated(key, fingerprint), stored).map_err(|why| {
                 tracing::error!(key_hash = key.hash(), %why, "idempotency: the stored outcome cannot be decrypted");
                 StoreError::CorruptRecord(format!("the outcome is {why}"))
             });
         }
+        let _ = fingerprint;
         if stored.first() == Some(&(ENCRYPTED)) {
             tracing::error!(
                 key_hash = key.hash(),
@@ -74,9 +84,22 @@ impl AtRest {
     }
 }
 
-/// `plain` encrypted under the keyring's newest key, bound to `record_key`.
+/// The associated data of an outcome: the record key, the completed state and the fingerprint,
+/// each of a fixed or prefixed length, so that no two triples read the same.
 #[cfg(feature = "encryption")]
-fn seal(keyring: &Keyring, record_key: &str, plain: &[u8]) -> Bytes {
+fn associated(key: &RecordKey, fingerprint: &Fingerprint) -> Vec<u8> {
+    let key = key.as_str().as_bytes();
+    let mut data = Vec::with_capacity(4 + key.len() + 1 + 32);
+    data.extend_from_slice(&u32::try_from(key.len()).unwrap_or(u32::MAX).to_be_bytes());
+    data.extend_from_slice(key);
+    data.push(b'C');
+    data.extend_from_slice(fingerprint.as_bytes());
+    data
+}
+
+/// `plain` encrypted under the keyring's newest key, bound to `associated`.
+#[cfg(feature = "encryption")]
+fn seal(keyring: &Keyring, associated: &[u8], plain: &[u8]) -> Bytes {
     let (id, cipher) = keyring.current();
     let nonce: [u8; NONCE] = rand::random();
     let mut out = BytesMut::with_capacity(2 + id.len() + NONCE + plain.len() + TAG);
@@ -90,16 +113,16 @@ fn seal(keyring: &Keyring, record_key: &str, plain: &[u8]) -> Bytes {
     let nonce = XNonce::from_slice(&nonce);
     // Fails only past the cipher's 256 GiB message limit, which no stored limit allows.
     let tag = cipher
-        .encrypt_in_place_detached(nonce, record_key.as_bytes(), &mut out[start..])
+        .encrypt_in_place_detached(nonce, associated, &mut out[start..])
         .expect("an outcome under XChaCha20-Poly1305's message limit");
     out.put_slice(&tag);
     out.freeze()
 }
 
-/// The outcome `stored` under `record_key` held, decrypted; one in clear as it is when the
-/// keyring reads those.
+/// The outcome `stored`, sealed bound to `associated`, decrypted; one in clear as it is when
+/// the keyring reads those.
 #[cfg(feature = "encryption")]
-fn open(keyring: &Keyring, record_key: &str, stored: Bytes) -> Result<Bytes, Unreadable> {
+fn open(keyring: &Keyring, associated: &[u8], stored: Bytes) -> Result<Bytes, Unreadable> {
     if stored.first() != Some(&(ENCRYPTED)) {
         return match keyring.reads_plaintext() {
             true => Ok(stored),
@@ -117,7 +140,7 @@ fn open(keyring: &Keyring, record_key: &str, stored: Bytes) -> Result<Bytes, Unr
     let mut plain = ciphertext.to_vec();
     let (nonce, tag) = (XNonce::from_slice(nonce), Tag::from_slice(tag));
     cipher
-        .decrypt_in_place_detached(nonce, record_key.as_bytes(), &mut plain, tag)
+        .decrypt_in_place_detached(nonce, associated, &mut plain, tag)
         .map_err(|_| Unreadable::Forged(named()))?;
     Ok(Bytes::from(plain))
 }
@@ -158,20 +181,20 @@ mod tests {
 
     #[test]
     fn in_clear_an_outcome_is_kept_as_it_is_and_an_encrypted_one_refused() {
-        let key = RecordKey::new("t", b"", b"k");
+        let (key, fp) = (RecordKey::new("t", b"", b"k"), Fingerprint::of_payload(b"{}"));
         let clear = AtRest::default();
         let outcome = Bytes::from_static(b"\x02response");
-        assert_eq!(clear.seal(&key, outcome.clone()), outcome);
-        assert_eq!(clear.open(&key, outcome.clone()).unwrap(), outcome);
+        assert_eq!(clear.seal(&key, &fp, outcome.clone()), outcome);
+        assert_eq!(clear.open(&key, &fp, outcome.clone()).unwrap(), outcome);
         let encrypted = Bytes::from_static(b"E\x01kxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx");
-        assert!(matches!(clear.open(&key, encrypted), Err(StoreError::CorruptRecord(_))));
+        assert!(matches!(clear.open(&key, &fp, encrypted), Err(StoreError::CorruptRecord(_))));
     }
 
     #[cfg(feature = "encryption")]
     mod encrypted {
         use super::super::*;
 
-        const RECORD: &str = "idem:abc";
+        const RECORD: &[u8] = b"idem:abc";
 
         fn keys(id: &str, byte: u8) -> Keyring {
             Keyring::new(id, [byte; 32]).unwrap()
@@ -210,7 +233,7 @@ mod tests {
                 forged[at] ^= 0x01;
                 assert!(open(&ring, RECORD, Bytes::from(forged)).is_err(), "byte {at}");
             }
-            let moved = open(&ring, "idem:other", sealed.clone());
+            let moved = open(&ring, b"idem:other", sealed.clone());
             assert_eq!(moved, Err(Unreadable::Forged("k1".into())));
             let impostor = open(&keys("k1", 3), RECORD, sealed.clone());
             assert_eq!(impostor, Err(Unreadable::Forged("k1".into())));
@@ -230,22 +253,26 @@ mod tests {
 
         #[test]
         fn with_a_keyring_an_outcome_is_sealed_for_its_key() {
-            let key = RecordKey::new("t", b"", b"k");
+            let (key, fp) = (RecordKey::new("t", b"", b"k"), Fingerprint::of_payload(b"{}"));
             let at_rest = AtRest::encrypted(keys("k1", 5));
             let outcome = Bytes::from_static(b"\x02response");
-            let stored = at_rest.seal(&key, outcome.clone());
+            let stored = at_rest.seal(&key, &fp, outcome.clone());
             assert_eq!(stored[0], b'E');
-            assert_eq!(at_rest.open(&key, stored.clone()).unwrap(), outcome);
+            assert_eq!(at_rest.open(&key, &fp, stored.clone()).unwrap(), outcome);
             let other = RecordKey::new("t", b"", b"other");
-            let moved = at_rest.open(&other, stored.clone()).unwrap_err().to_string();
+            let moved = at_rest.open(&other, &fp, stored.clone()).unwrap_err().to_string();
             assert!(moved.ends_with("failing authentication under the key id \"k1\""), "{moved}");
-            let dropped = AtRest::encrypted(keys("k2", 5)).open(&key, stored).unwrap_err();
+            // The record's clear fingerprint rewritten to another request's: the tag fails.
+            let another_request = Fingerprint::of_payload(b"{\"amount\":1}");
+            let rewritten = at_rest.open(&key, &another_request, stored.clone()).unwrap_err();
+            assert!(rewritten.to_string().contains("failing authentication"), "{rewritten}");
+            let dropped = AtRest::encrypted(keys("k2", 5)).open(&key, &fp, stored).unwrap_err();
             let dropped = dropped.to_string();
             assert!(
                 dropped.contains("the key id \"k1\", which the keyring does not list"),
                 "{dropped}"
             );
-            let clear = at_rest.open(&key, outcome).unwrap_err().to_string();
+            let clear = at_rest.open(&key, &fp, outcome).unwrap_err().to_string();
             assert!(clear.contains("stored in clear"), "{clear}");
         }
     }

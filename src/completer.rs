@@ -214,7 +214,7 @@ where
                 return "failed";
             }
         };
-        let outcome = self.at_rest.seal(&key, outcome);
+        let outcome = self.at_rest.seal(&key, &fingerprint, outcome);
         let owner = OwnerToken::random();
         let lease = Lease::new(TAKEOVER_LEASE).recovery_window(self.retention);
         match self.store.claim(&key, &fingerprint, &owner, lease).await {

@@ -109,7 +109,7 @@ impl IdempotencyContext {
             key: self.key().clone(),
             owner: completion.owner.clone(),
             fingerprint: self.fingerprint().clone(),
-            stored: completion.at_rest.seal(self.key(), outcome.clone()),
+            stored: completion.at_rest.seal(self.key(), self.fingerprint(), outcome.clone()),
             outcome,
             retention: completion.retention,
         })
@@ -120,8 +120,8 @@ impl IdempotencyContext {
     #[cfg(feature = "postgres")]
     pub(crate) fn open_stored(&self, stored: Bytes) -> Result<Bytes, crate::store::StoreError> {
         match self.completion() {
-            Some(completion) => completion.at_rest.open(self.key(), stored),
-            None => AtRest::default().open(self.key(), stored),
+            Some(completion) => completion.at_rest.open(self.key(), self.fingerprint(), stored),
+            None => AtRest::default().open(self.key(), self.fingerprint(), stored),
         }
     }
 

@@ -109,11 +109,14 @@ impl Keyring {
 }
 
 impl Key {
-    fn new(id: &str, key: [u8; 32]) -> Result<Self, KeyringError> {
-        if id.is_empty() || id.len() > MAX_KEY_ID || !id.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(KeyringError::BadId(id.to_owned()));
-        }
-        let cipher = XChaCha20Poly1305::new(GenericArray::from_slice(&key));
+    fn new(id: &str, mut key: [u8; 32]) -> Result<Self, KeyringError> {
+        // The caller's copy is theirs to clear; this one is cleared here, and the cipher's own
+        // when it is dropped (chacha20poly1305 zeroizes its key).
+        let valid =
+            !id.is_empty() && id.len() <= MAX_KEY_ID && id.bytes().all(|b| b.is_ascii_graphic());
+        let cipher = valid.then(|| XChaCha20Poly1305::new(GenericArray::from_slice(&key)));
+        zeroize::Zeroize::zeroize(&mut key);
+        let cipher = cipher.ok_or_else(|| KeyringError::BadId(id.to_owned()))?;
         Ok(Self { id: id.into(), cipher })
     }
 }

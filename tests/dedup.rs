@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum_idempotency::{
     dedup::{Dedup, Strategy},
-    store::DedupStore,
+    store::{DedupStore, StoreError},
 };
 use proptest::prop_assert;
 
@@ -72,6 +72,26 @@ async fn bucketed_strategies_lose_nothing_at_a_boundary<St: DedupStore>(store: S
         // A page: duplicates within it count once; one seen before is not new.
         let page = door.first_seen_at("clicks", &["p1", "edge", "p1", "p2"], later).await;
         assert_eq!(page.unwrap(), [true, false, false, true], "{strategy:?}");
+    }
+}
+
+/// A backfill whose times are older than a bucket is kept (two windows and a quarter past its
+/// start) is refused, never answered new; one within the horizon is deduplicated as ever.
+async fn a_backfill_past_the_horizon_is_refused_never_answered_new<St: DedupStore>(store: St) {
+    for strategy in bucketed() {
+        let door = Dedup::new(store.clone(), strategy);
+        let long_ago = SystemTime::now() - 3 * WINDOW;
+        let refused = door.first_seen_at("clicks", &["old"], long_ago).await;
+        assert!(matches!(refused, Err(StoreError::BeyondHorizon(_))), "{strategy:?}: {refused:?}");
+        let again = door.first_seen_at("clicks", &["old"], long_ago).await;
+        assert!(again.is_err(), "{strategy:?}: a duplicate past the horizon was answered");
+        let recent = SystemTime::now() - WINDOW / 2;
+        assert_eq!(door.first_seen_at("clicks", &["recent"], recent).await.unwrap(), [true]);
+        assert_eq!(
+            door.first_seen_at("clicks", &["recent"], recent).await.unwrap(),
+            [false],
+            "{strategy:?}"
+        );
     }
 }
 
@@ -189,7 +209,8 @@ on_every_dedup_store!(
     bucketed_strategies_lose_nothing_at_a_boundary,
     concurrent_callers_see_each_event_new_once,
     a_bloom_filter_never_forgets_and_rarely_drops_a_new_event,
-    a_bloom_variant_of_zero_size_still_answers
+    a_bloom_variant_of_zero_size_still_answers,
+    a_backfill_past_the_horizon_is_refused_never_answered_new
 );
 
 fn bucket_of(at: SystemTime) -> u128 {

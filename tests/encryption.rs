@@ -28,6 +28,7 @@ every_store!(
     plaintext_is_refused_unless_the_keyring_reads_it,
     ; redis stores:
     a_byte_flipped_in_redis_is_refused,
+    a_fingerprint_rewritten_in_redis_is_refused,
 );
 
 const CARD: &str = "4242424242424242";
@@ -237,7 +238,8 @@ where
     }
     assert_eq!(calls.get(), 2, "each ran once; the forged records were never run again");
 
-    // The consumer door: the store's error, never a rerun.
+    // The consumer door: its own error for a record it cannot read (not a store error, which a
+    // consumer would redeliver forever), never a rerun.
     let idem = Idempotent::new(Flipping { inner: h.store(), at: 3 }).encrypt_at_rest(keys("k1", 1));
     let run = || {
         idem.run("billing", "evt_1", b"{}", |_| async {
@@ -246,7 +248,8 @@ where
     };
     assert!(matches!(run().await.unwrap(), Outcome::Ran(_)));
     let refused = run().await.unwrap_err();
-    assert!(matches!(refused, Error::Store(StoreError::CorruptRecord(_))), "{refused:?}");
+    assert!(matches!(refused, Error::Corrupt { .. }), "{refused:?}");
+    assert!(refused.to_string().contains("failing authentication"), "{refused}");
 }
 
 async fn plaintext_is_refused_unless_the_keyring_reads_it<H: AtRest>(h: H)
@@ -284,6 +287,29 @@ where
     h.plant(&global("k1"), RawValue::String(raw)).await;
     send(&app, card_request("k1")).await.assert_problem(500, "corrupt-record");
     assert_eq!(calls.get(), 1);
+}
+
+/// Someone who can write to Redis rewrites a record's clear fingerprint to another request's
+/// (here, copied from a record of that request): the fingerprint is in the outcome's associated
+/// data, so that request gets 500 `corrupt-record`, never the first request's response.
+async fn a_fingerprint_rewritten_in_redis_is_refused<H: RawHarness + AtRest>(h: H)
+where
+    H::Store: Admin,
+{
+    let calls = Calls::default();
+    let app: Router =
+        app(&calls).layer(IdempotencyLayer::new(h.store()).encrypt_at_rest(keys("k1", 1)));
+    assert_eq!(send(&app, card_request("k1")).await.status, 201);
+    assert_eq!(send(&app, keyed("POST", "/payments", "k2", "{}")).await.status, 201);
+    // A record: version, state, the fingerprint (32 bytes), the outcome.
+    let other = h.stored_bytes(&global("k2")).await;
+    let mut raw = h.stored_bytes(&global("k1")).await;
+    raw[2..34].copy_from_slice(&other[2..34]);
+    h.plant(&global("k1"), RawValue::String(raw)).await;
+    let forged = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    forged.assert_problem(500, "corrupt-record");
+    assert!(!forged.body.contains(CARD), "{forged:?}");
+    assert_eq!(calls.get(), 2);
 }
 
 /// The memory store gets no plaintext either: its copy is what `Admin::inspect` reads.
@@ -324,6 +350,26 @@ mod postgres_raw {
         assert_eq!(client.execute(flip, &[&global("k1").as_str()]).await.unwrap(), 1);
         send(&app, card_request("k1")).await.assert_problem(500, "corrupt-record");
         assert_eq!(calls.get(), 1);
+    }
+
+    /// The row's clear fingerprint rewritten to another request's: that request gets 500
+    /// `corrupt-record`, never the first request's response.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fingerprint_rewritten_in_the_row_is_refused() {
+        let h = PostgresHarness::start().await;
+        let calls = Calls::default();
+        let app: Router =
+            app(&calls).layer(IdempotencyLayer::new(h.store()).encrypt_at_rest(keys("k1", 1)));
+        assert_eq!(send(&app, card_request("k1")).await.status, 201);
+        assert_eq!(send(&app, keyed("POST", "/payments", "k2", "{}")).await.status, 201);
+        let rewrite = "UPDATE idempotency_records SET fingerprint = \
+                       (SELECT fingerprint FROM idempotency_records WHERE key = $2) WHERE key = $1";
+        let client = h.database.client().await;
+        let keys = [global("k1").as_str().to_owned(), global("k2").as_str().to_owned()];
+        assert_eq!(client.execute(rewrite, &[&keys[0], &keys[1]]).await.unwrap(), 1);
+        let forged = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+        forged.assert_problem(500, "corrupt-record");
+        assert_eq!(calls.get(), 2);
     }
 
     #[derive(Clone)]

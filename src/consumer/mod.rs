@@ -80,7 +80,7 @@ use crate::{
     },
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     recovery::{Lookup, NoRecovery, Recover},
-    store::Store,
+    store::{Store, StoreError},
 };
 
 /// Runs operations once per key and scope, and replays their results: the consumer door.
@@ -277,11 +277,14 @@ impl<St: Store, H> Idempotent<St, H> {
         let record_key = self.record_key(scope, key.as_ref());
         let fingerprint = self.fingerprint.of(payload.as_ref());
         let hash = record_key.hash().to_owned();
-        let holder = match engine
-            .claim(record_key, fingerprint, scope.into())
-            .await
-            .map_err(Error::Store)?
-        {
+        let claimed = engine.claim(record_key, fingerprint, scope.into()).await;
+        let holder = match claimed.map_err(|error| match error {
+            // A record this door cannot read (tampered with, sealed under a key the keyring
+            // no longer lists): its own error, so that a consumer that redelivers on store
+            // errors does not redeliver it forever.
+            StoreError::CorruptRecord(reason) => Error::Corrupt { key_hash: hash.clone(), reason },
+            error => Error::Store(error),
+        })? {
             Claimed::Run(holder) => holder,
             Claimed::Replay(stored) => {
                 return decode(stored, &hash, scope).map(Outcome::Replayed);

@@ -41,8 +41,10 @@ pub enum Error<E> {
     /// The store could not be reached, did not answer, or holds a value this crate did not
     /// write under the key. The operation did not run.
     Store(StoreError),
-    /// The stored result does not deserialize into the result type (it changed between
-    /// deploys, or the record was written by something else). The operation did not run.
+    /// The stored record cannot be read: its result does not deserialize into the result type
+    /// (it changed between deploys), or the record was written by something else, tampered
+    /// with, or sealed under a key the keyring no longer lists. The operation did not run;
+    /// redelivering the event will not help.
     Corrupt {
         /// The record's key hash, as the logs show it.
         key_hash: String,

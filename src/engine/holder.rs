@@ -273,7 +273,7 @@ impl<St: Store> Holder<St> {
     /// over and run the operation again. A renewal that lands after the
     /// complete is refused by the completed record.
     pub(crate) async fn complete(mut self, outcome: Bytes, answered: impl FnOnce()) {
-        let outcome = self.settings.at_rest.seal(&self.key, outcome);
+        let outcome = self.settings.at_rest.seal(&self.key, &self.fingerprint, outcome);
         let retention = self.settings.retention;
         // A renewal that finds the record completed from here is this complete's, not a lease
         // lost.

@@ -236,7 +236,7 @@ impl<St: Store> Engine<St> {
             }
             Claim::Replay { response: stored, .. } => {
                 observe::claim(&route, "replayed");
-                Claimed::Replay(self.settings.at_rest.open(&key, stored)?)
+                Claimed::Replay(self.settings.at_rest.open(&key, &fingerprint, stored)?)
             }
             Claim::InProgress { remaining } => {
                 observe::claim(&route, "in_progress");

@@ -28,7 +28,7 @@ impl<St: Admin> Engine<St> {
         // Only a completed record has an outcome.
         let opened = match stored {
             Some(stored) => {
-                let opened = self.settings.at_rest.open(key, stored)?;
+                let opened = self.settings.at_rest.open(key, &record.fingerprint, stored)?;
                 Some(envelope::read(opened).ok_or_else(|| {
                     StoreError::CorruptRecord("no front door's outcome".to_owned())
                 })?)

@@ -326,6 +326,10 @@ pub enum StoreError {
     /// the same key): its steps are not this request's to resume. A key reused with a
     /// different request, answered as the doors answer a mismatch.
     KeyReused,
+    /// A dedup door's event time (`first_seen_at`) is older than its strategy keeps: the
+    /// event's bucket has expired already, so a check against it would answer every event new.
+    /// How far past the horizon it is.
+    BeyondHorizon(Duration),
 }
 
 impl StoreError {
@@ -340,7 +344,10 @@ impl StoreError {
     /// through when it fails open.
     #[must_use]
     pub fn is_unavailable(&self) -> bool {
-        !matches!(self, Self::CorruptRecord(_) | Self::FencedOut | Self::KeyReused)
+        !matches!(
+            self,
+            Self::CorruptRecord(_) | Self::FencedOut | Self::KeyReused | Self::BeyondHorizon(_)
+        )
     }
 }
 
@@ -358,6 +365,11 @@ impl fmt::Display for StoreError {
             Self::FencedOut => f.write_str(
                 "the claim is not this store's live claim (taken over, or claimed in another \
                  store): nothing was written",
+            ),
+            Self::BeyondHorizon(past) => write!(
+                f,
+                "the event's time is {past:?} past what the dedup strategy keeps: it cannot be \
+                 checked (every such event would be answered new)"
             ),
             Self::KeyReused => f.write_str(
                 "the key's recovery points belong to another request: a key reused with a \
@@ -383,6 +395,7 @@ impl std::error::Error for StoreError {
             | Self::UnsupportedServer(_)
             | Self::SchemaMissing(_)
             | Self::KeyReused
+            | Self::BeyondHorizon(_)
             | Self::FencedOut => None,
         }
     }
