@@ -95,6 +95,33 @@ async fn a_backfill_past_the_horizon_is_refused_never_answered_new<St: DedupStor
     }
 }
 
+/// A rolling deploy changes the strategy (markers to buckets, buckets to Bloom, a window or a
+/// rate): instances of the new configuration that keep checking the previous one
+/// (`during_change_from`) answer every event the old ones saw as seen, and new ones as new.
+async fn a_configuration_change_keeps_deduplicating_against_the_previous_one<St: DedupStore>(
+    store: St,
+) {
+    let changes = [
+        (Strategy::markers(WINDOW), Strategy::buckets(WINDOW)),
+        (Strategy::buckets(WINDOW), Strategy::bloom(WINDOW, 10_000, 1e-6)),
+        (Strategy::bloom(WINDOW, 10_000, 1e-6), Strategy::bloom(WINDOW, 20_000, 1e-6)),
+        (Strategy::buckets(WINDOW), Strategy::buckets(2 * WINDOW)),
+    ];
+    for (i, (old, new)) in changes.into_iter().enumerate() {
+        let scope = format!("clicks-{i}");
+        let ids: Vec<String> = (0..200).map(|n| format!("evt-{n}")).collect();
+        let before = Dedup::new(store.clone(), old);
+        assert!(before.first_seen_batch(&scope, &ids).await.unwrap().iter().all(|&new| new));
+        let after = Dedup::new(store.clone(), new).during_change_from(old);
+        let again = after.first_seen_batch(&scope, &ids).await.unwrap();
+        let answered_new = again.iter().filter(|&&new| new).count();
+        assert_eq!(answered_new, 0, "{old:?} -> {new:?}: seen ids answered new");
+        assert_eq!(after.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [true]);
+        // An old instance, still running, sees what the new ones saw meanwhile.
+        assert_eq!(before.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [false]);
+    }
+}
+
 /// Eight callers at once with the same 300 ids, in pages of 50 and one at a time: each id is
 /// new to exactly one of them, whatever the strategy.
 async fn concurrent_callers_see_each_event_new_once<St: DedupStore>(store: St) {
@@ -210,7 +237,8 @@ on_every_dedup_store!(
     concurrent_callers_see_each_event_new_once,
     a_bloom_filter_never_forgets_and_rarely_drops_a_new_event,
     a_bloom_variant_of_zero_size_still_answers,
-    a_backfill_past_the_horizon_is_refused_never_answered_new
+    a_backfill_past_the_horizon_is_refused_never_answered_new,
+    a_configuration_change_keeps_deduplicating_against_the_previous_one
 );
 
 fn bucket_of(at: SystemTime) -> u128 {

@@ -156,13 +156,29 @@ impl Strategy {
 pub struct Dedup<St> {
     store: St,
     strategy: Strategy,
+    /// The strategy instances still run during a configuration change: events are checked
+    /// against its buckets too.
+    previous: Option<Strategy>,
     prefix: String,
 }
 
 impl<St: DedupStore> Dedup<St> {
     /// A door over `store`, remembering events by `strategy`, under the key prefix `dedup`.
     pub fn new(store: St, strategy: Strategy) -> Self {
-        Self { store, strategy, prefix: "dedup".to_owned() }
+        Self { store, strategy, previous: None, prefix: "dedup".to_owned() }
+    }
+
+    /// Keeps deduplicating against `previous`, the strategy this door's instances ran before a
+    /// configuration change (another window, rate, size, or kind): an event is new only if it
+    /// is new to both, and is remembered by both. A change keys its sets and filters apart,
+    /// so without this every event the old configuration saw is answered new once more; set it
+    /// on the new configuration for a rolling deploy, and drop it a window after the last
+    /// instance of the old configuration stopped. It costs a second check an event meanwhile.
+    /// Unset by default.
+    #[must_use]
+    pub fn during_change_from(mut self, previous: Strategy) -> Self {
+        self.previous = (previous != self.strategy).then_some(previous);
+        self
     }
 
     /// Sets the prefix of every key it writes. Defaults to `dedup`.
@@ -217,7 +233,21 @@ impl<St: DedupStore> Dedup<St> {
         ids: &[impl AsRef<[u8]>],
         at: SystemTime,
     ) -> Result<Vec<bool>, StoreError> {
-        let fresh = match self.strategy {
+        let fresh = self.check(self.strategy, scope, ids, at).await?;
+        let Some(previous) = self.previous else { return Ok(fresh) };
+        let before = self.check(previous, scope, ids, at).await?;
+        Ok(fresh.iter().zip(before).map(|(&now, before)| now && before).collect())
+    }
+
+    /// Whether each of `ids` is new to `strategy`'s sets or filters, remembered there.
+    async fn check(
+        &self,
+        strategy: Strategy,
+        scope: &str,
+        ids: &[impl AsRef<[u8]>],
+        at: SystemTime,
+    ) -> Result<Vec<bool>, StoreError> {
+        let fresh = match strategy {
             Strategy::Markers { window } => {
                 let prefix = format!("{}:m", self.prefix);
                 let keys = ids.iter().map(|id| {
