@@ -33,8 +33,8 @@ CREATE INDEX IF NOT EXISTS idempotency_records_expires_at ON idempotency_records
 -- until the database ends it) is in progress, never an error.
 -- outcome: 0 claimed; 1 replay (`response`, `remaining_ms` of retention); 2 mismatch;
 -- 3 in progress (`remaining_ms` of lease); 5 taken over; 6 refused (late, or abandoned).
-DROP FUNCTION IF EXISTS idempotency_records_claim(
-    TEXT, BYTEA, BYTEA, BIGINT, BIGINT, BOOLEAN, BIGINT);
+-- The claim of the previous version (7 arguments, no lock wait) is left where it is: instances
+-- of that version keep claiming through it during a rolling deploy.
 CREATE OR REPLACE FUNCTION idempotency_records_claim(
     p_key TEXT, p_fingerprint BYTEA, p_owner BYTEA, p_lease_ms BIGINT, p_window_ms BIGINT,
     p_waiting BOOLEAN, p_not_after_ms BIGINT, p_lock_ms BIGINT,

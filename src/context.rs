@@ -49,8 +49,8 @@ struct Context {
     key: RecordKey,
     fingerprint: Fingerprint,
     taken_over: bool,
-    /// What an outcome committed in the operation's own transaction needs (both doors give
-    /// it to the operations they run; see `consumer::seal` and `http::seal`).
+    /// What an outcome committed in a store's transaction needs (both doors give it to the
+    /// operations they run; see `PostgresStore::transaction`).
     completion: Option<Completion>,
 }
 
@@ -65,6 +65,8 @@ pub(crate) struct Completion {
     pub(crate) at_rest: AtRest,
     /// How the door encodes an outcome.
     pub(crate) encoding: Arc<dyn Encoding>,
+    /// The door answers takeovers and lost records from `DurableOutcomes` (`.durable(…)`).
+    pub(crate) durable: bool,
 }
 
 impl Completion {
@@ -75,8 +77,9 @@ impl Completion {
         commit: Arc<CommitSlot>,
         at_rest: AtRest,
         encoding: Arc<dyn Encoding>,
+        durable: bool,
     ) -> Self {
-        Self { owner, retention, commit, at_rest, encoding }
+        Self { owner, retention, commit, at_rest, encoding, durable }
     }
 }
 

@@ -211,3 +211,69 @@ async fn a_step_is_marked_once_and_expires_with_its_retention() {
     assert_eq!(steps.done::<i64>(&key, "order").await.unwrap(), Some(9));
     assert_eq!(steps.sweep_expired().await.unwrap(), 0);
 }
+
+/// `DurableOutcomes::transaction` under a door that does not answer from the table (no
+/// `.durable(outcomes)`) is refused before anything runs: a committed outcome Redis then lost,
+/// or a takeover, would never be answered from the table, and every retry would run the
+/// handler's work before its transaction again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_outcomes_under_a_door_that_does_not_read_them_is_refused() {
+    let (d, redis) = (TestDatabase::create("durable").await, RedisServer::start());
+    let pool = pool(&d);
+    sqlx::raw_sql("CREATE TABLE payments (run BIGINT NOT NULL)").execute(&pool).await.unwrap();
+    let outcomes = DurableOutcomes::new(pool.clone());
+    outcomes.migrate().await.unwrap();
+    let app = App { pool, outcomes: outcomes.clone(), runs: Arc::default(), hold: Arc::default() };
+    let store = RedisStore::from_url(&redis.url()).unwrap();
+    let router = Router::new()
+        .route("/pay", post(pay))
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(store.clone()));
+    let refused = send(&router, keyed("POST", "/pay", "k1", "a")).await;
+    assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR, "{refused:?}");
+    assert!(refused.body.contains(".durable(outcomes)"), "{}", refused.body);
+    assert_eq!(payments(&app).await, 0);
+    // The consumer door the same, and with `.durable` both doors commit.
+    let operation = |outcomes: DurableOutcomes| {
+        move |context: IdempotencyContext| async move {
+            let paid = outcomes.transaction(&context, |_| {
+                Box::pin(async move { Ok::<_, sqlx::Error>(axum::Json(1_i64)) })
+            });
+            paid.await.map(|axum::Json(id)| id)
+        }
+    };
+    let idem = axum_idempotency::Idempotent::new(store.clone());
+    let refused = idem.run("payments", "evt_1", b"{}", operation(outcomes.clone())).await;
+    let message = format!("{refused:?}");
+    assert!(message.contains("Misuse"), "{message}");
+    let durable = idem.durable(outcomes.clone());
+    let ran = durable.run("payments", "evt_1", b"{}", operation(outcomes)).await;
+    assert!(matches!(ran, Ok(axum_idempotency::consumer::Outcome::Ran(1))), "{ran:?}");
+    let layer = IdempotencyLayer::new(store).durable(app.outcomes.clone());
+    let router = Router::new().route("/pay", post(pay)).with_state(app.clone()).layer(layer);
+    assert_eq!(send(&router, keyed("POST", "/pay", "k1", "a")).await.status, StatusCode::CREATED);
+    assert_eq!(payments(&app).await, 1);
+}
+
+/// A steps table of the previous version (no fingerprint column): `migrate` adds the column;
+/// its old steps, bound to no request, are never resumed for one (`KeyReused`), and new steps
+/// are marked and read as ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_steps_table_is_upgraded_and_its_unbound_steps_never_resumed() {
+    let d = TestDatabase::create("durable").await;
+    let pool = pool(&d);
+    let old = "CREATE TABLE idempotency_steps (key_hash TEXT NOT NULL, step TEXT NOT NULL,
+        result BYTEA NOT NULL, expires_at TIMESTAMPTZ NOT NULL, PRIMARY KEY (key_hash, step))";
+    sqlx::raw_sql(old).execute(&pool).await.unwrap();
+    let context = context_of("k1", b"a", Duration::from_secs(60)).await;
+    let row = "INSERT INTO idempotency_steps VALUES ($1, 'order', '7', now() + interval '1 hour')";
+    sqlx::query(row).bind(context.key_hash()).execute(&pool).await.unwrap();
+    let steps = RecoveryPoints::new(pool.clone());
+    steps.migrate().await.unwrap();
+    let old_step = steps.done::<i64>(&context, "order").await;
+    assert!(matches!(old_step, Err(StoreError::KeyReused)), "{old_step:?}");
+    let mut tx = pool.begin().await.unwrap();
+    steps.mark(&mut tx, &context, "charge", &"ch_1").await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(steps.done::<String>(&context, "charge").await.unwrap().as_deref(), Some("ch_1"));
+}

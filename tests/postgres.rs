@@ -826,3 +826,24 @@ async fn a_missing_schema_is_named_as_such() {
         .assert_problem(503, "store-unavailable");
     assert_eq!(calls.get(), 0);
 }
+
+/// `migrate()` leaves the claim function of the previous version (seven arguments) where it
+/// is: instances of that version keep claiming through it during a rolling deploy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_keeps_the_previous_versions_claim_for_a_rolling_deploy() {
+    let d = common::postgres::TestDatabase::create("upgrade").await;
+    let pool = common::postgres::pool_for(&d);
+    let previous = "CREATE FUNCTION idempotency_records_claim(p_key TEXT, p_fingerprint BYTEA,
+        p_owner BYTEA, p_lease_ms BIGINT, p_window_ms BIGINT, p_waiting BOOLEAN,
+        p_not_after_ms BIGINT, OUT outcome INT, OUT response BYTEA, OUT remaining_ms BIGINT)
+        LANGUAGE sql AS $$ SELECT 0, NULL::bytea, NULL::bigint $$";
+    axum_idempotency::store::sqlx::raw_sql(previous).execute(&pool).await.unwrap();
+    PostgresStore::new(pool.clone()).migrate().await.unwrap();
+    let claims: i64 = axum_idempotency::store::sqlx::query_scalar(
+        "SELECT count(*) FROM pg_proc WHERE proname = 'idempotency_records_claim'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(claims, 2, "the previous version's claim was dropped");
+}

@@ -519,3 +519,80 @@ async fn a_renewal_after_the_commit_keeps_the_records_retention() {
     assert_eq!((retry.status, retry.replayed()), (StatusCode::CREATED, true), "{retry:?}");
     assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
 }
+
+/// A REPEATABLE READ (or SERIALIZABLE) transaction that outlasts a renewal period commits:
+/// the lease is not renewed while the store's transaction writes the record (a renewal's
+/// write would make the transaction's own write of the record a concurrent update).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeatable_read_transaction_longer_than_a_renewal_period_commits() {
+    use std::time::Duration;
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, _) = setup(&d).await;
+    let isolated = Router::new()
+        .route(
+            "/pay-isolated",
+            post(|State(app): State<App>, context: IdempotencyContext, level: String| async move {
+                let paid = app.store.transaction(&context, move |tx| {
+                    Box::pin(async move {
+                        let set = match level.as_str() {
+                            "SERIALIZABLE" => "SET TRANSACTION ISOLATION LEVEL SERIALIZABLE",
+                            _ => "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+                        };
+                        sqlx::query(set).execute(&mut *tx).await?;
+                        sqlx::query("INSERT INTO payments (code) VALUES ($1)")
+                            .bind(set)
+                            .execute(&mut *tx)
+                            .await?;
+                        tokio::time::sleep(Duration::from_millis(1800)).await;
+                        Ok::<_, sqlx::Error>(created(json!({ "paid": level })).into_response())
+                    })
+                });
+                paid.await.into_response()
+            }),
+        )
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(app.store.clone()));
+    for (key, level) in [("k1", "REPEATABLE READ"), ("k2", "SERIALIZABLE")] {
+        let first = send(&isolated, keyed("POST", "/pay-isolated", key, level)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{level}: {first:?}");
+        let retry = send(&isolated, keyed("POST", "/pay-isolated", key, level)).await;
+        assert_eq!((retry.status, retry.replayed()), (StatusCode::CREATED, true), "{level}");
+    }
+    assert_eq!(payments(&app).await, 2);
+}
+
+/// A handler that commits, then returns a stream that never ends (as an event stream does):
+/// the committed response is answered, at once, without reading the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_returned_after_the_commit_holds_nothing_up() {
+    use std::time::Duration;
+    let d = TestDatabase::create("txnhttp").await;
+    let (app, _) = setup(&d).await;
+    let streaming = Router::new()
+        .route(
+            "/pay-then-stream",
+            post(|State(app): State<App>, context: IdempotencyContext| async move {
+                let response = created(json!({ "paid": "a" })).into_response();
+                let committed = commit_payment_in(&app.store, &app, &context, "s", response).await;
+                assert!(committed.is_ok(), "{committed:?}");
+                let chunk = futures_util::stream::once(async {
+                    Ok::<_, std::io::Error>(axum::body::Bytes::from_static(b"progress"))
+                });
+                let endless =
+                    futures_util::StreamExt::chain(chunk, futures_util::stream::pending());
+                axum::body::Body::from_stream(endless).into_response()
+            }),
+        )
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(app.store.clone()));
+    let first = tokio::time::timeout(
+        Duration::from_secs(5),
+        send(&streaming, keyed("POST", "/pay-then-stream", "k1", "{}")),
+    )
+    .await
+    .expect("the committed response was held up by the stream");
+    assert_eq!((first.status, first.body.as_str()), (StatusCode::CREATED, r#"{"paid":"a"}"#));
+    let retry = send(&streaming, keyed("POST", "/pay-then-stream", "k1", "{}")).await;
+    assert_eq!((retry.status, retry.replayed()), (StatusCode::CREATED, true));
+    assert_eq!(payments(&app).await, 1);
+}

@@ -34,8 +34,9 @@ impl<T: DeserializeOwned + Send + 'static> Recover<Bytes, T> for DurableRecovery
 
 impl<St: Store, H> Idempotent<St, H> {
     /// Answers from `outcomes` what the record store cannot: the durable half beside a fast
-    /// record store (Redis), for operations that commit their results to it in their own
-    /// transactions (`consumer::seal`, then `DurableOutcomes::commit`). Every new claim and
+    /// record store (Redis), for operations that commit their results to it in its
+    /// transactions (`DurableOutcomes::transaction`, which refuses a door without this). Every
+    /// new claim and
     /// every takeover asks the table first (one primary-key read), so that a lapsed lease, a
     /// worker that died after its commit, or a record Redis lost is replayed from PostgreSQL,
     /// and the operation does not run again. It is the recovery hook
@@ -44,6 +45,8 @@ impl<St: Store, H> Idempotent<St, H> {
     /// A delivery with another payload under a key whose result only the table still holds
     /// is [`Outcome::Mismatch`](super::Outcome::Mismatch), never run.
     pub fn durable(self, outcomes: DurableOutcomes) -> Idempotent<St, DurableRecovery> {
-        self.recover(DurableRecovery(outcomes)).recover_every_claim(true)
+        let mut door = self.recover(DurableRecovery(outcomes)).recover_every_claim(true);
+        door.settings().durable = true;
+        door
     }
 }

@@ -175,7 +175,8 @@ impl<St: Store, H> Idempotent<St, H> {
     /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
     pub fn recover<H2>(self, hook: H2) -> Idempotent<St, H2> {
         let Self { store, mut settings, fingerprint, prefix, stored_limit, .. } = self;
-        Arc::make_mut(&mut settings).recovering = true;
+        let changed = Arc::make_mut(&mut settings);
+        (changed.recovering, changed.durable) = (true, false);
         let (hook, renewals) = (Some(Arc::new(hook)), RenewalsCell::default());
         Idempotent { store, settings, fingerprint, prefix, stored_limit, hook, renewals }
     }
@@ -299,6 +300,7 @@ impl<St: Store, H> Idempotent<St, H> {
             holder.commit_slot().clone(),
             holder.at_rest().clone(),
             Arc::new(ConsumerEncoding),
+            holder.durable(),
         );
         let context = IdempotencyContext::new(
             scope.as_bytes().to_vec(),
@@ -328,8 +330,8 @@ impl<St: Store, H> Idempotent<St, H> {
         let scope: Arc<str> = scope.into();
         let settle = move |holder: Holder<St>, value, answer: Answer<Outcome<T>, E>| async move {
             match settled.commit() {
-                // The operation committed its outcome in its own transaction (`seal`), or
-                // tried to: the door writes nothing of its own.
+                // The operation committed its outcome in a store's transaction, or tried to:
+                // the door writes nothing of its own.
                 Some(commit) => settle_sealed(holder, commit, value, &scope, answer).await,
                 None => settle_ran(holder, value, stored_limit, answer).await,
             }

@@ -126,6 +126,11 @@ impl<St: Store> Holder<St> {
         &self.fingerprint
     }
 
+    /// Whether the door answers takeovers and lost records from `DurableOutcomes`.
+    pub(crate) fn durable(&self) -> bool {
+        self.settings.durable
+    }
+
     /// Whether the claim took over from a holder whose lease lapsed.
     pub(crate) fn taken_over(&self) -> bool {
         self.taken_over
@@ -356,7 +361,7 @@ mod tests {
                     panic!("not claimed")
                 };
                 if committing {
-                    holder.commit_slot().start().unwrap();
+                    holder.commit_slot().start(true).unwrap();
                 }
                 // The operation's transaction completes the record, as `PostgresStore::transaction`
                 // does, while the renewal runs.

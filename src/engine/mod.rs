@@ -73,6 +73,8 @@ pub(crate) struct Settings {
     /// Release the key of an outcome too large to keep, rather than keep a "completed, not
     /// replayable" record of it.
     pub(crate) release_too_large: bool,
+    /// The door's recovery hook reads `DurableOutcomes` (`.durable(…)`).
+    pub(crate) durable: bool,
 }
 
 /// How the engine uses a front door's recovery hook.
@@ -152,6 +154,7 @@ impl Default for Settings {
             recovering: false,
             at_rest: AtRest::default(),
             release_too_large: false,
+            durable: false,
         }
     }
 }

@@ -292,6 +292,12 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration, runtim
             {
                 continue;
             }
+            if entry.commit.holds_record() {
+                // The operation's transaction writes the record: a renewal would conflict with
+                // it. Looked at again a period on.
+                entry.renewed_at = now;
+                continue;
+            }
             if now >= entry.give_up_at {
                 tracing::warn!(
                     key_hash = entry.key.hash(),

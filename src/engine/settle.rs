@@ -71,7 +71,7 @@ pub(super) async fn complete_while_held<St: Store>(
     let hash = key.hash();
     let first = store.complete(key, owner, fingerprint, outcome.clone(), retention).await;
     answered();
-    let mut error = match first {
+    let error = match first {
         Ok(result) => return Completed::Settled(result),
         Err(error) => error,
     };
@@ -91,12 +91,19 @@ pub(super) async fn complete_while_held<St: Store>(
                 );
                 return Completed::Settled(result);
             }
-            Err(again) => error = again,
+            Err(again) => {
+                tracing::debug!(key_hash = hash, error = %again, "idempotency: storing the response failed again");
+            }
         }
         failures += 1;
         delay = (delay * 2).min(COMPLETE_LONGEST_DELAY);
     }
-    Completed::GaveUp(error)
+    // The lease is no longer held, perhaps because an earlier try landed after its answer was
+    // lost (a renewal then found the record completed): a last try tells, fenced as ever.
+    match store.complete(key, owner, fingerprint, outcome, retention).await {
+        Ok(result) => Completed::Settled(result),
+        Err(last) => Completed::GaveUp(last),
+    }
 }
 
 /// Releases the key if `owner` still holds it. A release the store fails is tried again in

@@ -143,6 +143,7 @@ where
             holder.commit_slot().clone(),
             holder.at_rest().clone(),
             Arc::new(HttpEncoding(self.config.clone())),
+            holder.durable(),
         );
         let context = IdempotencyContext::new(
             scope,

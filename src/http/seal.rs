@@ -191,9 +191,12 @@ pub(super) async fn settle_sealed<St: Store, E, ResBody>(
     };
     let (head, body) = response.into_parts();
     // The returned response is the committed one when it encodes to the same record: a
-    // minimal one by its head alone (its body streams on), any other by its body too.
+    // minimal one by its head alone (its body streams on), any other by its body too, read
+    // only when its length is known (a stream the handler returned after its commit may never
+    // end, or wait for the client: the committed response is answered without reading it).
     let returned = match head.extensions.get::<Minimal>() {
         Some(_) => Some((Body::new(body), Bytes::new())),
+        None if body.size_hint().exact().is_none() => None,
         None => match collect_response(body, config.stored_body_limit).await {
             CollectedBody::Whole(body) => Some((Body::from(body.clone()), body)),
             CollectedBody::TooLarge(_) | CollectedBody::Failed(_) => None,

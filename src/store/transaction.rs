@@ -143,8 +143,9 @@ enum Stage {
     /// No transaction was begun.
     #[default]
     None,
-    /// A transaction runs.
-    Running,
+    /// A transaction runs; `in_record_store` when it writes the record itself (the record
+    /// store's own transaction, `PostgresStore`).
+    Running { in_record_store: bool },
     /// Every transaction begun was rolled back: a new one may begin.
     RolledBack,
     /// Ended: committed, or its fate unknown.
@@ -181,6 +182,14 @@ impl CommitSlot {
             || !matches!(*self.lock(), Stage::None)
     }
 
+    /// Whether a transaction that writes the record itself runs now: the lease is not renewed
+    /// meanwhile, since a renewal's write of the record would make a REPEATABLE READ or
+    /// SERIALIZABLE transaction's own write of it fail (a concurrent update), and the owner
+    /// token fences the transaction's write anyway.
+    pub(crate) fn holds_record(&self) -> bool {
+        matches!(*self.lock(), Stage::Running { in_record_store: true })
+    }
+
     /// Says that the holder begins to complete the record.
     pub(crate) fn completing(&self) {
         self.completing.store(true, std::sync::atomic::Ordering::SeqCst);
@@ -193,20 +202,21 @@ impl CommitSlot {
             Stage::RolledBack => Some(Commit::RolledBack),
             // A transaction still running when its operation returned (spawned and left):
             // its fate is not known here.
-            Stage::Running => Some(Commit::Unknown),
+            Stage::Running { .. } => Some(Commit::Unknown),
             Stage::Ended(commit) => Some(commit.clone()),
         }
     }
 
-    /// Begins a transaction, unless one runs or ended in a commit (known or not).
-    pub(crate) fn start(&self) -> Result<(), &'static str> {
+    /// Begins a transaction, unless one runs or ended in a commit (known or not);
+    /// `in_record_store` when the transaction writes the record itself.
+    pub(crate) fn start(&self, in_record_store: bool) -> Result<(), &'static str> {
         let mut stage = self.lock();
         match &*stage {
             Stage::None | Stage::RolledBack => {
-                *stage = Stage::Running;
+                *stage = Stage::Running { in_record_store };
                 Ok(())
             }
-            Stage::Running => Err("a transaction of this claim is running (a nested call)"),
+            Stage::Running { .. } => Err("a transaction of this claim is running (a nested call)"),
             Stage::Ended(Commit::Unknown) => {
                 Err("this claim's commit ended with its fate unknown: it may have committed")
             }
@@ -300,20 +310,23 @@ mod tests {
     fn a_claim_commits_once_and_begins_again_only_after_a_roll_back() {
         let slot = Arc::new(CommitSlot::default());
         assert!(slot.outcome().is_none() && !slot.begun());
-        slot.start().unwrap();
-        assert!(slot.start().is_err(), "a nested transaction began");
+        slot.start(true).unwrap();
+        assert!(slot.holds_record());
+        assert!(slot.start(true).is_err(), "a nested transaction began");
         drop(Running::new(slot.clone()));
         assert!(matches!(slot.outcome(), Some(Commit::RolledBack)));
-        slot.start().unwrap();
+        assert!(!slot.holds_record());
+        slot.start(false).unwrap();
+        assert!(!slot.holds_record());
         let mut running = Running::new(slot.clone());
         running.committing();
         drop(running);
         assert!(matches!(slot.outcome(), Some(Commit::Unknown)));
-        assert!(slot.start().is_err(), "a transaction began after an unknown commit");
+        assert!(slot.start(true).is_err(), "a transaction began after an unknown commit");
         let slot = Arc::new(CommitSlot::default());
-        slot.start().unwrap();
+        slot.start(true).unwrap();
         Running::new(slot.clone()).end(Commit::Committed(Bytes::from_static(b"r")));
-        assert!(slot.start().is_err(), "a transaction began after a commit");
+        assert!(slot.start(true).is_err(), "a transaction began after a commit");
         assert!(matches!(slot.outcome(), Some(Commit::Committed(_))));
     }
 }

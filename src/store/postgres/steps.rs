@@ -68,6 +68,9 @@ impl RecoveryPoints {
     expires_at TIMESTAMPTZ NOT NULL,
     PRIMARY KEY (key_hash, step)
 );
+-- A table of the previous version: its steps, bound to no request, are never resumed (every
+-- request is answered `KeyReused` for them until they expire).
+ALTER TABLE idempotency_steps ADD COLUMN IF NOT EXISTS fingerprint BYTEA NOT NULL DEFAULT '';
 CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (expires_at);";
 
     /// Steps in `pool`'s database, every call bounded by a command timeout of a second.

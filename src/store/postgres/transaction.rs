@@ -41,7 +41,16 @@ where
     let completion = context.completion().ok_or(TransactionError::Misuse(
         "the context is not one a front door gave to an operation it runs",
     ))?;
-    completion.commit.start().map_err(TransactionError::Misuse)?;
+    // Beside the record store, the door must answer takeovers and lost records from the
+    // table, or a committed outcome that the record store lost is never answered again.
+    let beside = matches!(committed(Bytes::new()), Commit::CommittedBeside(_));
+    if beside && !completion.durable {
+        return Err(TransactionError::Misuse(
+            "DurableOutcomes::transaction needs its door to answer from the table: set \
+             `.durable(outcomes)` on the layer or the consumer door",
+        ));
+    }
+    completion.commit.start(!beside).map_err(TransactionError::Misuse)?;
     // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
     // rolled back, and sqlx rolls the transaction back.
     let mut running = Running::new(completion.commit.clone());
@@ -62,9 +71,9 @@ where
             running.end(committed(sealed.outcome));
             Ok(value)
         }
-        // The server answered: it refused the commit (a deferred constraint, a
-        // serialization failure) and rolled the transaction back.
-        Ok(Err(error @ sqlx::Error::Database(_))) => {
+        // The server answered that it refused the commit and rolled the transaction back (a
+        // deferred constraint, a serialization failure, the transaction ended for idling).
+        Ok(Err(error)) if rolled_back(&error) => {
             running.end(Commit::RolledBack);
             Err(TransactionError::Store(StoreError::unavailable(error)))
         }
@@ -78,6 +87,16 @@ where
             Err(TransactionError::CommitUnknown(StoreError::Timeout(timeout)))
         }
     }
+}
+
+/// Whether the error the server answered a COMMIT with says the transaction was rolled back:
+/// an integrity constraint checked at commit (class 23), a serialization failure or deadlock
+/// (40), an invalid transaction state, the idle-in-transaction timeout among them (25). Any
+/// other answer (an operator's shutdown, class 57, may follow a durable commit) leaves the
+/// commit's fate unknown.
+fn rolled_back(error: &sqlx::Error) -> bool {
+    let code = error.as_database_error().and_then(sqlx::error::DatabaseError::code);
+    code.is_some_and(|code| ["23", "25", "40"].iter().any(|class| code.starts_with(class)))
 }
 
 /// How long the database keeps a transaction that went idle after its outcome was written
@@ -143,7 +162,14 @@ impl PostgresStore {
     /// - *A savepoint or the caller's own transaction*: cannot be passed; the store begins its
     ///   own top-level transaction.
     /// - *A holder whose lease was taken over*: [`StoreError::FencedOut`], rolled back; the
-    ///   other holder runs the operation.
+    ///   other holder runs the operation. While the transaction runs, the lease is not renewed
+    ///   (a renewal's write of the record would make a REPEATABLE READ or SERIALIZABLE
+    ///   transaction's own write fail): a transaction longer than the lease can be taken over
+    ///   by a retry, and of the two only one commits.
+    /// - *Spawning the transaction and returning before it ended*: the door settles without
+    ///   it (the response returned is stored, or the key released when the transaction was
+    ///   running); the transaction is then fenced out and rolled back. Nothing is paid twice,
+    ///   and nothing is paid: await it.
     ///
     /// A transaction whose COMMIT is lost on the way (a partition) keeps the record's row
     /// locked until the database ends it: the store sets the transaction's
