@@ -333,8 +333,8 @@ mod tests {
     }
 
     /// What a holder's renewal logs when it finds its record completed with the holder's own
-    /// token (the operation's own commit, `committing`, or not): on a current-thread runtime,
-    /// whose tasks log to this thread's subscriber.
+    /// token (the holder's own complete under way, `committing`, or not): on a current-thread
+    /// runtime, whose tasks log to this thread's subscriber.
     fn renewal_logs(committing: bool) -> String {
         let sink = Sink::default();
         let writer = sink.clone();
@@ -361,10 +361,10 @@ mod tests {
                     panic!("not claimed")
                 };
                 if committing {
-                    holder.commit_slot().start(true).unwrap();
+                    holder.commit_slot().completing();
                 }
-                // The operation's transaction completes the record, as `PostgresStore::transaction`
-                // does, while the renewal runs.
+                // The record is completed with the holder's token while the renewal runs (the
+                // holder's own complete, whose answer is not back yet).
                 let (owner, response) = (holder.owner().clone(), Bytes::from_static(b"r"));
                 let retention = Duration::from_secs(60);
                 store.complete(&key, &owner, &fingerprint, response, retention).await.unwrap();

@@ -168,7 +168,7 @@ impl<St: Store> Renewals<St> {
             route,
             commit,
             renewed_at: now,
-            held_until: now + self.shared.lease.duration,
+            held_until: later(now, self.shared.lease.duration),
             give_up_at,
             touching: false,
             ended: None,
@@ -268,6 +268,11 @@ impl<St> Drop for Renewing<St> {
     }
 }
 
+/// `at` plus `by`, saturating as `store::later` does (a lease of `Duration::MAX` means "kept").
+fn later(at: Instant, by: Duration) -> Instant {
+    Instant::from_std(crate::store::later(at.into_std(), by))
+}
+
 /// The longest time between two renewals of a claim: the lease's last renewal is never more
 /// than this old, so that a store that stalls for the lease less this (a failover, a paused
 /// server) never lets a retry take over a key whose holder is alive and settling.
@@ -342,7 +347,9 @@ async fn renew<St: Store>(
     let hash = key.hash();
     let sent = Instant::now();
     match touched.shared.store.touch(&key, &owner, touched.shared.lease).await {
-        Ok(Fenced::Applied) => touched.held_until = Some(sent + touched.shared.lease.duration),
+        Ok(Fenced::Applied) => {
+            touched.held_until = Some(later(sent, touched.shared.lease.duration))
+        }
         // The holder's own complete, or the operation's own transaction, settled the record
         // (the renewal ran beside it, or waited on its row lock): not a lease lost.
         Ok(Fenced::Rejected) if commit.begun() => {
