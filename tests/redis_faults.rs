@@ -66,9 +66,9 @@ fn logs_mentioning(needle: &str) -> Vec<String> {
     logs.lines().filter(|line| line.contains(needle)).map(str::to_owned).collect()
 }
 
-/// The two ways a store bounds its replies, each with `timeout`: over a pool of the app's own
-/// (redis-rs's reply timer, set before each command to what is left), and over the pool it
-/// builds itself (`from_url`: no reply timer, the store's watchdog ends the operation).
+/// The two ways a store is built, each with `timeout`: over a pool of the app's own, and over
+/// the pool it builds itself (`from_url`). Both bound each reply with redis-rs's reply timer,
+/// set before each command to what is left.
 fn both_stores(server: &RedisServer, timeout: Duration) -> [(&'static str, RedisStore); 2] {
     let built = RedisStore::from_url(&server.url()).unwrap();
     [
