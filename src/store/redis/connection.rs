@@ -6,7 +6,7 @@ use std::{
     future::Future,
     pin::Pin,
     sync::{
-        Mutex, PoisonError,
+        Arc, Mutex, PoisonError,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     task::{Context, Poll},
@@ -22,6 +22,7 @@ use deadpool_redis::{
 };
 use tokio::{runtime, time::Instant};
 
+use super::batch::{Batcher, Operation};
 use super::checks::{check_version, warn_unless_noeviction};
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
@@ -91,20 +92,37 @@ impl ConnectionLike for SharedConnection {
 
 /// The shared connection, with the deadline of the operation it serves: no command is sent
 /// once it passed, and each command waits for its reply at most what is left (redis-rs's
-/// response timeout, which holds the wait for room in the connection's channel too), so an
-/// operation of several commands (a `NOSCRIPT` reload, a scan) is bounded as a whole. A
-/// Cluster connection keeps the node timeouts it was built with (see `cluster.rs`): its
-/// operations run under a tokio timeout instead.
+/// response timeout, which holds the wait for room in the connection's channel too; for a
+/// command that goes in a [batch](Batcher), a tokio timeout), so an operation of several
+/// commands (a `NOSCRIPT` reload, a scan) is bounded as a whole. A Cluster connection keeps
+/// the node timeouts it was built with (see `cluster.rs`): its operations run under a tokio
+/// timeout instead.
 pub(super) struct Bounded {
     connection: SharedConnection,
     deadline: Instant,
+    /// The operation among the store's others, when its commands may go in batches (a
+    /// standalone server's connection).
+    operation: Option<Operation<MultiplexedConnection>>,
 }
 
 impl ConnectionLike for Bounded {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        match self.left() {
-            Some(left) => self.bounded(left).req_packed_command(cmd),
-            None => Box::pin(async { Err(elapsed()) }),
+        match (self.left(), &self.operation, &self.connection) {
+            (None, ..) => Box::pin(async { Err(elapsed()) }),
+            // Other operations of the store run: the command goes in their batch.
+            (Some(_), Some(operation), SharedConnection::Standalone(connection))
+                if !operation.alone() =>
+            {
+                let batched =
+                    operation.batcher().clone().send(connection.clone(), cmd, self.deadline);
+                let deadline = self.deadline;
+                Box::pin(async move {
+                    tokio::time::timeout_at(deadline, batched)
+                        .await
+                        .unwrap_or_else(|_| Err(elapsed()))
+                })
+            }
+            (Some(left), ..) => self.bounded(left).req_packed_command(cmd),
         }
     }
 
@@ -200,6 +218,9 @@ pub(super) struct Connections {
     connecting: tokio::sync::Mutex<()>,
     /// The id of the next connection taken.
     next_id: AtomicU64,
+    /// The batches of the operations that run together on a standalone server's connection;
+    /// `None` for a Cluster, whose connection sends each command to its slot's node.
+    batcher: Option<Arc<Batcher<MultiplexedConnection>>>,
     eviction_checked: AtomicBool,
     /// The server's clock, sampled on each new connection.
     pub(super) clock: ServerClock,
@@ -207,7 +228,13 @@ pub(super) struct Connections {
 
 impl Connections {
     pub(super) fn new(source: Source) -> Self {
+        let batcher = match source {
+            #[cfg(feature = "cluster")]
+            Source::Cluster(_) => None,
+            _ => Some(Arc::default()),
+        };
         Self {
+            batcher,
             source,
             shared: Mutex::new(Vec::new()),
             connecting: tokio::sync::Mutex::new(()),
@@ -324,9 +351,9 @@ impl Connections {
             // its wait for room in the pipeline's channel included, by what is left.
             Some((id, connection @ SharedConnection::Standalone(_))) => {
                 used = Some(id);
-                match (FirstPoll { future: op(Bounded { connection, deadline }), polled: false })
-                    .await
-                {
+                let operation = self.batcher.as_ref().map(Batcher::start);
+                let bounded = Bounded { connection, deadline, operation };
+                match (FirstPoll { future: op(bounded), polled: false }).await {
                     (Err(Attempt::Redis(error)), true) if error.is_connection_dropped() => {
                         self.drop_connection(id);
                         used = None;
@@ -385,7 +412,8 @@ impl Connections {
                     None => self.connection(runtime).await.map_err(Attempt::Store)?,
                 };
                 *used = Some(id);
-                op(Bounded { connection, deadline }).await.map_err(Attempt::Redis)
+                let operation = self.batcher.as_ref().map(Batcher::start);
+                op(Bounded { connection, deadline, operation }).await.map_err(Attempt::Redis)
             });
         tokio::time::timeout_at(deadline, attempt).await.unwrap_or(Err(Attempt::Elapsed))
     }

@@ -1,6 +1,7 @@
 //! [`RedisStore`]: records in Redis, shared by every instance of the service.
 
 mod admin;
+mod batch;
 mod builders;
 mod checks;
 mod clock;
