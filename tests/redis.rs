@@ -217,9 +217,10 @@ async fn a_truncated_stored_response_is_500_not_a_rerun() {
     assert_eq!(calls.get(), 1);
 }
 
-/// The operations of a `RedisStore::from_url` share one connection, on which Redis pipelines
-/// them: under a burst of concurrent operations each still gets its own answer, and after
-/// `SCRIPT FLUSH` each command that met `NOSCRIPT` loads its script and is sent again.
+/// The operations of a `RedisStore::from_url` share one connection, and the commands of those
+/// that run together go out as one batch (`src/store/redis/batch.rs`, a redis-rs pipeline):
+/// under a burst of concurrent operations each still gets its own answer, and after `SCRIPT
+/// FLUSH` each command of a batch that met `NOSCRIPT` loads its script and is sent again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_operations_each_get_their_own_answer() {
     use axum_idempotency::{

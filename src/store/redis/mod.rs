@@ -78,6 +78,8 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// The store's requests share one of the pool's connections (Redis pipelines them; one per
 /// tokio runtime when runtimes share the store), and take another only when that one fails:
 /// checking a connection out per request would cost the pool's `PING` round trip every time.
+/// The commands of operations that run together are written as one redis-rs pipeline (a
+/// batch), each with its own reply and errors, within its own operation's timeout.
 /// The requests that find no connection at once (a cold start) wait for the one being taken,
 /// and a connection found closed before anything was sent on it (Redis's idle `timeout`, a
 /// restart, a `CLIENT KILL`) is replaced before the request fails.
