@@ -143,9 +143,9 @@ async fn requests_succeed_again_after_redis_restarts() {
     assert!(matches!(statuses[0].as_u16(), 201 | 503), "statuses after restart: {statuses:?}");
 }
 
-/// A store from a URL drives its connections itself (`src/store/redis/direct.rs`): one that
-/// Redis closed while it idled (`CLIENT KILL`, a restart, Redis's `timeout`) is replaced before
-/// anything is sent on it, so no request fails for it.
+/// A store from a URL shares one of its pool's connections: one that Redis closed while it
+/// idled (`CLIENT KILL`, a restart, Redis's `timeout`) is replaced before anything is sent on
+/// it, so no request fails for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_redis_closed_while_idle_is_replaced_before_a_request_fails() {
     let mut server = RedisServer::start();
@@ -219,12 +219,12 @@ async fn a_truncated_stored_response_is_500_not_a_rerun() {
     assert_eq!(calls.get(), 1);
 }
 
-/// A `RedisStore::from_url` writes the commands its operations send while others are on the
-/// wire as one batch (`src/store/redis/batch.rs`): under a burst of concurrent operations each
-/// still gets its own answer, and after `SCRIPT FLUSH` each command of a batch that met
-/// `NOSCRIPT` loads its script and is sent again.
+/// The operations of a `RedisStore::from_url` share one connection, and the commands of those
+/// that run together go out as one batch (`src/store/redis/batch.rs`, a redis-rs pipeline):
+/// under a burst of concurrent operations each still gets its own answer, and after `SCRIPT
+/// FLUSH` each command of a batch that met `NOSCRIPT` loads its script and is sent again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batched_operations_each_get_their_own_answer() {
+async fn concurrent_operations_each_get_their_own_answer() {
     use axum_idempotency::{
         Fingerprint,
         store::{Claim, Lease, OwnerToken, RecordKey, Store},
@@ -276,11 +276,10 @@ async fn batched_operations_each_get_their_own_answer() {
 #[test]
 fn each_runtime_keeps_its_connection_however_often_runtimes_take_turns() {
     // Two runtimes, both alive, take turns on one store: each gets a connection once, and no
-    // turn drops the other's. A store from a URL connects by itself: two connections in all.
-    // A store over the app's pool checks a connection the pool lends again with a `PING`: the
-    // second runtime's first turn, once (the first runtime's connection had just been made).
-    // A store that dropped the other runtime's connection on each turn would connect, or
-    // check one, on every turn after.
+    // turn drops the other's. The pool checks a connection it lends again with a `PING`: the
+    // second runtime's first turn, once (the first runtime's connection had just been made);
+    // one connection in all. A store that dropped the other runtime's connection on each turn
+    // would check one out, or connect, on every turn after.
     for built in ["from_url", "app-pool"] {
         let server = RedisServer::start();
         let store = match built {
@@ -299,21 +298,18 @@ fn each_runtime_keeps_its_connection_however_often_runtimes_take_turns() {
                 assert_eq!(seen.status, 201, "{built}, {key}: {seen:?}");
             }
         }
-        if built == "from_url" {
-            // Less the second look's own.
-            let made = a.block_on(connections_received(&server)) - before - 1;
-            assert_eq!(made, 2, "{built}");
-        } else {
-            let commands = a.block_on(command_calls(&server));
-            assert_eq!(commands.get("ping"), Some(&1), "{built}: {commands:?}");
-        }
+        // Less the second look's own.
+        let made = a.block_on(connections_received(&server)) - before - 1;
+        assert_eq!(made, 1, "{built}");
+        let commands = a.block_on(command_calls(&server));
+        assert_eq!(commands.get("ping"), Some(&1), "{built}: {commands:?}");
         assert_eq!(calls.get(), 6, "{built}");
     }
 }
 
-/// A store from a URL drives its connection itself (`src/store/redis/direct.rs`): a record
-/// larger than the socket takes at once goes out over several writes, and the commands other
-/// tasks send meanwhile, queued behind it, each get their own reply.
+/// A record larger than the socket takes at once goes out over several writes of the shared
+/// connection, and the commands other tasks send meanwhile, queued behind it, each get their
+/// own reply.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_larger_than_the_socket_takes_leaves_each_reply_to_its_own_command() {
     use axum_idempotency::{
@@ -357,7 +353,7 @@ async fn a_record_larger_than_the_socket_takes_leaves_each_reply_to_its_own_comm
     assert_eq!(claimed.len(), 51);
 }
 
-/// A store from a URL authenticates its own connections and selects the URL's database, as
+/// A store from a URL authenticates its connections and selects the URL's database, as
 /// redis-rs reads them from the URL: a password, a user of an ACL, a database number. A wrong
 /// password is 503, and nothing runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,9 +66,9 @@ fn logs_mentioning(needle: &str) -> Vec<String> {
     logs.lines().filter(|line| line.contains(needle)).map(str::to_owned).collect()
 }
 
-/// The two ways a store bounds its replies, each with `timeout`: over a pool of the app's own
-/// (redis-rs's reply timer, set before each command to what is left), and over the pool it
-/// builds itself (`from_url`: no reply timer, the store's watchdog ends the operation).
+/// The two ways a store is built, each with `timeout`: over a pool of the app's own, and over
+/// the pool it builds itself (`from_url`). Both bound each reply with redis-rs's reply timer,
+/// set before each command to what is left.
 fn both_stores(server: &RedisServer, timeout: Duration) -> [(&'static str, RedisStore); 2] {
     let built = RedisStore::from_url(&server.url()).unwrap();
     [
@@ -425,3 +425,26 @@ both_redis_stores!(
     a_request_dropped_while_claiming_releases_what_it_claimed,
     a_guard_that_cannot_reach_redis_gives_up_after_a_lease_and_says_so,
 );
+
+/// With a subscriber that records it, each handled request has its `idempotency` span, and the
+/// layer's events sit in it with the request's key hash and outcome (a span nobody records is
+/// not entered; see `src/http/service.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recorded_requests_events_sit_in_its_span_with_the_outcome() {
+    observe();
+    let server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(server.store()));
+    let key = "span-k1";
+    assert_eq!(send(&app, keyed("POST", "/payments", key, "{}")).await.status, 201);
+    assert!(send(&app, keyed("POST", "/payments", key, "{}")).await.replayed());
+    let hash = global(key).hash().to_owned();
+    let replayed: Vec<_> = logs_mentioning("idempotency: replayed")
+        .into_iter()
+        .filter(|line| line.contains(&hash))
+        .collect();
+    assert_eq!(replayed.len(), 1, "{replayed:?}");
+    let line = &replayed[0];
+    assert!(line.contains(&format!("idempotency{{key_hash=\"{hash}\"")), "{line}");
+    assert!(line.contains("outcome=\"replayed\"") && line.contains("replayed=true"), "{line}");
+}

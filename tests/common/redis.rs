@@ -73,10 +73,10 @@ pub async fn reset_command_stats(server: &RedisServer) {
     let () = redis::cmd("CONFIG").arg("RESETSTAT").query_async(&mut redis).await.unwrap();
 }
 
-/// How a test's store is built: over a pool of the app's own (`RedisStore::new`: the pool's
-/// connection, redis-rs's reply timer per command), or from a URL, as the README builds it
-/// (`RedisStore::from_url`: connections the store drives itself, `src/store/redis/direct.rs`,
-/// ended by its watchdog).
+/// How a test's store is built: over a pool of the app's own (`RedisStore::new`, no
+/// subscriber), or from a URL, as the README builds it (`RedisStore::from_url`: a pool the
+/// store builds, with the subscriber). Both share the pool's connections, each command bounded
+/// by redis-rs's response timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Built {
     AppPool,
@@ -209,8 +209,8 @@ impl RedisServer {
         Config::from_url(self.url()).create_pool(Some(Runtime::Tokio1)).expect("pool")
     }
 
-    /// The store a user of the README makes: `RedisStore::from_url` (connections it drives
-    /// itself, ended by its watchdog, a subscriber for waiters). A pool of the app's own,
+    /// The store a user of the README makes: `RedisStore::from_url` (a pool of its own, a
+    /// subscriber for waiters). A pool of the app's own,
     /// `RedisStore::new(pool)`, is tested in `tests/redis.rs`, and beside this one in
     /// `tests/redis_faults.rs` and `tests/redis_lost_answers.rs` ([`Built`]).
     pub fn store(&self) -> RedisStore {

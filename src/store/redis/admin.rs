@@ -120,7 +120,7 @@ impl RedisStore {
         let pattern = format!("*:{{{}}}", "?".repeat(64));
         let mut scan = cmd("SCAN");
         scan.arg(cursor).arg("MATCH").arg(pattern).arg("COUNT").arg(SCAN_COUNT);
-        let timeout = self.command_timeout;
+        let (timeout, scan) = (self.command_timeout, &scan);
         self.connections
             .run(timeout, |mut connection| async move {
                 #[cfg(feature = "cluster")]
@@ -130,7 +130,8 @@ impl RedisStore {
                         cluster_routing::{RoutingInfo, SingleNodeRoutingInfo},
                     };
                     let node = SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port };
-                    let reply = cluster.route_command(scan, RoutingInfo::SingleNode(node)).await?;
+                    let reply =
+                        cluster.route_command(scan.clone(), RoutingInfo::SingleNode(node)).await?;
                     return <(u64, Vec<String>)>::from_redis_value(reply).map_err(Into::into);
                 }
                 let _ = node;

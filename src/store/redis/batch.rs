@@ -1,18 +1,22 @@
-//! [`Batcher`]: the commands of operations that run together, written to Redis together.
+//! [`Batcher`]: the commands of operations that run together, written to Redis together as one
+//! redis-rs pipeline.
 //!
 //! A multiplexed connection writes each command as it comes: under load, one `writev` a
-//! command on the client, one read on the server. Here an operation that starts while no other
-//! of the store's runs sends its commands straight out, as before (an idle store pays two
-//! atomic additions an operation); one that starts while others run queues its commands, and
-//! one task, spawned by the first of them, yields once (every task already runnable sends
-//! first) and writes the queue as one pipeline, giving each command's reply, or the
-//! pipeline's error, to its own sender.
+//! command on the client, one read on the server (redis-rs's driver task, woken into the
+//! worker's LIFO slot, writes each before the next is queued). Here an operation that starts
+//! while no other of the store's runs sends its commands straight out, as before (an idle store
+//! pays two atomic additions an operation); one that starts while others run queues its
+//! commands, and one task, spawned by the first of them, yields once (every task already
+//! runnable sends first) and writes the queue as one pipeline (`req_packed_commands` on the
+//! same redis-rs connection), giving each command's reply, or the pipeline's error, to its own
+//! sender.
 //!
 //! What an operation sees does not change: its command's own reply (a server error, such as
 //! `NOSCRIPT`, is its alone), in order with its other commands (an operation awaits each reply
-//! before it sends again); its deadline, kept by the watchdog around the operation. The task
-//! that writes a batch is bounded by the latest deadline in it; a command whose operation
-//! ended (or whose deadline passed) before its batch was written is not sent.
+//! before it sends again); its deadline (its wait for a reply is bounded by it, see
+//! `connection.rs`). The task that writes a batch is bounded by the latest deadline in it (a
+//! tokio timeout); a command whose operation ended (or whose deadline passed) before its batch
+//! was written is not sent.
 
 use std::sync::{
     Arc, Mutex, PoisonError,
@@ -21,8 +25,6 @@ use std::sync::{
 
 use deadpool_redis::redis::{Cmd, Pipeline, RedisError, RedisResult, Value, aio::ConnectionLike};
 use tokio::{runtime, sync::oneshot, time::Instant};
-
-use super::watchdog::{self, Elapsed};
 
 /// One store's queue of commands waiting for a batch; see the module.
 pub(super) struct Batcher<C> {
@@ -139,7 +141,7 @@ where
             continue;
         }
         if deadline <= now {
-            let _ = reply.send(Err(Elapsed.into()));
+            let _ = reply.send(Err(elapsed()));
             continue;
         }
         let (_, latest) = batch.get_or_insert((connection, deadline));
@@ -149,9 +151,8 @@ where
     }
     let Some((mut connection, latest)) = batch else { return };
     let count = replies.len();
-    let sent =
-        watchdog::within(latest.into_std(), connection.req_packed_commands(&pipeline, 0, count));
-    match sent.await {
+    match tokio::time::timeout_at(latest, connection.req_packed_commands(&pipeline, 0, count)).await
+    {
         Ok(Ok(values)) if values.len() == count => {
             for (reply, value) in replies.into_iter().zip(values) {
                 let _ = reply.send(value.extract_error());
@@ -167,10 +168,10 @@ where
                 let _ = reply.send(Err(error.clone()));
             }
         }
-        // Every operation's time is up; one whose watchdog has not ended it yet learns it here.
-        Err(Elapsed) => {
+        // Every operation's time is up.
+        Err(_) => {
             for reply in replies {
-                let _ = reply.send(Err(Elapsed.into()));
+                let _ = reply.send(Err(elapsed()));
             }
         }
     }
@@ -209,6 +210,11 @@ impl<C> Drop for Flushing<C> {
             queue.flushing.take_if(|runtime| *runtime == self.runtime);
         }
     }
+}
+
+/// The error of a command whose time was up: a timeout, as redis-rs reports its own.
+fn elapsed() -> RedisError {
+    std::io::Error::from(std::io::ErrorKind::TimedOut).into()
 }
 
 /// The error of a command whose batch ended without its reply: it may have been applied.

@@ -8,8 +8,8 @@ use deadpool_redis::{CreatePoolError, Pool, Runtime, redis::AsyncConnectionConfi
 #[cfg(feature = "sentinel")]
 use deadpool_redis::{PoolConfig, Timeouts};
 
-use super::connection::{Replies, Source};
-use super::direct::Direct;
+#[cfg(any(feature = "sentinel", feature = "cluster"))]
+use super::connection::Source;
 use super::{DEFAULT_COMMAND_TIMEOUT, RedisStore};
 #[cfg(feature = "cluster")]
 use super::{
@@ -18,8 +18,10 @@ use super::{
 };
 
 impl RedisStore {
-    /// A store over a new pool for `url`, with its wait, create and recycle timeouts set to
-    /// one second and at most 8 connections.
+    /// A store over a new pool for `url`: at most [`POOL_SIZE`](Self::POOL_SIZE) (8)
+    /// connections, with its wait, create and recycle timeouts set to one second, and a
+    /// [`subscriber`](Self::subscriber) connection for waiters. See [`RedisStore`] for what the
+    /// store's requests use of the pool, and [`new`](Self::new) for a pool sized by the app.
     ///
     /// # Errors
     ///
@@ -36,35 +38,30 @@ impl RedisStore {
     /// (`Client::build_with_tls`, features `tls-rustls` or `tls-native-tls`), a username,
     /// another protocol.
     ///
-    /// Over plain TCP with RESP2 (redis-rs's default), the connection the store's requests
-    /// share is one it makes and drives itself, to the client's address, with its password,
-    /// user and database (see [`RedisStore`]); over TLS, a Unix socket or RESP3 it is the
-    /// pool's redis-rs connection.
-    ///
     /// # Errors
     ///
     /// When the pool cannot be built. No connection is made until the first request.
     pub fn from_client(client: deadpool_redis::redis::Client) -> Result<Self, CreatePoolError> {
-        // No reply timer per command: the store's watchdog bounds each operation as a whole
-        // (see `connection.rs`, `Replies`).
-        let config = AsyncConnectionConfig::new().set_response_timeout(None);
+        // Each command's reply is awaited at most what is left of its operation's time (see
+        // `connection.rs`); the pool's own `PING` at a checkout, at most its recycle timeout.
+        let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(timeout)
+            .set_response_timeout(timeout);
         let manager =
             deadpool_redis::Manager::new_with_config(client.get_connection_info().clone(), config)
                 .map_err(|error| {
                     CreatePoolError::Config(deadpool_redis::ConfigError::Redis(error))
                 })?;
-        let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
         let pool = Pool::builder(manager)
-            .max_size(8)
+            .max_size(Self::POOL_SIZE)
             .wait_timeout(timeout)
             .create_timeout(timeout)
             .recycle_timeout(timeout)
             .runtime(Runtime::Tokio1)
             .build()
             .map_err(CreatePoolError::Build)?;
-        // Over plain TCP, the store drives its shared connections itself (see `direct.rs`).
-        let direct = Some(client.get_connection_info().clone()).filter(Direct::serves);
-        Ok(Self::with_source(Source::Standalone(pool), Replies::Watched, direct).subscriber(client))
+        Ok(Self::new(pool).subscriber(client))
     }
 
     /// A store over a Redis Sentinel pool: every connection is made to the master the
@@ -74,11 +71,11 @@ impl RedisStore {
     #[cfg(feature = "sentinel")]
     #[must_use]
     pub fn sentinel(pool: deadpool_redis::sentinel::Pool) -> Self {
-        Self::with_source(Source::Sentinel(pool), Replies::Timed, None)
+        Self::with_source(Source::Sentinel(pool))
     }
 
     /// A store over a new Sentinel pool: the sentinels at `urls` name the master of
-    /// `master_name`. At most 8 connections, with one-second wait, create and recycle timeouts.
+    /// `master_name`. At most [`POOL_SIZE`](Self::POOL_SIZE) connections, with one-second wait, create and recycle timeouts.
     ///
     /// ```no_run
     /// use axum_idempotency::RedisStore;
@@ -106,7 +103,7 @@ impl RedisStore {
             Config::from_urls(urls, master_name.to_owned(), SentinelServerType::Master);
         let timeout = Some(DEFAULT_COMMAND_TIMEOUT);
         config.pool = Some(PoolConfig {
-            max_size: 8,
+            max_size: Self::POOL_SIZE,
             timeouts: Timeouts { wait: timeout, create: timeout, recycle: timeout },
             ..PoolConfig::default()
         });
@@ -120,7 +117,7 @@ impl RedisStore {
     #[cfg(feature = "cluster")]
     #[must_use]
     pub fn cluster(pool: ClusterPool) -> Self {
-        Self::with_source(Source::Cluster(pool), Replies::Timed, None)
+        Self::with_source(Source::Cluster(pool))
     }
 
     /// A store over a new cluster pool for the seed nodes `urls`, with bounded timeouts: each

@@ -114,7 +114,7 @@ pub(super) fn pool_from_urls(urls: &[String]) -> Result<ClusterPool, ClusterConf
         .build()
         .map_err(ClusterConfigError::Redis)?;
     ClusterPool::builder(ClusterManager::new(client))
-        .max_size(8)
+        .max_size(crate::RedisStore::POOL_SIZE)
         .wait_timeout(Some(Duration::from_secs(1)))
         .create_timeout(Some(Duration::from_secs(1)))
         .recycle_timeout(Some(Duration::from_secs(1)))

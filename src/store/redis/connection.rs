@@ -1,32 +1,31 @@
 //! The connection every operation of a [`RedisStore`](super::RedisStore) shares, and where it
-//! comes from.
+//! comes from: always the store's deadpool-redis pool (or a Cluster's), never a connection the
+//! store makes by itself.
 
 use std::{
     future::Future,
+    pin::Pin,
     sync::{
         Arc, Mutex, PoisonError,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
+    task::{Context, Poll},
     time::Duration,
 };
 
 use deadpool_redis::{
     Pool,
     redis::{
-        Cmd, ConnectionInfo, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value,
+        Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, ServerErrorKind, Value,
         aio::{ConnectionLike, MultiplexedConnection},
     },
 };
 use tokio::{runtime, time::Instant};
 
+use super::batch::{Batcher, Operation};
+use super::checks::{check_version, warn_unless_noeviction};
 #[cfg(feature = "cluster")]
 use super::cluster::{ClusterPool, pool_error};
-use super::{
-    batch::{Batcher, Operation},
-    checks::{check_version, warn_unless_noeviction},
-    direct::Direct,
-    watchdog::{self, Elapsed},
-};
 use crate::store::StoreError;
 use crate::store::clock::ServerClock;
 
@@ -52,12 +51,10 @@ pub(super) enum Source {
     Sentinel(deadpool_redis::sentinel::Pool),
 }
 
-/// A connection Redis pipelines concurrent commands on.
+/// A connection Redis pipelines concurrent commands on: a clone of one of the pool's.
 #[derive(Clone)]
 pub(super) enum SharedConnection {
     Standalone(MultiplexedConnection),
-    /// A standalone server's, driven by the store itself (see `direct.rs`).
-    Direct(Direct),
     #[cfg(feature = "cluster")]
     Cluster(deadpool_redis::redis::cluster_async::ClusterConnection),
 }
@@ -66,7 +63,6 @@ impl ConnectionLike for SharedConnection {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::Standalone(connection) => connection.req_packed_command(cmd),
-            Self::Direct(connection) => connection.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Self::Cluster(connection) => connection.req_packed_command(cmd),
         }
@@ -80,7 +76,6 @@ impl ConnectionLike for SharedConnection {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Standalone(connection) => connection.req_packed_commands(pipeline, offset, count),
-            Self::Direct(connection) => connection.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Self::Cluster(connection) => connection.req_packed_commands(pipeline, offset, count),
         }
@@ -89,7 +84,6 @@ impl ConnectionLike for SharedConnection {
     fn get_db(&self) -> i64 {
         match self {
             Self::Standalone(connection) => connection.get_db(),
-            Self::Direct(connection) => connection.db(),
             #[cfg(feature = "cluster")]
             Self::Cluster(connection) => connection.get_db(),
         }
@@ -97,43 +91,36 @@ impl ConnectionLike for SharedConnection {
 }
 
 /// The shared connection, with the deadline of the operation it serves: no command is sent
-/// once it passed, so an operation of several commands (a `NOSCRIPT` reload, a scan) is
-/// bounded as a whole. With [`Replies::Timed`], each command waits at most what is left
-/// (redis-rs's own timer, which holds the wait for room in the pipeline's channel too); with
-/// [`Replies::Watched`], the watchdog ends the whole operation, and the commands of an
-/// operation that started while another of the store's ran go in [batches](Batcher). A
-/// Cluster connection keeps the node timeouts it was built with (see `cluster.rs`): its
-/// operations run under the store's own timer instead.
+/// once it passed, and each command waits for its reply at most what is left (redis-rs's
+/// response timeout, which holds the wait for room in the connection's channel too; for a
+/// command that goes in a [batch](Batcher), a tokio timeout), so an operation of several
+/// commands (a `NOSCRIPT` reload, a scan) is bounded as a whole. A Cluster connection keeps
+/// the node timeouts it was built with (see `cluster.rs`): its operations run under a tokio
+/// timeout instead.
 pub(super) struct Bounded {
     connection: SharedConnection,
-    /// The operation among the store's others, when its commands may go in batches (a
-    /// standalone connection whose replies are watched).
-    operation: Option<Operation<MultiplexedConnection>>,
     deadline: Instant,
-    replies: Replies,
-}
-
-/// How an operation's replies are bounded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Replies {
-    /// By redis-rs's own timer, set before each command to what is left of the operation's
-    /// time: for a pool the store did not build, whose connections wait for a reply as long
-    /// as they were made to (redis-rs's default: 500 ms), whatever the command timeout.
-    Timed,
-    /// By the [`watchdog`], around the whole operation: for the pools the store builds
-    /// (`from_url`, `from_client`), whose connections have no reply timer of their own.
-    Watched,
+    /// The operation among the store's others, when its commands may go in batches (a
+    /// standalone server's connection).
+    operation: Option<Operation<MultiplexedConnection>>,
 }
 
 impl ConnectionLike for Bounded {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match (self.left(), &self.operation, &self.connection) {
-            (None, ..) => Box::pin(async { Err(Elapsed.into()) }),
+            (None, ..) => Box::pin(async { Err(elapsed()) }),
+            // Other operations of the store run: the command goes in their batch.
             (Some(_), Some(operation), SharedConnection::Standalone(connection))
                 if !operation.alone() =>
             {
-                let batcher = operation.batcher().clone();
-                Box::pin(batcher.send(connection.clone(), cmd, self.deadline))
+                let batched =
+                    operation.batcher().clone().send(connection.clone(), cmd, self.deadline);
+                let deadline = self.deadline;
+                Box::pin(async move {
+                    tokio::time::timeout_at(deadline, batched)
+                        .await
+                        .unwrap_or_else(|_| Err(elapsed()))
+                })
             }
             (Some(left), ..) => self.bounded(left).req_packed_command(cmd),
         }
@@ -147,7 +134,7 @@ impl ConnectionLike for Bounded {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self.left() {
             Some(left) => self.bounded(left).req_packed_commands(pipeline, offset, count),
-            None => Box::pin(async { Err(Elapsed.into()) }),
+            None => Box::pin(async { Err(elapsed()) }),
         }
     }
 
@@ -162,24 +149,21 @@ impl Bounded {
         self.deadline.checked_duration_since(Instant::now()).filter(|left| !left.is_zero())
     }
 
-    /// The Cluster connection, when it is one (its operations run under the store's timer).
+    /// The Cluster connection, when it is one (its operations run under a tokio timeout).
     #[cfg(feature = "cluster")]
     pub(super) fn cluster(
         &mut self,
     ) -> Option<&mut deadpool_redis::redis::cluster_async::ClusterConnection> {
         match &mut self.connection {
             SharedConnection::Cluster(cluster) => Some(cluster),
-            SharedConnection::Standalone(_) | SharedConnection::Direct(_) => None,
+            SharedConnection::Standalone(_) => None,
         }
     }
 
-    /// The connection, its next reply awaited at most `left` when its replies are timed.
+    /// The connection, its next reply awaited at most `left`.
     fn bounded(&mut self, left: Duration) -> &mut SharedConnection {
         match &mut self.connection {
-            SharedConnection::Standalone(connection) if self.replies == Replies::Timed => {
-                connection.set_response_timeout(left);
-            }
-            SharedConnection::Standalone(_) | SharedConnection::Direct(_) => {}
+            SharedConnection::Standalone(connection) => connection.set_response_timeout(left),
             #[cfg(feature = "cluster")]
             SharedConnection::Cluster(_) => {}
         }
@@ -187,15 +171,37 @@ impl Bounded {
     }
 }
 
+/// The error of a command whose operation's time was up before it was sent: a timeout, as
+/// redis-rs reports its own.
+fn elapsed() -> RedisError {
+    std::io::Error::from(std::io::ErrorKind::TimedOut).into()
+}
+
 /// How far off the deadline of an operation without one is (as far as tokio's own timers
 /// reach).
 const NO_DEADLINE: Duration = Duration::from_secs(86_400 * 365 * 30);
 
 /// How many runtimes' connections a store keeps at most.
-const RUNTIMES: usize = 4;
+const RUNTIMES: usize = 16;
 
-/// One shared connection per runtime, taken from the pool when there is none or the last one
-/// failed.
+/// One runtime's shared connection.
+struct Shared {
+    /// The runtime that took it from the pool.
+    runtime: Option<runtime::Id>,
+    /// Which connection it is, so that an operation that failed on it drops this one and not
+    /// the one that replaced it meanwhile.
+    id: u64,
+    connection: SharedConnection,
+}
+
+/// One shared connection per runtime, a clone of one of the pool's connections, taken from
+/// the pool when there is none or the last one failed.
+///
+/// Every connection the store uses is one its pool made, so the store never holds more than
+/// the pool's `max_size` connections (plus the subscriber's, see `subscriber.rs`): a checkout
+/// waits for a free one, however many requests come at once. The clone is kept, not the
+/// checkout: checking a connection out per operation would cost the pool's `PING` round trip
+/// each time.
 pub(super) struct Connections {
     pub(super) source: Source,
     /// The shared connections, each with the runtime that took it from the pool: a
@@ -204,54 +210,76 @@ pub(super) struct Connections {
     /// another (as tests share one) loses no request to an earlier runtime's end: the pool's
     /// check (a `PING`) finds the dead connection, and makes one on the runtime asking. (Two
     /// runtimes side by side may take the same pooled connection; when its runtime ends, the
-    /// other's next operation fails once and takes a new one, as before.) At most
-    /// [`RUNTIMES`] (an application has one runtime or a handful), the oldest dropped first.
-    shared: Mutex<Vec<(Option<runtime::Id>, SharedConnection)>>,
-    /// Where the store connects by itself, in place of taking the pool's connection: a
-    /// standalone server over plain TCP, for the pools it builds (see `direct.rs`).
-    direct: Option<ConnectionInfo>,
-    /// The batches of the operations that run together, when replies are watched on the
-    /// pool's connections.
+    /// other's next operation fails once and takes a new one.) At most [`RUNTIMES`] (an
+    /// application has one runtime or a handful), the oldest dropped first.
+    shared: Mutex<Vec<Shared>>,
+    /// Held while a connection is taken from the pool and checked: the operations that find
+    /// none at once (a cold start of many requests) wait for that one, not take one each.
+    connecting: tokio::sync::Mutex<()>,
+    /// The id of the next connection taken.
+    next_id: AtomicU64,
+    /// The batches of the operations that run together on a standalone server's connection;
+    /// `None` for a Cluster, whose connection sends each command to its slot's node.
     batcher: Option<Arc<Batcher<MultiplexedConnection>>>,
-    /// How the replies on the pool's connections are bounded.
-    replies: Replies,
     eviction_checked: AtomicBool,
     /// The server's clock, sampled on each new connection.
     pub(super) clock: ServerClock,
 }
 
 impl Connections {
-    pub(super) fn new(source: Source, replies: Replies, direct: Option<ConnectionInfo>) -> Self {
+    pub(super) fn new(source: Source) -> Self {
+        let batcher = match source {
+            #[cfg(feature = "cluster")]
+            Source::Cluster(_) => None,
+            _ => Some(Arc::default()),
+        };
         Self {
+            batcher,
             source,
             shared: Mutex::new(Vec::new()),
-            // A direct connection writes what is sent together as one by itself.
-            batcher: (replies == Replies::Watched && direct.is_none()).then(Arc::default),
-            direct,
-            replies,
+            connecting: tokio::sync::Mutex::new(()),
+            next_id: AtomicU64::new(0),
             eviction_checked: AtomicBool::new(false),
             clock: ServerClock::default(),
         }
     }
 
-    /// A new connection from the pool, checked and shared on `runtime`, the caller's.
-    async fn connect(&self, runtime: Option<runtime::Id>) -> Result<SharedConnection, StoreError> {
-        let mut connection = match (&self.source, &self.direct) {
-            (Source::Standalone(_), Some(info)) => {
-                SharedConnection::Direct(Direct::connect(info).await?)
-            }
-            (Source::Standalone(pool), _) => {
-                SharedConnection::Standalone((*pool.get().await?).clone())
-            }
+    /// The connection shared on `runtime`, when there is one.
+    fn cached(&self, runtime: Option<runtime::Id>) -> Option<(u64, SharedConnection)> {
+        let shared = self.shared();
+        let found = shared.iter().find(|shared| shared.runtime == runtime)?;
+        Some((found.id, found.connection.clone()))
+    }
+
+    /// The connection shared on `runtime`, the caller's: the one there is, or a new one from
+    /// the pool, checked. One caller at a time takes one; the others wait for it.
+    async fn connection(
+        &self,
+        runtime: Option<runtime::Id>,
+    ) -> Result<(u64, SharedConnection), StoreError> {
+        let _connecting = self.connecting.lock().await;
+        if let Some(cached) = self.cached(runtime) {
+            return Ok(cached);
+        }
+        self.connect(runtime).await
+    }
+
+    /// A new connection from the pool, checked and shared on `runtime`.
+    async fn connect(
+        &self,
+        runtime: Option<runtime::Id>,
+    ) -> Result<(u64, SharedConnection), StoreError> {
+        let mut connection = match &self.source {
+            Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
             #[cfg(feature = "cluster")]
-            (Source::Cluster(pool), _) => {
+            Source::Cluster(pool) => {
                 SharedConnection::Cluster((*pool.get().await.map_err(pool_error)?).clone())
             }
             // Taken out of the pool for good: the pool's recycle check is a PING, which a master
             // demoted by a failover still answers. A new connection asks the sentinels where
             // the master is now.
             #[cfg(feature = "sentinel")]
-            (Source::Sentinel(pool), _) => SharedConnection::Standalone(
+            Source::Sentinel(pool) => SharedConnection::Standalone(
                 deadpool_redis::sentinel::Connection::take(pool.get().await?),
             ),
         };
@@ -265,16 +293,22 @@ impl Connections {
         if !self.eviction_checked.swap(true, Ordering::Relaxed) {
             warn_unless_noeviction(&mut connection).await;
         }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let mut shared = self.shared();
-        shared.retain(|(made_on, _)| *made_on != runtime);
+        shared.retain(|shared| shared.runtime != runtime);
         if shared.len() >= RUNTIMES {
             shared.remove(0);
         }
-        shared.push((runtime, connection.clone()));
-        Ok(connection)
+        shared.push(Shared { runtime, id, connection: connection.clone() });
+        Ok((id, connection))
     }
 
-    fn shared(&self) -> std::sync::MutexGuard<'_, Vec<(Option<runtime::Id>, SharedConnection)>> {
+    /// Drops connection `id`, so that the next operation takes another from the pool.
+    fn drop_connection(&self, id: u64) {
+        self.shared().retain(|shared| shared.id != id);
+    }
+
+    fn shared(&self) -> std::sync::MutexGuard<'_, Vec<Shared>> {
         self.shared.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -291,9 +325,16 @@ impl Connections {
 
     /// Runs `op` on the shared connection within `timeout`. A connection that failed is
     /// dropped, so the next operation takes a fresh one from the pool.
+    ///
+    /// A connection found closed before anything was sent on it (Redis closed it while it
+    /// idled: its `timeout`, a restart, a `CLIENT KILL`) is replaced and `op` run again on the
+    /// new one, so no request fails for it. redis-rs refuses a command at once when the
+    /// connection's driver has ended; one that it took answers no sooner than its reply, or
+    /// the loss, comes back: an operation that ends with a lost connection on its first poll
+    /// sent nothing.
     pub(super) async fn run<T, F, Fut>(&self, timeout: Duration, op: F) -> Result<T, StoreError>
     where
-        F: FnOnce(Bounded) -> Fut + Send,
+        F: Fn(Bounded) -> Fut + Send + Sync,
         Fut: Future<Output = Result<T, RedisError>> + Send,
     {
         // A timeout too long to add (`Duration::MAX`, meaning none) is thirty years.
@@ -304,56 +345,33 @@ impl Connections {
             false => StoreError::from(error),
         };
         let runtime = runtime::Handle::try_current().ok().map(|here| here.id());
-        // A direct connection found lost before anything was sent on it (Redis closed it while
-        // idle: its `timeout`, a restart, a `CLIENT KILL`) is replaced at once, not failed on.
-        let cached = self
-            .shared()
-            .iter()
-            .find(|(made_on, _)| *made_on == runtime)
-            .map(|(_, c)| c.clone())
-            .filter(|connection| !matches!(connection, SharedConnection::Direct(d) if d.is_lost()));
-        let result = match cached {
-            // The common path, without a tokio timer of its own: the watchdog ends the
-            // operation at its deadline, or redis-rs bounds each command, its wait for room in
-            // the pipeline's channel included, by what is left (`Bounded`).
-            Some(connection @ (SharedConnection::Standalone(_) | SharedConnection::Direct(_))) => {
-                let replies = self.replies;
+        let mut used = None;
+        let result = match self.cached(runtime) {
+            // The common path, without a tokio timer of its own: redis-rs bounds each command,
+            // its wait for room in the pipeline's channel included, by what is left.
+            Some((id, connection @ SharedConnection::Standalone(_))) => {
+                used = Some(id);
                 let operation = self.batcher.as_ref().map(Batcher::start);
-                let operation = op(Bounded { connection, operation, deadline, replies });
-                match replies {
-                    Replies::Timed => operation.await.map_err(to_store_error),
-                    Replies::Watched => {
-                        match watchdog::within(deadline.into_std(), operation).await {
-                            Ok(result) => result.map_err(to_store_error),
-                            Err(Elapsed) => Err(StoreError::Timeout(timeout)),
-                        }
+                let bounded = Bounded { connection, deadline, operation };
+                match (FirstPoll { future: op(bounded), polled: false }).await {
+                    (Err(Attempt::Redis(error)), true) if error.is_connection_dropped() => {
+                        self.drop_connection(id);
+                        used = None;
+                        self.run_checked_out(runtime, deadline, &op, &mut used).await
                     }
+                    (result, _) => result,
                 }
             }
             // A checkout and a Cluster's commands (which keep the node timeouts they were
-            // built with) go under the store's own timer.
-            // Boxed, the checkout's future included: unboxed, this path's futures (kilobytes)
-            // made every store operation's future as large, copied on each move, for a step
-            // taken once per connection (and on a Cluster, whose commands cost more anyway).
-            cached => {
-                let attempt = Box::pin(async {
-                    let connection = match cached {
-                        Some(connection) => connection,
-                        None => self.connect(runtime).await?,
-                    };
-                    let replies = self.replies;
-                    let operation = self.batcher.as_ref().map(Batcher::start);
-                    op(Bounded { connection, operation, deadline, replies })
-                        .await
-                        .map_err(to_store_error)
-                });
-                match tokio::time::timeout_at(deadline, attempt).await {
-                    Ok(result) => result,
-                    Err(_) => Err(StoreError::Timeout(timeout)),
-                }
-            }
+            // built with) go under a tokio timeout.
+            _ => self.run_checked_out(runtime, deadline, &op, &mut used).await,
         };
-        if let Err(error) = &result {
+        let result = result.map_err(|error| match error {
+            Attempt::Redis(error) => to_store_error(error),
+            Attempt::Store(error) => error,
+            Attempt::Elapsed => StoreError::Timeout(timeout),
+        });
+        if let (Err(error), Some(id)) = (&result, used) {
             // A server's error reply leaves the connection sound; anything else may not. READONLY
             // is the exception: the server was a master and is a replica now (a failover).
             let server_replied = match error {
@@ -364,9 +382,74 @@ impl Connections {
                 _ => false,
             };
             if !server_replied {
-                self.shared().retain(|(made_on, _)| *made_on != runtime);
+                self.drop_connection(id);
             }
         }
         result
+    }
+
+    /// Runs `op` on the runtime's shared connection, taken from the pool when there is none,
+    /// under a tokio timeout at `deadline`. `used` is set to the connection's id.
+    ///
+    /// Boxed, the checkout's future included: unboxed, this path's futures (kilobytes) made
+    /// every store operation's future as large, copied on each move, for a step taken once
+    /// per connection (and on a Cluster, whose commands cost more anyway).
+    async fn run_checked_out<T, F, Fut>(
+        &self,
+        runtime: Option<runtime::Id>,
+        deadline: Instant,
+        op: &F,
+        used: &mut Option<u64>,
+    ) -> Result<T, Attempt>
+    where
+        F: Fn(Bounded) -> Fut + Send + Sync,
+        Fut: Future<Output = Result<T, RedisError>> + Send,
+    {
+        let attempt: Pin<Box<dyn Future<Output = Result<T, Attempt>> + Send + '_>> =
+            Box::pin(async {
+                let (id, connection) = match self.cached(runtime) {
+                    Some(cached) => cached,
+                    None => self.connection(runtime).await.map_err(Attempt::Store)?,
+                };
+                *used = Some(id);
+                let operation = self.batcher.as_ref().map(Batcher::start);
+                op(Bounded { connection, deadline, operation }).await.map_err(Attempt::Redis)
+            });
+        tokio::time::timeout_at(deadline, attempt).await.unwrap_or(Err(Attempt::Elapsed))
+    }
+}
+
+/// Why an operation failed, before it is told as a [`StoreError`].
+enum Attempt {
+    Redis(RedisError),
+    Store(StoreError),
+    Elapsed,
+}
+
+impl From<RedisError> for Attempt {
+    fn from(error: RedisError) -> Self {
+        Self::Redis(error)
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A future's output, and whether it came on the first poll.
+    struct FirstPoll<F> {
+        #[pin]
+        future: F,
+        polled: bool,
+    }
+}
+
+impl<T, F: Future<Output = Result<T, RedisError>>> Future for FirstPoll<F> {
+    type Output = (Result<T, Attempt>, bool);
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let first = !std::mem::replace(this.polled, true);
+        match this.future.poll(cx) {
+            Poll::Ready(output) => Poll::Ready((output.map_err(Attempt::Redis), first)),
+            Poll::Pending => Poll::Pending,
+        }
     }
 }

@@ -9,24 +9,21 @@ mod clock;
 mod cluster;
 mod connection;
 mod dedup;
-mod direct;
-mod reply;
 mod scripts;
 mod subscriber;
-mod watchdog;
 
 use std::{fmt, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use deadpool_redis::{
     Pool,
-    redis::{ConnectionInfo, FromRedisValue, Value},
+    redis::{FromRedisValue, Value},
 };
 
 #[cfg(feature = "cluster")]
 pub use self::cluster::{ClusterConfigError, ClusterManager, ClusterPool};
 use self::{
-    connection::{Connections, Replies, Source},
+    connection::{Connections, Source},
     scripts::{
         ABANDON, CLAIM, COMPLETE, RELEASE, ScriptCall, TOUCH, millis, parse_claim, settle_channel,
         whole_millis,
@@ -65,19 +62,27 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// Each transition is one Lua script over one key (`EVALSHA`; after a Redis restart or
 /// `SCRIPT FLUSH` the script is loaded again on its own). Every operation, connection
-/// checkout included, is bounded by [`command_timeout`](Self::command_timeout).
+/// checkout included, is bounded by [`command_timeout`](Self::command_timeout): each command
+/// waits for its reply at most what is left of it (redis-rs's response timeout).
 ///
-/// The store shares one connection between requests (Redis pipelines them; one per tokio
-/// runtime when runtimes share the store), and makes another only when that one fails:
-/// checking a connection out per request would cost the pool's `UNWATCH` + `PING` round trip
-/// every time. A store from [`from_url`](Self::from_url) or [`from_client`](Self::from_client)
-/// over plain TCP (RESP2, redis-rs's default) connects by itself and drives that connection
-/// itself: each command written straight from its caller into the socket, the commands of
-/// requests that run together written as one, each reply read once into redis-rs's `Value`;
-/// about 9k fewer instructions a fresh request than a redis-rs multiplexed connection, which
-/// every other store (TLS, a Unix socket, RESP3, TCP settings of the app's own, Sentinel,
-/// Cluster, a pool of the app's own) takes from its pool. A connection found closed while
-/// idle is replaced before anything is sent on it.
+/// # Connections
+///
+/// Every connection the store uses comes from its deadpool-redis pool (redis-rs multiplexed
+/// connections), so it never opens more than the pool's `max_size`, whatever the load: a
+/// store from [`from_url`](Self::from_url) or [`from_client`](Self::from_client) builds a pool
+/// of [`POOL_SIZE`](Self::POOL_SIZE) (8); over [`new`](Self::new), the app's own pool sets it.
+/// Beside the pool, a store with a [`subscriber`](Self::subscriber) (one from a URL or a
+/// client) opens one pub/sub connection, when a request first waits for an in-progress one.
+/// Size Redis's `maxclients` for the pool's `max_size` plus one per instance of the service.
+///
+/// The store's requests share one of the pool's connections (Redis pipelines them; one per
+/// tokio runtime when runtimes share the store), and take another only when that one fails:
+/// checking a connection out per request would cost the pool's `PING` round trip every time.
+/// The commands of operations that run together are written as one redis-rs pipeline (a
+/// batch), each with its own reply and errors, within its own operation's timeout.
+/// The requests that find no connection at once (a cold start) wait for the one being taken,
+/// and a connection found closed before anything was sent on it (Redis's idle `timeout`, a
+/// restart, a `CLIENT KILL`) is replaced before the request fails.
 ///
 /// For the guarantee to hold, Redis must not evict records (`maxmemory-policy noeviction`);
 /// the store warns once through `tracing` when it finds another policy.
@@ -105,7 +110,13 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// A store over `pool`.
+    /// How many connections the pool that [`from_url`](Self::from_url),
+    /// [`from_client`](Self::from_client) and the Sentinel and Cluster builders make holds at
+    /// most.
+    pub const POOL_SIZE: usize = 8;
+
+    /// A store over `pool`: every connection the store uses is one of the pool's (see
+    /// [`RedisStore`], "Connections").
     ///
     /// ```no_run
     /// use axum_idempotency::{RedisStore, store::deadpool_redis::{Config, Runtime}};
@@ -116,12 +127,12 @@ impl RedisStore {
     /// ```
     #[must_use]
     pub fn new(pool: Pool) -> Self {
-        Self::with_source(Source::Standalone(pool), Replies::Timed, None)
+        Self::with_source(Source::Standalone(pool))
     }
 
-    fn with_source(source: Source, replies: Replies, direct: Option<ConnectionInfo>) -> Self {
+    fn with_source(source: Source) -> Self {
         Self {
-            connections: Arc::new(Connections::new(source, replies, direct)),
+            connections: Arc::new(Connections::new(source)),
             subscriber: None,
             command_timeout: DEFAULT_COMMAND_TIMEOUT,
         }

@@ -1,7 +1,7 @@
 //! The Lua scripts of a [`RedisStore`](super::RedisStore), one per transition, and how their
 //! arguments and replies are written and read.
 
-use std::{io::Write, sync::LazyLock, time::Duration};
+use std::{cell::RefCell, io::Write, sync::LazyLock, time::Duration};
 
 use bytes::Bytes;
 use deadpool_redis::redis::{
@@ -34,10 +34,43 @@ pub(super) static TOUCH: LazyLock<Script> = script!("touch.lua");
 
 /// One `EVALSHA` of a script, its command built in one buffer (redis-rs's `ScriptInvocation`
 /// first copies every key and argument into a vector of its own: two allocations each, a
-/// sixth of a fresh request's).
+/// sixth of a fresh request's). The command's buffers are a spare's of this thread when
+/// there is one, and kept as a spare when the call ends ([`SPARE`]).
 pub(super) struct ScriptCall {
     script: &'static Script,
     command: Cmd,
+    /// The bytes the command was sized for: a command larger than [`SPARE_BYTES`] is not kept.
+    bytes: usize,
+}
+
+thread_local! {
+    /// The commands of script calls that ended on this thread, for the next calls to write
+    /// into: a command otherwise costs two allocations (its arguments' places and its
+    /// bytes), and a fresh request two commands.
+    static SPARE: RefCell<Vec<Cmd>> = const { RefCell::new(Vec::new()) };
+}
+
+/// How many spare commands a thread keeps: as many as its calls that run at once, up to this.
+const SPARES: usize = 16;
+
+/// The largest command kept as a spare: a record with a large response is let go with its
+/// call, so no spare holds more than this (and what a few more arguments grow it by).
+const SPARE_BYTES: usize = 4096;
+
+impl Drop for ScriptCall {
+    fn drop(&mut self) {
+        if self.bytes <= SPARE_BYTES {
+            let mut command = std::mem::take(&mut self.command);
+            command.clear();
+            // A thread that is ending keeps nothing.
+            let _ = SPARE.try_with(|spare| {
+                let mut spare = spare.borrow_mut();
+                if spare.len() < SPARES {
+                    spare.push(command);
+                }
+            });
+        }
+    }
 }
 
 impl ScriptCall {
@@ -72,10 +105,18 @@ impl ScriptCall {
     /// with what a joined argument needs) and `args`.
     fn start(script: &'static Script, keys: usize, args: &[&[u8]], key_bytes: usize) -> Self {
         let arg_bytes = args.iter().map(|arg| arg.len()).sum::<usize>();
-        let mut command =
-            Cmd::with_capacity(4 + keys + args.len(), 7 + 40 + 4 + key_bytes + arg_bytes);
+        let (places, bytes) = (4 + keys + args.len(), 7 + 40 + 4 + key_bytes + arg_bytes);
+        let spare = match bytes <= SPARE_BYTES {
+            true => SPARE.try_with(|spare| spare.borrow_mut().pop()).ok().flatten(),
+            false => None,
+        };
+        let mut command = match spare {
+            // Cleared when it was kept.
+            Some(command) => command,
+            None => Cmd::with_capacity(places, bytes),
+        };
         command.arg("EVALSHA").arg(script.get_hash()).arg(keys);
-        Self { script, command }
+        Self { script, command, bytes }
     }
 
     fn args(mut self, args: &[&[u8]]) -> Self {
@@ -204,6 +245,30 @@ mod tests {
         assert!(
             matches!(in_progress, Ok(Claim::InProgress { remaining }) if remaining.as_millis() == 250)
         );
+    }
+
+    #[test]
+    fn a_call_on_a_spare_command_is_written_as_on_a_new_one() {
+        let key = RecordKey::new("p", b"", b"k");
+        let long: [&[u8]; 3] = [&[7; 300], b"owner", b"60000"];
+        let short: [&[u8]; 2] = [b"o", b""];
+        let packed = |args: &[&[u8]]| {
+            let call = ScriptCall::publishing(&COMPLETE, &key, args, 2).joined(&[b"a", b"b"]);
+            call.command.get_packed_command()
+        };
+        // Written into new buffers: the spares of this thread taken first.
+        let taken: Vec<_> = std::iter::from_fn(|| SPARE.with_borrow_mut(Vec::pop)).collect();
+        let (new_long, new_short) = (packed(&long), packed(&short));
+        drop(taken);
+        for _ in 0..3 {
+            // The long call's command, kept as a spare, is the short one's, and back.
+            drop(ScriptCall::publishing(&COMPLETE, &key, &long, 0));
+            let short_call = ScriptCall::publishing(&COMPLETE, &key, &short, 2);
+            assert_eq!(short_call.joined(&[b"a", b"b"]).command.get_packed_command(), new_short);
+            let long_call = ScriptCall::publishing(&COMPLETE, &key, &long, 2);
+            assert_eq!(long_call.joined(&[b"a", b"b"]).command.get_packed_command(), new_long);
+        }
+        assert!(SPARE.with_borrow(Vec::len) <= SPARES);
     }
 
     #[test]

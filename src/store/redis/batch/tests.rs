@@ -1,4 +1,7 @@
 //! The batches over a fake connection that records what it was sent.
+//!
+//! Every runtime here has its timers on, as every runtime a store runs on needs them (a
+//! batch is bounded by a tokio timeout, each command by redis-rs's).
 
 use std::{
     future::Future,
@@ -200,7 +203,7 @@ async fn a_batch_unanswered_ends_at_its_latest_deadline() {
 fn a_batch_task_dropped_before_it_ran_does_not_stop_the_next_batch() {
     let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
     // Queued and its batch's task spawned, then the runtime gone before the task ran.
-    let gone = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let gone = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     gone.block_on(async {
         let mut queued = Box::pin(send(&batcher, &fake, "gone", LONG));
         assert!(futures_util::poll!(queued.as_mut()).is_pending());
@@ -220,7 +223,7 @@ fn a_batch_task_waiting_on_an_idle_runtime_stops_no_batch_of_another() {
     let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
     // Queued from a runtime that runs tasks only inside `block_on`, which returned before
     // the batch's task ran: the runtime lives on, idle.
-    let idle = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let idle = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     idle.block_on(async {
         let mut queued = Box::pin(send(&batcher, &fake, "idle", LONG));
         assert!(futures_util::poll!(queued.as_mut()).is_pending());
@@ -241,7 +244,7 @@ fn a_runtime_sends_its_own_commands_on_its_own_connection() {
     let batcher = Arc::new(Batcher::default());
     let (on_idle, on_other) = (Fake::new(Pipelines::Echo), Fake::new(Pipelines::Echo));
     // Queued first, from a runtime that then idles with the command still waiting.
-    let idle = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let idle = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
     let mut queued = Box::pin(send(&batcher, &on_idle, "idle", LONG));
     idle.block_on(async { assert!(futures_util::poll!(queued.as_mut()).is_pending()) });
     let other = tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap();
