@@ -55,6 +55,7 @@ struct Context {
 }
 
 /// The claim an outcome committed in the operation's transaction settles.
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) struct Completion {
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
@@ -96,6 +97,7 @@ impl IdempotencyContext {
         Self { inner: Arc::new(context) }
     }
 
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn key(&self) -> &RecordKey {
         &self.inner.key
     }
@@ -106,6 +108,7 @@ impl IdempotencyContext {
 
     /// `outcome`, encoded by the operation's front door, for a store to commit in the
     /// operation's transaction: the claim's key, owner token, fingerprint and retention with it.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn sealed(&self, outcome: Bytes) -> Result<SealedOutcome, SealError> {
         let completion = self.completion().ok_or(SealError::NotClaimed)?;
         Ok(SealedOutcome {
@@ -129,6 +132,7 @@ impl IdempotencyContext {
     }
 
     /// How long the door keeps the claim's outcome; a day for a context no door gave.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn retention(&self) -> Duration {
         self.completion().map_or(Duration::from_secs(24 * 3600), |c| c.retention)
     }

@@ -11,7 +11,7 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use super::{
     Outcome, finite,
-    record::{Unstorable, decode, encode, encode_json},
+    record::{decode, encode, encode_json},
 };
 use crate::{
     context::{Encoding, IdempotencyContext},
@@ -53,12 +53,15 @@ impl<T: Serialize + Send + 'static> Committable for Json<T> {
 }
 
 /// `value` as the consumer door stores it, whatever its size.
+#[cfg(feature = "postgres")]
 pub(crate) fn stored_form<T: Serialize>(value: &T) -> Result<Bytes, SealError> {
     match encode(value, usize::MAX) {
         Ok(outcome) => Ok(outcome),
-        Err(Unstorable::Unencodable(reason)) => Err(SealError::Unencodable(reason)),
+        Err(super::record::Unstorable::Unencodable(reason)) => Err(SealError::Unencodable(reason)),
         // No result is over a limit of usize::MAX.
-        Err(Unstorable::OverLimit) => Err(SealError::Unencodable("too large".into())),
+        Err(super::record::Unstorable::OverLimit) => {
+            Err(SealError::Unencodable("too large".into()))
+        }
     }
 }
 

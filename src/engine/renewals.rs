@@ -348,7 +348,7 @@ async fn renew<St: Store>(
     let sent = Instant::now();
     match touched.shared.store.touch(&key, &owner, touched.shared.lease).await {
         Ok(Fenced::Applied) => {
-            touched.held_until = Some(later(sent, touched.shared.lease.duration))
+            touched.held_until = Some(later(sent, touched.shared.lease.duration));
         }
         // The holder's own complete, or the operation's own transaction, settled the record
         // (the renewal ran beside it, or waited on its row lock): not a lease lost.

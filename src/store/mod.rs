@@ -46,7 +46,9 @@ pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
 pub use self::subscription::{OnLastLeave, Subscription, Waiters};
-pub(crate) use self::transaction::{Commit, CommitSlot, Running, SealedOutcome};
+#[cfg(feature = "postgres")]
+pub(crate) use self::transaction::Running;
+pub(crate) use self::transaction::{Commit, CommitSlot, SealedOutcome};
 pub use self::transaction::{Committable, SealError, TransactionError};
 use crate::fingerprint::Fingerprint;
 pub use crate::key::RecordKey;
