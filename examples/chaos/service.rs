@@ -165,8 +165,16 @@ pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
     if spec.starts_with("postgres://") {
         let pool = PgPoolOptions::new().test_before_acquire(false).connect_lazy(&spec)?;
         let store = PostgresStore::new(pool);
-        // Every instance migrates as it starts, side by side.
-        store.migrate().await?;
+        // Every instance migrates as it starts, side by side, and waits out a store that is
+        // down as it starts (a restart during the nemesis's `store-down`), as a supervisor's
+        // restarts would.
+        let started = std::time::Instant::now();
+        while let Err(error) = store.migrate().await {
+            if started.elapsed() > Duration::from_secs(30) {
+                return Err(error.into());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         serve_over(store.clone(), door, port, Some(store)).await
     } else if let Some(urls) = spec.strip_prefix("cluster:") {
         serve_over(RedisStore::cluster_from_urls(urls.split(','))?, door, port, None).await
