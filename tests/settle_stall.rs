@@ -177,15 +177,29 @@ async fn redis_busy_for_the_lease_less_a_second() {
     a_stall_after_the_handler_never_runs_it_twice(server.store(), stall, length).await;
 }
 
-async fn postgres() -> (Arc<PrivatePostgres>, axum_idempotency::store::PostgresStore) {
-    let server = Arc::new(PrivatePostgres::start());
+/// A store over the PostgreSQL at `url`.
+fn postgres_store(url: &str) -> axum_idempotency::store::PostgresStore {
     let pool = axum_idempotency::store::sqlx::postgres::PgPoolOptions::new()
         .test_before_acquire(false)
-        .connect_lazy(&server.url())
+        .connect_lazy(url)
         .unwrap();
-    let store = axum_idempotency::store::PostgresStore::new(pool).sweep_every(None);
+    axum_idempotency::store::PostgresStore::new(pool).sweep_every(None)
+}
+
+async fn postgres() -> (Arc<PrivatePostgres>, axum_idempotency::store::PostgresStore) {
+    let server = Arc::new(PrivatePostgres::start());
+    let store = postgres_store(&server.url());
     store.migrate().await.unwrap();
     (server, store)
+}
+
+/// A private PostgreSQL (migrated), and a store that reaches it through a proxy to cut off.
+async fn postgres_behind_a_proxy()
+-> (Arc<PrivatePostgres>, Arc<OutageProxy>, axum_idempotency::store::PostgresStore) {
+    let (server, _) = postgres().await;
+    let proxy = cut_off(server.port).await;
+    let store = postgres_store(&format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port));
+    (server, proxy, store)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,28 +234,14 @@ async fn redis_cut_off_for_the_lease_less_a_second() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_cut_off_for_two_seconds() {
-    let (server, _) = postgres().await;
-    let proxy = cut_off(server.port).await;
-    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port);
-    let pool = axum_idempotency::store::sqlx::postgres::PgPoolOptions::new()
-        .test_before_acquire(false)
-        .connect_lazy(&url)
-        .unwrap();
-    let store = axum_idempotency::store::PostgresStore::new(pool).sweep_every(None);
+    let (_server, proxy, store) = postgres_behind_a_proxy().await;
     let length = Duration::from_secs(2);
     a_stall_after_the_handler_never_runs_it_twice(store, Stall::CutOff(proxy), length).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_cut_off_for_the_lease_less_a_second() {
-    let (server, _) = postgres().await;
-    let proxy = cut_off(server.port).await;
-    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", proxy.port);
-    let pool = axum_idempotency::store::sqlx::postgres::PgPoolOptions::new()
-        .test_before_acquire(false)
-        .connect_lazy(&url)
-        .unwrap();
-    let store = axum_idempotency::store::PostgresStore::new(pool).sweep_every(None);
+    let (_server, proxy, store) = postgres_behind_a_proxy().await;
     let length = LEASE - Duration::from_secs(1);
     a_stall_after_the_handler_never_runs_it_twice(store, Stall::CutOff(proxy), length).await;
 }
