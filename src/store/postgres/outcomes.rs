@@ -11,13 +11,13 @@ use sqlx::{PgConnection, PgPool};
 
 use super::{
     bounded, millis,
-    transaction::{Write, idle_limit, run},
+    transaction::{Kept, Write, idle_limit, run},
 };
 use crate::{
     context::IdempotencyContext,
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Commit, Committable, SealedOutcome, StoreError, TransactionError},
+    store::{Committable, SealedOutcome, StoreError, TransactionError},
 };
 
 /// Writes an outcome, unless the table holds a live one for its key: an expired row is the
@@ -121,7 +121,7 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
         let pool = (&self.pool, self.command_timeout);
         let write: Write =
             |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
-        run(pool, (write, INSERT), Commit::CommittedBeside, context, operation).await
+        run(pool, (write, INSERT), Kept::Beside, context, operation).await
     }
 
     /// The live outcome of `key`, with the fingerprint of the request that made it.

@@ -6,7 +6,6 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use sqlx::{PgConnection, PgPool, Row as _};
 
@@ -15,6 +14,16 @@ use crate::{
     context::IdempotencyContext,
     store::{Commit, Committable, Running, SealedOutcome, StoreError, TransactionError},
 };
+
+/// Where a transaction's outcome is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kept {
+    /// In the record itself (`PostgresStore`): the transaction completes the claim.
+    InRecord,
+    /// In a table beside the record store (`DurableOutcomes`): the door stores it in the
+    /// record store too.
+    Beside,
+}
 
 /// Writes a sealed outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
 /// fence refused it.
@@ -30,7 +39,7 @@ pub(super) type Write = for<'t> fn(
 pub(super) async fn run<O, E, F>(
     (pool, timeout): (&PgPool, Duration),
     (write, statement): (Write, &str),
-    committed: fn(Bytes) -> Commit,
+    where_kept: Kept,
     context: &IdempotencyContext,
     operation: F,
 ) -> Result<O, TransactionError<E>>
@@ -43,7 +52,7 @@ where
     ))?;
     // Beside the record store, the door must answer takeovers and lost records from the
     // table, or a committed outcome that the record store lost is never answered again.
-    let beside = matches!(committed(Bytes::new()), Commit::CommittedBeside(_));
+    let beside = where_kept == Kept::Beside;
     if beside && !completion.durable {
         return Err(TransactionError::Misuse(
             "DurableOutcomes::transaction needs its door to answer from the table: set \
@@ -68,7 +77,10 @@ where
     running.committing();
     match tokio::time::timeout(timeout, tx.commit()).await {
         Ok(Ok(())) => {
-            running.end(committed(sealed.outcome));
+            running.end(match where_kept {
+                Kept::InRecord => Commit::Committed(sealed.outcome),
+                Kept::Beside => Commit::CommittedBeside(sealed.outcome),
+            });
             Ok(value)
         }
         // The server answered that it refused the commit and rolled the transaction back (a
@@ -197,7 +209,7 @@ impl PostgresStore {
         let write: Write =
             |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
         let statement = &*self.inner.statements.commit;
-        run(pool, (write, statement), Commit::Committed, context, operation).await
+        run(pool, (write, statement), Kept::InRecord, context, operation).await
     }
 }
 
