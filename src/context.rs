@@ -11,7 +11,7 @@ use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Commit, CommitSlot, OwnerToken, SealError, SealedOutcome},
+    store::{CommitSlot, OwnerToken, SealError, SealedOutcome},
 };
 
 /// How a front door stores an outcome an operation commits in a store's transaction
@@ -135,11 +135,6 @@ impl IdempotencyContext {
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn retention(&self) -> Duration {
         self.completion().map_or(Duration::from_secs(24 * 3600), |c| c.retention)
-    }
-
-    /// What became of the operation's transactions, if it began one.
-    pub(crate) fn commit(&self) -> Option<Commit> {
-        self.completion().and_then(|c| c.commit.outcome())
     }
 
     /// The scope the key was claimed in (a tenant, a user, a consumer's name); empty for the

@@ -50,6 +50,17 @@ pub enum Recovered<T> {
     Mismatch,
 }
 
+impl<T> Recovered<T> {
+    /// The same answer, its outcome mapped by `f`.
+    pub(crate) fn map<U>(self, f: impl FnOnce(T) -> U) -> Recovered<U> {
+        match self {
+            Self::Happened(outcome) => Recovered::Happened(f(outcome)),
+            Self::Unknown => Recovered::Unknown,
+            Self::Mismatch => Recovered::Mismatch,
+        }
+    }
+}
+
 /// Asks the system of record whether a claimed operation already happened.
 ///
 /// Implemented for every `Fn(Lookup<R>) -> impl Future<Output = Result<Recovered<T>, E>>`

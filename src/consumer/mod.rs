@@ -52,6 +52,7 @@
 //!
 //! [`IdempotencyContext`]: crate::IdempotencyContext
 
+mod door;
 #[cfg(feature = "postgres")]
 mod durable;
 mod finite;
@@ -60,23 +61,22 @@ mod outcome;
 mod record;
 mod seal;
 
-use std::{fmt, future::Future, panic::AssertUnwindSafe, sync::Arc};
+use std::{fmt, future::Future, marker::PhantomData, sync::Arc};
 
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
+use self::door::ConsumerDoor;
 #[cfg(feature = "postgres")]
 pub use self::durable::DurableRecovery;
 pub use self::outcome::{Error, Outcome};
-use self::record::{Unstorable, decode, encode, not_stored};
+use self::record::decode;
 #[cfg(feature = "postgres")]
 pub(crate) use self::seal::stored_form;
-use self::seal::{ConsumerEncoding, settle_sealed};
 use crate::{
-    context::{Completion, IdempotencyContext},
+    context::IdempotencyContext,
     engine::{
-        Answer, Claimed, Ended, Engine, Holder, Panic, Recovering, RenewalsCell, Settings,
-        engine_setters,
+        Claiming, Decided, Ended, Engine, Operated, RenewalsCell, Settings, Start, engine_setters,
     },
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     recovery::{Lookup, NoRecovery, Recover},
@@ -276,138 +276,47 @@ impl<St: Store, H> Idempotent<St, H> {
         }
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         let record_key = self.record_key(scope, key.as_ref());
-        let fingerprint = self.fingerprint.of(payload.as_ref());
         let hash = record_key.hash().to_owned();
-        let claimed = engine.claim(record_key, fingerprint, scope.into()).await;
-        let holder = match claimed.map_err(|error| match error {
-            // A record this door cannot read (tampered with, sealed under a key the keyring
-            // no longer lists): its own error, so that a consumer that redelivers on store
-            // errors does not redeliver it forever.
-            StoreError::CorruptRecord(reason) => Error::Corrupt { key_hash: hash.clone(), reason },
-            error => Error::Store(error),
-        })? {
-            Claimed::Run(holder) => holder,
-            Claimed::Replay(stored) => {
-                return decode(stored, &hash, scope).map(Outcome::Replayed);
-            }
-            Claimed::InProgress { retry_after } => return Ok(Outcome::InProgress { retry_after }),
-            Claimed::Mismatch => return Ok(Outcome::Mismatch),
+        let fingerprint = self.fingerprint.of(payload.as_ref());
+        let route: Arc<str> = scope.into();
+        let door = ConsumerDoor {
+            stored_limit: self.stored_limit,
+            scope: route.clone(),
+            result: PhantomData,
         };
-
-        let completion = Completion::new(
-            holder.owner().clone(),
-            holder.retention(),
-            holder.commit_slot().clone(),
-            holder.at_rest().clone(),
-            Arc::new(ConsumerEncoding),
-            holder.durable(),
-        );
-        let context = IdempotencyContext::new(
-            scope.as_bytes().to_vec(),
-            holder.key(),
-            holder.fingerprint().clone(),
-            holder.taken_over(),
-            Some(completion),
-        );
-        let recovery = match &self.hook {
-            Some(hook) if holder.needs_recovery() => {
+        let claiming =
+            Claiming { key: record_key, fingerprint, route, scope: scope.as_bytes().to_vec() };
+        let start = |operation: F, context: IdempotencyContext, due: bool| {
+            let lookup = self.hook.as_ref().filter(|_| due).map(|hook| {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));
                 let lookup = Lookup::new(context.clone(), payload);
-                Some(Recovering {
-                    // Called inside the hook's future, so that a hook that panics when called
-                    // is caught like one that panics later.
-                    lookup: async move { hook.recover(lookup).await },
-                    happened: settle_recovered,
-                })
-            }
-            _ => None,
+                // Called inside the hook's future, so that a hook that panics when called is
+                // caught like one that panics later.
+                async move { hook.recover(lookup).await }
+            });
+            // Called inside the guarded future: a closure that panics before it returns its
+            // future releases the key like any other panic of the operation.
+            Start { operation: async move { operation(context).await }, lookup }
         };
-        let stored_limit = self.stored_limit;
-        // Called inside the guarded future: a closure that panics before it returns its
-        // future releases the key like any other panic of the operation.
-        let settled = context.clone();
-        let operation = async move { operation(context).await };
-        let scope: Arc<str> = scope.into();
-        let settle = move |holder: Holder<St>, value, answer: Answer<Outcome<T>, E>| async move {
-            match settled.commit() {
-                // The operation committed its outcome in a store's transaction, or tried to:
-                // the door writes nothing of its own.
-                Some(commit) => settle_sealed(holder, commit, value, &scope, answer).await,
-                None => settle_ran(holder, value, stored_limit, answer).await,
+        match engine.operate(door, claiming, operation, start).await {
+            Operated::Decided(_, Decided::Replay(stored)) => {
+                decode(stored, &hash, scope).map(Outcome::Replayed)
             }
-        };
-        match engine.run_claimed(holder, recovery, operation, settle).await {
-            Ended::Answered(outcome) => Ok(outcome),
-            Ended::Failed(error) => Err(Error::Operation(error)),
-            Ended::Refused => Err(Error::Recovery),
-            Ended::Mismatch => Ok(Outcome::Mismatch),
-            Ended::Cancelled => Err(Error::Cancelled),
+            Operated::Decided(_, Decided::InProgress { retry_after }) => {
+                Ok(Outcome::InProgress { retry_after })
+            }
+            // A record this door cannot read (tampered with, sealed under a key the keyring no
+            // longer lists): its own error, so that a consumer that redelivers on store errors
+            // does not redeliver it forever.
+            Operated::Decided(_, Decided::Failed(StoreError::CorruptRecord(reason))) => {
+                Err(Error::Corrupt { key_hash: hash, reason })
+            }
+            Operated::Decided(_, Decided::Failed(error)) => Err(Error::Store(error)),
+            Operated::Ended(Ended::Answered(outcome)) => Ok(outcome),
+            Operated::Ended(Ended::Failed(error)) => Err(Error::Operation(error)),
+            Operated::Ended(Ended::Refused) => Err(Error::Recovery),
+            Operated::Ended(Ended::Mismatch) => Ok(Outcome::Mismatch),
+            Operated::Ended(Ended::Cancelled) => Err(Error::Cancelled),
         }
     }
-}
-
-/// Stores what the system of record says happened, whatever its size and whatever its form
-/// (the operation must not run again), and answers it as a replay.
-async fn settle_recovered<St: Store, T: Serialize, E>(
-    holder: Holder<St>,
-    value: T,
-    answer: Answer<Outcome<T>, E>,
-) {
-    let stored = match store_form(&value, usize::MAX, holder.key().hash()) {
-        Ok(stored) => stored,
-        Err(panic) => {
-            holder.release("the result's Serialize panicked").await;
-            return answer.resume(panic);
-        }
-    };
-    // Without a limit nothing is over it.
-    let stored = stored.unwrap_or_else(|()| not_stored("over the limit"));
-    holder.complete(stored, move || answer.send(Outcome::Replayed(value))).await;
-}
-
-/// Stores the operation's result, or releases its key when it is over `limit`, and answers it.
-async fn settle_ran<St: Store, T: Serialize, E>(
-    holder: Holder<St>,
-    value: T,
-    limit: usize,
-    answer: Answer<Outcome<T>, E>,
-) {
-    let stored = match store_form(&value, limit, holder.key().hash()) {
-        Ok(stored) => stored,
-        Err(panic) => {
-            holder.release("the result's Serialize panicked").await;
-            return answer.resume(panic);
-        }
-    };
-    match stored {
-        Ok(stored) => holder.complete(stored, move || answer.send(Outcome::Ran(value))).await,
-        Err(()) => {
-            let why = "the result is over the stored limit";
-            let record = not_stored(why);
-            holder.complete_too_large(record, why, move || answer.send(Outcome::Ran(value))).await;
-        }
-    }
-}
-
-/// What to store for `value`: its encoding; the record of a result that cannot be encoded
-/// (logged: the operation ran and will not run again); `Ok(Err(()))` when it is over `limit`;
-/// `Err` when its `Serialize` panicked.
-fn store_form<T: Serialize>(
-    value: &T,
-    limit: usize,
-    hash: &str,
-) -> Result<Result<Bytes, ()>, Panic> {
-    let encoded = std::panic::catch_unwind(AssertUnwindSafe(|| encode(value, limit)))?;
-    Ok(match encoded {
-        Ok(stored) => Ok(stored),
-        Err(Unstorable::OverLimit) => Err(()),
-        Err(Unstorable::Unencodable(reason)) => {
-            tracing::error!(
-                key_hash = hash,
-                reason,
-                "idempotency: the result cannot be stored; its key is completed without it, so the operation does not run again"
-            );
-            Ok(not_stored(&reason))
-        }
-    })
 }

@@ -6,11 +6,12 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 
 use super::{
-    Engine, Settings, observe,
+    Engine, Held, Settings, observe,
     renewals::Renewing,
     settle::{complete_while_held, release},
 };
 use crate::{
+    context::{Completion, Encoding, IdempotencyContext},
     fingerprint::Fingerprint,
     key::RecordKey,
     recovery::{BoxError, Recovered},
@@ -103,32 +104,33 @@ impl<St: Store> Holder<St> {
         &self.key
     }
 
-    pub(crate) fn owner(&self) -> &OwnerToken {
-        &self.owner
-    }
-
     /// Where a store says that the operation committed its outcome in its own transaction.
     pub(crate) fn commit_slot(&self) -> &Arc<CommitSlot> {
         &self.commit
     }
 
-    pub(crate) fn retention(&self) -> Duration {
-        self.settings.retention
+    /// What the door knows of this claim when it settles it.
+    pub(super) fn held(&self) -> Held {
+        Held { key: self.key.clone(), retention: self.settings.retention }
     }
 
-    /// How outcomes are kept in the store: for an outcome sealed in the operation's own
-    /// transaction, or read back from it.
-    pub(crate) fn at_rest(&self) -> &crate::at_rest::AtRest {
-        &self.settings.at_rest
-    }
-
-    pub(crate) fn fingerprint(&self) -> &Fingerprint {
-        &self.fingerprint
-    }
-
-    /// Whether the door answers takeovers and lost records from `DurableOutcomes`.
-    pub(crate) fn durable(&self) -> bool {
-        self.settings.durable
+    /// The operation's context: who it is, for the operation and its recovery hook, and what
+    /// an outcome it commits in a store's transaction needs (encoded as `encoding` says).
+    pub(super) fn context(
+        &self,
+        scope: Vec<u8>,
+        encoding: Arc<dyn Encoding>,
+    ) -> IdempotencyContext {
+        let completion = Completion::new(
+            self.owner.clone(),
+            self.settings.retention,
+            self.commit.clone(),
+            self.settings.at_rest.clone(),
+            encoding,
+            self.settings.durable,
+        );
+        let (key, fingerprint) = (&self.key, self.fingerprint.clone());
+        IdempotencyContext::new(scope, key, fingerprint, self.taken_over, Some(completion))
     }
 
     /// Whether the claim took over from a holder whose lease lapsed.
@@ -365,7 +367,7 @@ mod tests {
                 }
                 // The record is completed with the holder's token while the renewal runs (the
                 // holder's own complete, whose answer is not back yet).
-                let (owner, response) = (holder.owner().clone(), Bytes::from_static(b"r"));
+                let (owner, response) = (holder.owner.clone(), Bytes::from_static(b"r"));
                 let retention = Duration::from_secs(60);
                 store.complete(&key, &owner, &fingerprint, response, retention).await.unwrap();
                 tokio::time::sleep(Duration::from_millis(60)).await;

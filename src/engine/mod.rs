@@ -18,6 +18,7 @@
 //! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
 //! [`Ended`]) back into theirs.
 
+mod door;
 pub(crate) mod envelope;
 mod holder;
 pub(crate) mod observe;
@@ -33,9 +34,10 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
+pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
 pub(crate) use self::holder::{Holder, Panic, Recovery};
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
-pub(crate) use self::run::{Answer, Ended, Recovering};
+pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::engine_setters;
 use self::settle::abandon;
 use crate::{
@@ -246,6 +248,10 @@ impl<St: Store> Engine<St> {
                 Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
             }
             Claim::Mismatch => {
+                tracing::info!(
+                    key_hash = key.hash(),
+                    "idempotency: key reused with a different request"
+                );
                 observe::claim(&route, "mismatch");
                 Claimed::Mismatch
             }

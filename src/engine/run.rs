@@ -7,31 +7,41 @@ use std::{
     future::Future,
     panic::AssertUnwindSafe,
     pin::Pin,
+    sync::Arc,
     task::{Context, Poll},
+    time::Duration,
 };
 
 use tokio::sync::oneshot;
 use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
 use tracing::{Instrument as _, instrument::Instrumented};
 
-use super::{Engine, Holder, Panic, Recovery};
+use bytes::Bytes;
+
+use super::{
+    Claimed, Engine, Holder, Panic, Recovery,
+    door::{Door, Settlement, Streaming},
+};
 use crate::{
+    context::IdempotencyContext,
+    fingerprint::Fingerprint,
+    key::RecordKey,
     recovery::{BoxError, Recovered},
-    store::Store,
+    store::{Commit, Store, StoreError},
 };
 
 /// Where a claimed operation's task sends the caller its answer: once, by value.
 #[derive(Debug)]
-pub(crate) struct Answer<A, E>(oneshot::Sender<Message<A, E>>);
+struct Answer<A, E>(oneshot::Sender<Message<A, E>>);
 
 impl<A, E> Answer<A, E> {
     /// Answers the caller with the door's answer.
-    pub(crate) fn send(self, answer: A) {
+    fn send(self, answer: A) {
         self.end(Message::Answered(answer));
     }
 
     /// Resumes `panic` in the caller, as if the layer were not there (its key is released).
-    pub(crate) fn resume(self, panic: Panic) {
+    fn resume(self, panic: Panic) {
         self.end(Message::Panicked(panic));
     }
 
@@ -69,62 +79,126 @@ pub(crate) enum Ended<A, E> {
     Cancelled,
 }
 
-/// What a door does when its recovery hook says the operation happened: store `R` and answer
-/// it, as [`Holder::complete`] lets it.
-pub(crate) struct Recovering<L, H> {
-    /// The hook's lookup, not yet started; it runs in the operation's task.
-    pub(crate) lookup: L,
-    /// Stores the recovered outcome and answers it.
-    pub(crate) happened: H,
+/// Who a claim is for: the record key, the fingerprint, the metrics label and the scope.
+pub(crate) struct Claiming {
+    pub(crate) key: RecordKey,
+    pub(crate) fingerprint: Fingerprint,
+    /// The metrics label: a route or a scope, never a key.
+    pub(crate) route: Arc<str>,
+    /// The scope the operation's context names.
+    pub(crate) scope: Vec<u8>,
+}
+
+/// What a door starts once its claim is won: the operation, and the recovery hook's lookup
+/// when one is due. Neither has run yet; both run in the operation's task.
+pub(crate) struct Start<F, L> {
+    pub(crate) operation: F,
+    pub(crate) lookup: Option<L>,
+}
+
+/// How [`Engine::operate`] ended.
+#[derive(Debug)]
+pub(crate) enum Operated<R, A, E> {
+    /// The claim decided without running the operation: the door's request back, to answer.
+    Decided(R, Decided),
+    /// The operation was claimed, and ended so.
+    Ended(Ended<A, E>),
+}
+
+/// What a claim decided without running the operation.
+#[derive(Debug)]
+pub(crate) enum Decided {
+    /// The same request completed: its stored outcome, to replay.
+    Replay(Bytes),
+    /// The same request runs elsewhere (and did not settle within the wait, when waiting is
+    /// on): ask again after `retry_after`.
+    InProgress { retry_after: Duration },
+    /// The store failed, or holds a record this crate cannot read: nothing ran.
+    Failed(StoreError),
 }
 
 impl<St: Store> Engine<St> {
-    /// Runs `operation` for `holder`, and waits for the door's answer.
+    /// Claims the key of `claiming`, and, when won, runs the door's operation from claim to
+    /// settle; waits for the door's answer.
+    ///
+    /// `start` gets the door's `request`, the operation's context and whether the recovery
+    /// hook is due, and builds the operation (and the hook's lookup); it is called only when
+    /// the claim is won. Otherwise the request comes back with what the claim decided.
     ///
     /// The work runs in the caller's task while the caller waits for its answer, and in a
-    /// task of its own once the caller goes away (or got its answer with work left: a
-    /// stored response's retries, a streamed body): a caller that goes away never cancels
-    /// it. When `recovery` is given, the hook is asked first (within its timeout); an outcome
-    /// it knows is given to `recovery.happened` and the operation does not run; a failed hook
-    /// ends as [`Ended::Refused`]. Then the operation runs with its lease renewed; `Ok` goes
-    /// to `settle`, which stores (or releases) and [`send`](Answer::send)s the answer; `Err`
-    /// releases the key and ends as [`Ended::Failed`]; a panic releases the key and is
-    /// resumed here.
-    pub(crate) async fn run_claimed<T, E, A, R, L, H, HFut, S, SFut>(
+    /// task of its own once the caller goes away (or got its answer with work left: a stored
+    /// response's retries, a streamed body): a caller that goes away never cancels it. The
+    /// hook's lookup, when given, is asked first (within its timeout); an outcome it knows is
+    /// stored as [`Door::recovered`] says and the operation does not run; a failed hook ends
+    /// as [`Ended::Refused`]. Then the operation runs with its lease renewed. An outcome it
+    /// committed in a store's transaction is left as committed ([`Door::committed`]); one
+    /// whose transaction did not commit releases the key; any other is settled as
+    /// [`Door::settle`] says. `Err` releases the key and ends as [`Ended::Failed`]; a panic
+    /// releases the key and is resumed here.
+    pub(crate) async fn operate<D, R, E, F, L>(
+        &self,
+        door: D,
+        claiming: Claiming,
+        request: R,
+        start: impl FnOnce(R, IdempotencyContext, bool) -> Start<F, L>,
+    ) -> Operated<R, D::Answer, E>
+    where
+        D: Door,
+        E: Send + 'static,
+        F: Future<Output = Result<D::Output, E>> + Send + 'static,
+        L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
+    {
+        let Claiming { key, fingerprint, route, scope } = claiming;
+        let claimed = self.claim(key, fingerprint, route).await;
+        door.claimed(outcome_name(&claimed));
+        let holder = match claimed {
+            Ok(Claimed::Run(holder)) => holder,
+            Ok(Claimed::Replay(stored)) => {
+                return Operated::Decided(request, Decided::Replay(stored));
+            }
+            Ok(Claimed::InProgress { retry_after }) => {
+                return Operated::Decided(request, Decided::InProgress { retry_after });
+            }
+            Ok(Claimed::Mismatch) => return Operated::Ended(Ended::Mismatch),
+            Err(error) => return Operated::Decided(request, Decided::Failed(error)),
+        };
+        let context = holder.context(scope, door.encoding());
+        let Start { operation, lookup } = start(request, context, holder.needs_recovery());
+        Operated::Ended(self.run_claimed(holder, door, lookup, operation).await)
+    }
+
+    /// Runs `operation` for `holder` (after the hook's `lookup`, when given) and settles it as
+    /// `door` says, in the caller's task and in one of its own once the caller goes away.
+    async fn run_claimed<D, E, L>(
         &self,
         holder: Holder<St>,
-        recovery: Option<Recovering<L, H>>,
-        operation: impl Future<Output = Result<T, E>> + Send + 'static,
-        settle: S,
-    ) -> Ended<A, E>
+        door: D,
+        lookup: Option<L>,
+        operation: impl Future<Output = Result<D::Output, E>> + Send + 'static,
+    ) -> Ended<D::Answer, E>
     where
-        T: Send + 'static,
+        D: Door,
         E: Send + 'static,
-        A: Send + 'static,
-        R: Send + 'static,
-        L: Future<Output = Result<Recovered<R>, BoxError>> + Send + 'static,
-        H: FnOnce(Holder<St>, R, Answer<A, E>) -> HFut + Send + 'static,
-        HFut: Future<Output = ()> + Send + 'static,
-        S: FnOnce(Holder<St>, T, Answer<A, E>) -> SFut + Send + 'static,
-        SFut: Future<Output = ()> + Send + 'static,
+        L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
     {
         let (sender, mut ended) = oneshot::channel();
         let answer = Answer(sender);
         let spawned_renewals = holder.spawned_renewals();
         let mut work = self.detachable(async move {
-            let holder = match recovery {
+            let holder = match lookup {
                 None => holder,
-                Some(Recovering { lookup, happened }) => match holder.recover(lookup).await {
+                Some(lookup) => match holder.recover(lookup).await {
                     Recovery::Run(holder) => holder,
                     Recovery::Happened(holder, outcome) => {
-                        return happened(holder, outcome, answer).await;
+                        let settlement = door.recovered(outcome, &holder.held()).await;
+                        return settle(holder, settlement, answer).await;
                     }
                     Recovery::Refused => return answer.end(Message::Refused),
                     Recovery::Mismatch => return answer.end(Message::Mismatch),
                 },
             };
             match holder.run(operation).await {
-                Ok((holder, Ok(output))) => settle(holder, output, answer).await,
+                Ok((holder, Ok(output))) => settle_output(holder, &door, output, answer).await,
                 Ok((holder, Err(error))) => {
                     holder.release("the operation failed").await;
                     answer.end(Message::Failed(error));
@@ -167,6 +241,99 @@ impl<St: Store> Engine<St> {
             work: Some(work.in_current_span()),
             tracked: self.settings.tasks.as_ref().map(TaskTracker::token),
         }
+    }
+}
+
+/// Settles an operation's output: as its store transaction left it, when it ran one; as the
+/// door says otherwise.
+async fn settle_output<St: Store, D: Door, E>(
+    holder: Holder<St>,
+    door: &D,
+    output: D::Output,
+    answer: Answer<D::Answer, E>,
+) {
+    match holder.commit_slot().outcome() {
+        // Committed in the record store's transaction: the engine writes nothing.
+        Some(Commit::Committed(committed)) => {
+            let answered = door.committed(output, committed, &holder.held()).await;
+            holder.settled_in_transaction(move || answer.send(answered)).await;
+        }
+        // Committed beside the record store: stored there too, as the outcome answered.
+        Some(Commit::CommittedBeside(committed)) => {
+            let answered = door.committed(output, committed.clone(), &holder.held()).await;
+            holder.complete(committed, move || answer.send(answered)).await;
+        }
+        // A fenced delete, which a committed record refuses: a retry learns what committed.
+        Some(Commit::RolledBack | Commit::Unknown) => {
+            holder.release("the operation's transaction did not commit its outcome").await;
+            answer.send(door.uncommitted(output));
+        }
+        None => {
+            let settlement = door.settle(output, &holder.held()).await;
+            settle(holder, settlement, answer).await;
+        }
+    }
+}
+
+/// Does what `settlement` says: writes the store through `holder`, and answers.
+async fn settle<St: Store, A, E>(
+    holder: Holder<St>,
+    settlement: Settlement<A>,
+    answer: Answer<A, E>,
+) {
+    match settlement {
+        Settlement::Store(outcome, answered) => {
+            holder.complete(outcome, move || answer.send(answered)).await;
+        }
+        Settlement::Release(why, answered) => {
+            holder.release(why).await;
+            answer.send(answered);
+        }
+        Settlement::TooLarge { record, why, answer: answered } => {
+            holder.complete_too_large(record, why, move || answer.send(answered)).await;
+        }
+        Settlement::Streamed(answered, rest) => {
+            answer.send(answered);
+            // The lease is renewed while the stream runs, as while the operation ran.
+            let (holder, streamed) = match holder.run(rest).await {
+                Ok(streamed) => streamed,
+                Err(_panic) => {
+                    return tracing::error!(
+                        "idempotency: the outcome's stream panicked; key released"
+                    );
+                }
+            };
+            match streamed.ended {
+                Streaming::Stored(outcome) => holder.complete(outcome, || {}).await,
+                Streaming::OverLimit { record, why, forward } => {
+                    // The caller gets the whole stream first: the settle does not hold it up.
+                    let settled = holder.complete_too_large(record, why, || {});
+                    futures_util::future::join(forward, settled).await;
+                }
+                Streaming::Failed(error) => {
+                    tracing::error!(key_hash = holder.key().hash(), %error, "idempotency: the outcome's stream failed");
+                    holder.release("the response body failed").await;
+                }
+            }
+            drop(streamed.open);
+        }
+        Settlement::Panicked(panic) => {
+            holder.release("the outcome's encoding panicked").await;
+            answer.resume(panic);
+        }
+    }
+}
+
+/// The claim's outcome, for the door's span.
+fn outcome_name<St: Store>(claimed: &Result<Claimed<St>, StoreError>) -> &'static str {
+    match claimed {
+        Ok(Claimed::Run(holder)) if holder.taken_over() => "taken_over",
+        Ok(Claimed::Run(_)) => "claimed",
+        Ok(Claimed::Replay(_)) => "replayed",
+        Ok(Claimed::InProgress { .. }) => "in_progress",
+        Ok(Claimed::Mismatch) => "mismatch",
+        Err(error) if error.is_unavailable() => "store_unavailable",
+        Err(_) => "corrupt_record",
     }
 }
 

@@ -17,6 +17,7 @@
 
 mod body;
 mod config;
+mod door;
 mod fingerprinting;
 mod future;
 mod handle;

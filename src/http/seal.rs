@@ -2,11 +2,7 @@
 //! ([`Committable`] for `Response`), how it answers a [`TransactionError`], and how it settles
 //! a claim whose handler committed (or tried to).
 
-use std::{
-    fmt,
-    sync::Arc,
-    time::{Duration, SystemTime},
-};
+use std::{fmt, sync::Arc};
 
 use axum::{
     body::Body,
@@ -18,16 +14,15 @@ use http::{HeaderValue, StatusCode, header};
 use http_body::Body as HttpBody;
 
 use super::{
-    BoxError, Minimal,
+    Minimal,
     body::{CollectedBody, collect_response},
     config::Config,
     problem::{ProblemType, problem, problem_retry_after},
-    record, replay,
+    record,
 };
 use crate::{
     context::{Encoding, IdempotencyContext},
-    engine::{Answer, Holder, envelope},
-    store::{Commit, Committable, SealError, Store, TransactionError},
+    store::{Committable, SealError, TransactionError},
 };
 
 /// The HTTP door's encoding of a committed outcome: the layer's own rules (store policy,
@@ -163,78 +158,5 @@ pub(super) fn not_stored<B: HttpBody>(
         Some(NotStored::TooLarge(OVER_BODY_LIMIT))
     } else {
         None
-    }
-}
-
-/// Settles a claim whose handler committed its response in a store's transaction, or tried
-/// to: the layer writes nothing. The committed response is the answer, whatever the handler
-/// returned; a transaction rolled back, or whose commit's answer was lost, releases the key (a
-/// fenced delete, which a committed record refuses), whatever the handler returned.
-pub(super) async fn settle_sealed<St: Store, E, ResBody>(
-    config: &Config,
-    holder: Holder<St>,
-    commit: Commit,
-    response: Response<ResBody>,
-    (route, rebuild_timeout): (&str, Duration),
-    answer: Answer<Response, E>,
-) where
-    ResBody: HttpBody<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<BoxError>,
-{
-    let (committed, in_store) = match commit {
-        Commit::Committed(committed) => (committed, true),
-        Commit::CommittedBeside(committed) => (committed, false),
-        Commit::RolledBack | Commit::Unknown => {
-            holder.release("the handler's transaction did not commit its response").await;
-            return answer.send(response.map(Body::new));
-        }
-    };
-    let (head, body) = response.into_parts();
-    // The returned response is the committed one when it encodes to the same record: a
-    // minimal one by its head alone (its body streams on), any other by its body too, read
-    // only when its length is known (a stream the handler returned after its commit may never
-    // end, or wait for the client: the committed response is answered without reading it).
-    let returned = match head.extensions.get::<Minimal>() {
-        Some(_) => Some((Body::new(body), Bytes::new())),
-        None if body.size_hint().exact().is_none() => None,
-        None => match collect_response(body, config.stored_body_limit).await {
-            CollectedBody::Whole(body) => Some((Body::from(body.clone()), body)),
-            CollectedBody::TooLarge(_) | CollectedBody::Failed(_) => None,
-        },
-    };
-    let same = returned.as_ref().is_some_and(|(_, stored)| {
-        let own = record::encode_response(&head, &config.header_filter, stored);
-        envelope::same_payload(&own, &committed)
-    });
-    let mut response = match returned {
-        Some((body, _)) if same => Response::from_parts(head, body),
-        _ => {
-            tracing::warn!(
-                key_hash = holder.key().hash(),
-                "idempotency: the handler returned another response than it committed; the committed one is answered"
-            );
-            let committed = match record::decode(committed.clone(), route) {
-                Ok(stored) => {
-                    let hash = holder.key().hash();
-                    replay::response(config, route, rebuild_timeout, stored, hash).await
-                }
-                // The layer encoded it a moment ago: unreachable, and answered as any
-                // unreadable record would be.
-                Err(_) => Err(super::problem::problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    super::problem::ProblemType::CorruptRecord,
-                    None,
-                )),
-            };
-            committed.unwrap_or_else(|problem| problem)
-        }
-    };
-    let expiry = config.advertise_expiry.then(|| holder.retention());
-    record::advertise_expiry(response.headers_mut(), SystemTime::now(), expiry);
-    if in_store {
-        holder.settled_in_transaction(move || answer.send(response)).await;
-    } else {
-        // Committed beside the record store: stored there too, as the outcome answered.
-        holder.complete(committed, move || answer.send(response)).await;
     }
 }

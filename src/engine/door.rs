@@ -1,0 +1,105 @@
+//! [`Door`]: what a front door tells the engine about the outcomes of the operations it runs,
+//! and [`Settlement`], what the engine does with one. The engine writes the store; a door only
+//! encodes and answers.
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+
+use super::Panic;
+use crate::{context::Encoding, key::RecordKey};
+
+/// A front door's side of a claimed operation: how its outcomes are stored and answered. The
+/// engine runs the operation from claim to settle and calls these to learn what to write; none
+/// of them touches the store.
+pub(crate) trait Door: Send + Sync + 'static {
+    /// What the operation returns when it succeeds.
+    type Output: Send + 'static;
+    /// What the recovery hook finds when the operation happened before.
+    type Recovered: Send + 'static;
+    /// What the door's caller is answered.
+    type Answer: Send + 'static;
+
+    /// How the door encodes an outcome its operation commits in a store's transaction.
+    fn encoding(&self) -> Arc<dyn Encoding>;
+
+    /// The claim's outcome, as the span of the door's caller records it: `claimed`,
+    /// `taken_over`, `replayed`, `in_progress`, `mismatch`, `store_unavailable` or
+    /// `corrupt_record`. Nothing by default.
+    fn claimed(&self, _outcome: &'static str) {}
+
+    /// What becomes of the operation's output: stored, released, kept as too large, streamed.
+    fn settle(
+        &self,
+        output: Self::Output,
+        held: &Held,
+    ) -> impl Future<Output = Settlement<Self::Answer>> + Send;
+
+    /// What the recovery hook found: stored whatever its size (the operation must not run
+    /// again), and answered as a replay.
+    fn recovered(
+        &self,
+        outcome: Self::Recovered,
+        held: &Held,
+    ) -> impl Future<Output = Settlement<Self::Answer>> + Send;
+
+    /// The answer for an operation that committed `committed` (as the door encoded it) in a
+    /// store's transaction and returned `output`: the committed outcome, whatever was returned.
+    fn committed(
+        &self,
+        output: Self::Output,
+        committed: Bytes,
+        held: &Held,
+    ) -> impl Future<Output = Self::Answer> + Send;
+
+    /// The answer for an operation whose store transaction did not commit (rolled back, or
+    /// its commit's answer lost): its key is released.
+    fn uncommitted(&self, output: Self::Output) -> Self::Answer;
+}
+
+/// What a door knows of the claim it settles.
+#[derive(Debug)]
+pub(crate) struct Held {
+    /// The claim's record key (its hash names it in logs).
+    pub(crate) key: RecordKey,
+    /// How long a completed outcome is kept.
+    pub(crate) retention: Duration,
+}
+
+/// What the engine does with an operation's outcome, as its door says.
+pub(crate) enum Settlement<A> {
+    /// Stores the outcome (as the door encoded it), then answers.
+    Store(Bytes, A),
+    /// Stores nothing and releases the key, so that a retry runs the operation again; then
+    /// answers.
+    Release(&'static str, A),
+    /// The outcome is too large to keep: a "completed, not replayable" `record` (the door's,
+    /// with the reason), or the key released when the door is so configured; then answers.
+    TooLarge { record: Bytes, why: &'static str, answer: A },
+    /// Answers now, and settles when the rest of the outcome (a streamed body) ends, the lease
+    /// renewed meanwhile.
+    Streamed(A, BoxFuture<'static, StreamEnd>),
+    /// The door's encoding panicked: the key is released and the panic resumed in the caller.
+    Panicked(Panic),
+}
+
+/// The end of a streamed outcome.
+pub(crate) struct StreamEnd {
+    /// How it ended.
+    pub(crate) ended: Streaming,
+    /// The caller's end of the stream, closed only once the settle is done: a caller that
+    /// has the whole stream finds it settled.
+    pub(crate) open: Box<dyn Send>,
+}
+
+/// How the rest of a streamed outcome ended.
+pub(crate) enum Streaming {
+    /// Whole, within the limit: stores it.
+    Stored(Bytes),
+    /// Over the limit: the "completed, not replayable" `record`, written while `forward`
+    /// sends the rest to the caller.
+    OverLimit { record: Bytes, why: &'static str, forward: BoxFuture<'static, ()> },
+    /// The stream failed: releases the key.
+    Failed(String),
+}
