@@ -1,15 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-// `--cfg axum_idempotency_unfenced` turns the owner-token fence off, for the chaos run's
-// negative control alone: a debug build that must be caught by the checker. No feature turns it
-// on, and a release build refuses it.
-#[cfg(all(axum_idempotency_unfenced, not(debug_assertions)))]
-compile_error!(
-    "axum_idempotency_unfenced turns the owner-token fence off: for the chaos run's negative \
-     control only, never in a release build"
-);
-
 // Front doors → engine → store; `key`, `fingerprint` and `at_rest` are the vocabulary all three
 // share.
 mod at_rest;

@@ -29,10 +29,10 @@
 //! AOF (a restart loses every record), and on both stores only takeovers ask the database. A
 //! rerun of a key after such a loss is counted apart, not as a violation.
 //!
-//! `--expect-violations` inverts the exit status, for the negative control: a debug build with
-//! `RUSTFLAGS="--cfg axum_idempotency_unfenced"` gives every holder the same owner token, so no
-//! fence tells a lapsed holder from the new owner, and the checker must find the double runs
-//! that follow.
+//! `--unfenced --expect-violations` is the negative control: `--unfenced` wraps the Redis store
+//! in one that gives every holder's calls the same owner token (`unfenced.rs`), so no fence
+//! tells a lapsed holder from the new owner, and the checker must find the double runs that
+//! follow; `--expect-violations` inverts the exit status.
 
 mod checker;
 mod clients;
@@ -40,6 +40,7 @@ mod nemesis;
 mod proxy;
 mod service;
 mod system;
+mod unfenced;
 
 use std::{
     path::PathBuf,
@@ -68,6 +69,8 @@ struct Options {
     deliveries: usize,
     lossy: bool,
     expect_violations: bool,
+    /// The negative control: every holder's store calls carry one owner token.
+    unfenced: bool,
     keep: bool,
 }
 
@@ -78,6 +81,10 @@ impl Options {
         if !matches!(store.as_str(), "redis" | "cluster" | "postgres") {
             return Err(format!("--store {store}: redis, cluster or postgres").into());
         }
+        if store == "postgres" && args.iter().any(|a| a == "--unfenced") {
+            // Its transactional commit is fenced by the context's own token, not the store's.
+            return Err("--unfenced runs over Redis (--store redis or cluster)".into());
+        }
         Ok(Self {
             store,
             seconds: value("--seconds").map_or(Ok(60), |s| s.parse())?,
@@ -85,6 +92,7 @@ impl Options {
             deliveries: value("--deliveries").map_or(Ok(8), |s| s.parse())?,
             lossy: args.iter().any(|a| a == "--lossy"),
             expect_violations: args.iter().any(|a| a == "--expect-violations"),
+            unfenced: args.iter().any(|a| a == "--unfenced"),
             keep: args.iter().any(|a| a == "--keep"),
         })
     }
@@ -172,7 +180,8 @@ async fn run_in(
             .env("CHAOS_STORE", &spec)
             .env("CHAOS_DATABASE_URL", &database.url)
             .env("CHAOS_PROCESS", &name)
-            .env("CHAOS_EVERY_CLAIM", if every_claim { "1" } else { "0" });
+            .env("CHAOS_EVERY_CLAIM", if every_claim { "1" } else { "0" })
+            .env("CHAOS_UNFENCED", if options.unfenced { "1" } else { "0" });
         proc.start()?;
         Ok(proc)
     };

@@ -29,6 +29,8 @@ use deadpool_postgres::{Manager, Pool};
 use serde::{Deserialize, Serialize};
 use tokio_postgres::NoTls;
 
+use crate::unfenced::Unfenced;
+
 /// How long a claim holds its key without renewal. Short, so that a dead holder's keys are
 /// taken over within the run; the keep-alive renews it every second. Long enough for the
 /// nemesis's store outages (`store-down`, up to the lease less 1.2 s) to be shorter than the
@@ -176,10 +178,15 @@ pub(crate) async fn serve(door: &str, port: u16) -> Result<(), BoxError> {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         serve_over(store.clone(), door, port, Some(store)).await
-    } else if let Some(urls) = spec.strip_prefix("cluster:") {
-        serve_over(RedisStore::cluster_from_urls(urls.split(','))?, door, port, None).await
     } else {
-        serve_over(RedisStore::from_url(&spec)?, door, port, None).await
+        let store = match spec.strip_prefix("cluster:") {
+            Some(urls) => RedisStore::cluster_from_urls(urls.split(','))?,
+            None => RedisStore::from_url(&spec)?,
+        };
+        match std::env::var("CHAOS_UNFENCED").is_ok_and(|v| v == "1") {
+            true => serve_over(Unfenced(store), door, port, None).await,
+            false => serve_over(store, door, port, None).await,
+        }
     }
 }
 

@@ -265,12 +265,6 @@ impl OwnerToken {
     /// A fresh random token.
     #[must_use]
     pub fn random() -> Self {
-        // The chaos run's negative control (`examples/chaos`): every holder gets the same
-        // token, so no fence tells a lapsed holder from the new owner. `lib.rs` refuses this
-        // cfg in a release build.
-        #[cfg(axum_idempotency_unfenced)]
-        return Self([0; 16]);
-        #[cfg(not(axum_idempotency_unfenced))]
         Self(rand::random())
     }
 
