@@ -38,6 +38,8 @@ pub const MAX_KEY_ID: usize = 64;
 /// The keys that encrypt stored outcomes: the newest encrypts, any listed decrypts.
 ///
 /// Its `Debug` output names the key ids, never a key.
+///
+#[doc = include_str!("docs/encryption.md")]
 #[derive(Clone)]
 pub struct Keyring {
     /// The newest key first: it encrypts.

@@ -1,5 +1,12 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("docs/crate.md")]
+#![doc = include_str!("docs/operating.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
+
+// The README's snippets are compiled and run as doc tests, as the crate docs' are, without
+// being rendered: the README is the repository's front page, the crate docs are docs.rs's.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
 
 // Front doors → engine → store; `key`, `fingerprint` and `at_rest` are the vocabulary all three
 // share.

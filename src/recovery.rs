@@ -71,6 +71,8 @@ impl<T> Recovered<T> {
 /// An error, a panic, or no answer within the recovery timeout is a failed recovery: the
 /// operation does not run (the HTTP door answers 503), unless the front door is told to run
 /// when recovery fails.
+///
+#[doc = include_str!("docs/recovery.md")]
 pub trait Recover<R, T>: Send + Sync + 'static {
     /// Looks the request up.
     fn recover(

@@ -354,10 +354,30 @@ async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
         h.held(&RecordKey::new("idempotency", b"b", b"shared-key")).await,
         Some(Held::Completed)
     );
-    // Without the scope header the request is refused, not put in a shared scope.
-    send(&app, keyed("POST", "/payments", "shared-key", "{}"))
-        .await
-        .assert_problem(400, "scope-missing");
+    // Without the scope header the request is refused, not put in a shared scope, and the
+    // problem's detail names the header it expected.
+    let missing = send(&app, keyed("POST", "/payments", "shared-key", "{}")).await;
+    missing.assert_problem(400, "scope-missing");
+    let detail: serde_json::Value = serde_json::from_str(&missing.body).expect("problem JSON");
+    assert_eq!(
+        detail["detail"], "the request has no `x-tenant` header, which names its idempotency scope",
+        "{missing:?}"
+    );
+    // Two values are no scope either: the detail says the header repeats.
+    let repeated = Request::post("/payments")
+        .header("idempotency-key", "shared-key")
+        .header("x-tenant", "a")
+        .header("x-tenant", "b")
+        .body(Body::from("{}"))
+        .unwrap();
+    let repeated = send(&app, repeated).await;
+    repeated.assert_problem(400, "scope-missing");
+    let detail: serde_json::Value = serde_json::from_str(&repeated.body).expect("problem JSON");
+    assert_eq!(
+        detail["detail"],
+        "the `x-tenant` header, which names the request's idempotency scope, is repeated",
+        "{repeated:?}"
+    );
     assert_eq!(calls.get(), 2);
     assert_eq!(h.record_count().await, 2);
 }

@@ -168,7 +168,8 @@ impl Store for LedgerStore {
     }
 }
 
-/// The way the README tells a third-party store to run the kit.
+/// The way the `conformance` module's docs (and CONTRIBUTING.md) tell a third-party store to run
+/// the kit.
 mod ledger {
     async fn store() -> super::LedgerStore {
         super::LedgerStore::default()

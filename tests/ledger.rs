@@ -1,4 +1,4 @@
-//! The outcome committed with the side effect (`examples/ledger.rs`, the README's way), both
+//! The outcome committed with the side effect (`examples/ledger.rs`, the documented way), both
 //! doors, in both set-ups: PostgreSQL alone (`PostgresStore`), and Redis in front with
 //! PostgreSQL the authority (`DurableOutcomes`, a private redis-server per test). The service
 //! (and a consumer's delivery) runs as child processes over a database of each test's own

@@ -1,4 +1,4 @@
-//! Edges of the request path that each hold a promise of the README: what the fingerprint
+//! Edges of the request path that each hold a promise of the docs: what the fingerprint
 //! covers, where the limits fall, how a failing inner service or a panic leaves the key, and
 //! what the layer's answers say. Run against every store.
 

@@ -132,7 +132,7 @@ async fn the_store_follows_the_master_through_a_failover_and_keeps_its_records()
     })
     .await;
     // Until the sentinels demote the old master it still takes writes, which its demotion then
-    // discards: the failover window the README names. Once it is a replica, its answer is
+    // discards: the failover window `RedisStore`'s docs name. Once it is a replica, its answer is
     // READONLY, and the store must move to the new master.
     eventually_within(Duration::from_secs(20), "the old master is demoted", async || {
         // While it resyncs from the new master it may refuse a connection (LOADING): ask again.

@@ -2,7 +2,7 @@
 //! system of record afterwards, and decides whether the run kept the crate's promises.
 //!
 //! - **Once**: per key, at most one execution row. A rerun whose holder was a worker paused
-//!   past its lease between the key's first attempt and its write is what the README says a lease allows ("at most once
+//!   past its lease between the key's first attempt and its write is what GUARANTEES.md says a lease allows ("at most once
 //!   per lease"): it is counted and shown apart, not hidden, and not a violation.
 //! - **The same answer**: every 2xx answer for a key carries the same receipt as the first, and
 //!   that receipt is an execution the database holds.
@@ -11,7 +11,7 @@
 //! - **No panic** in any process's log.
 //!
 //! In a `--lossy` run, a rerun with a restart without AOF or a failover between its executions
-//! is counted apart too: the README says such a loss costs a rerun without
+//! is counted apart too: GUARANTEES.md says such a loss costs a rerun without
 //! `recover_every_claim`.
 
 use std::{
@@ -47,7 +47,7 @@ impl Row {
 pub(crate) struct Verdict {
     /// Violations, by check: one line each, naming the key.
     pub(crate) violations: BTreeMap<&'static str, Vec<String>>,
-    /// Reruns the README allows (a holder paused past its lease), naming the key.
+    /// Reruns GUARANTEES.md allows (a holder paused past its lease), naming the key.
     pub(crate) lease_reruns: Vec<String>,
     /// Reruns after the store lost records, in a `--lossy` run, naming the key.
     pub(crate) loss_reruns: Vec<String>,

@@ -25,7 +25,7 @@
 //! It prints one table, and exits 1 on any violation, keeping the run's folder with
 //! `history.jsonl` (every attempt, answer and fault) and each process's log.
 //!
-//! `--lossy` runs what the README says can cost a rerun, to count it: the single Redis without
+//! `--lossy` runs what GUARANTEES.md says can cost a rerun, to count it: the single Redis without
 //! AOF (a restart loses every record), and on both stores only takeovers ask the database. A
 //! rerun of a key after such a loss is counted apart, not as a violation.
 //!
@@ -146,7 +146,7 @@ async fn run_in(
         let urls: Vec<String> =
             nodes.iter().map(|n| format!("redis://127.0.0.1:{}", n.port)).collect();
         // A failover after a master died can lose its last writes: every claim asks the
-        // system of record, as the README advises for stores that lose records (not when the
+        // system of record, as the docs advise for stores that lose records (not when the
         // run is to count what such losses cost).
         (nodes, None, format!("cluster:{}", urls.join(",")), !options.lossy)
     } else if options.store == "postgres" {
@@ -390,11 +390,11 @@ impl Summary {
             println!("| {check} | {} |", found.len());
         }
         println!(
-            "| (not a violation) reruns of a worker paused past its lease, which the README allows: at most once per lease | {} |",
+            "| (not a violation) reruns of a worker paused past its lease, which GUARANTEES.md allows: at most once per lease | {} |",
             verdict.lease_reruns.len()
         );
         println!(
-            "| (not a violation) reruns after Redis lost records (a restart without AOF, a failover), which the README allows without `recover_every_claim` | {} |",
+            "| (not a violation) reruns after Redis lost records (a restart without AOF, a failover), which GUARANTEES.md allows without `recover_every_claim` | {} |",
             verdict.loss_reruns.len()
         );
         for (check, found) in &verdict.violations {

@@ -85,7 +85,10 @@ use crate::{
 
 /// Runs operations once per key and scope, and replays their results: the consumer door.
 ///
-/// Cloning is cheap; clones share the store and the recovery hook.
+/// Cloning is cheap; clones share the store and the recovery hook. The [module](self) has a
+/// shorter walk through the same.
+///
+#[doc = include_str!("../docs/consumer.md")]
 #[must_use]
 pub struct Idempotent<St, H = NoRecovery> {
     store: St,

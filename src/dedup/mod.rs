@@ -38,6 +38,8 @@
 //! assert_eq!(page, [false, true, false]);
 //! # Ok(()) }
 //! ```
+//!
+#![doc = include_str!("../docs/dedup.md")]
 
 use std::{
     collections::{HashMap, HashSet},
@@ -113,8 +115,8 @@ impl Strategy {
     /// it grows with the load (see [`false_positive_rate`](Self::false_positive_rate): twice
     /// the events sized for turn one filter's 1 % into 16 %, a stream's into 17.3 %). A
     /// duplicate is never taken for new within the window. A change of window, rate, size or
-    /// strategy starts from empty filters (they are keyed apart): see the README on rolling
-    /// deploys.
+    /// strategy starts from empty filters (they are keyed apart): see the [module](self),
+    /// *Backfills and rolling deploys*.
     ///
     /// # Panics
     ///

@@ -24,9 +24,9 @@ use crate::{
 ///
 /// The first request with a key runs the inner service and its response is stored; a retry
 /// with the same key and the same request gets the stored response back with
-/// `Idempotency-Replayed: true`. While the first request runs, a retry gets 202 with
-/// `Retry-After`; the same key with a different request gets 409. Every other request passes
-/// through untouched, with no store call and no body buffering.
+/// `Idempotency-Replayed: true`. While the first request runs, a retry waits for it (10 s by
+/// default) and gets its response; the same key with a different request gets 409. Every other
+/// request passes through untouched, with no store call and no body buffering.
 ///
 /// ```
 /// use axum::{Router, routing::post};
@@ -49,6 +49,10 @@ use crate::{
 /// let layer = IdempotencyLayer::new(store);
 /// # }
 /// ```
+///
+#[doc = include_str!("../docs/answers.md")]
+#[doc = ""]
+#[doc = include_str!("../docs/configuration.md")]
 #[derive(Debug, Clone)]
 #[must_use]
 pub struct IdempotencyLayer<St, Sc = GlobalScope> {

@@ -33,6 +33,8 @@ use crate::recovery::BoxError;
 ///
 /// The body is not read to be stored: it streams to the client whatever its size, and the
 /// stored body limit does not apply.
+///
+#[doc = include_str!("../docs/minimal.md")]
 #[derive(Clone, PartialEq, Eq)]
 pub struct Minimal(pub(super) Bytes);
 

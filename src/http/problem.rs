@@ -24,7 +24,7 @@ pub(crate) enum ProblemType {
 }
 
 impl ProblemType {
-    /// Every type, for the test that holds the README's table to them.
+    /// Every type, for the test that holds the documented table (`src/docs/answers.md`) to them.
     #[cfg(test)]
     const ALL: [Self; 14] = [
         Self::KeyMissing,
@@ -162,11 +162,12 @@ pub(crate) fn problem_retry_after(
 mod tests {
     use super::ProblemType;
 
-    /// The README lists every problem type, and no other: clients match on them.
+    /// The layer's documentation (`src/docs/answers.md`, on `IdempotencyLayer`) lists every
+    /// problem type, and no other: clients match on them.
     #[test]
-    fn the_readme_lists_every_problem_type() {
-        let readme = include_str!("../../README.md");
-        let listed: Vec<&str> = readme
+    fn the_docs_list_every_problem_type() {
+        let docs = include_str!("../docs/answers.md");
+        let listed: Vec<&str> = docs
             .lines()
             .filter_map(|line| line.strip_prefix("| `urn:axum-idempotency:problem:"))
             .filter_map(|rest| rest.split('`').next())

@@ -51,8 +51,9 @@ impl ScopeExtractor for GlobalScope {
     }
 }
 
-/// The scope is the value of a request header, such as `X-Tenant-Id`. A request without it
-/// gets 400 problem+json.
+/// The scope is the value of a request header, such as `X-Tenant-Id`. A request without it,
+/// or with more than one, gets 400 problem+json (`scope-missing`) whose `detail` names the
+/// header.
 ///
 /// Trusts the header, which any client can set: use it only behind a gateway that sets or
 /// verifies the header. To scope by an authenticated identity, use [`ExtractorScope`].
@@ -74,7 +75,14 @@ impl ScopeExtractor for HeaderScope {
         let mut values = parts.headers.get_all(&self.name).iter();
         match (values.next(), values.next()) {
             (Some(value), None) => Ok(value.as_bytes().to_vec()),
-            _ => Err(scope_missing()),
+            (None, _) => Err(scope_missing(&format!(
+                "the request has no `{}` header, which names its idempotency scope",
+                self.name
+            ))),
+            (Some(_), Some(_)) => Err(scope_missing(&format!(
+                "the `{}` header, which names the request's idempotency scope, is repeated",
+                self.name
+            ))),
         }
     }
 }
@@ -84,7 +92,9 @@ where
     F: Fn(&Parts) -> Option<String> + Clone + Send + Sync + 'static,
 {
     async fn scope(&self, parts: &mut Parts) -> Result<Vec<u8>, Response> {
-        self(parts).map(String::into_bytes).ok_or_else(scope_missing)
+        self(parts).map(String::into_bytes).ok_or_else(|| {
+            scope_missing("the scope extractor found no idempotency scope for the request")
+        })
     }
 }
 
@@ -157,6 +167,7 @@ where
     }
 }
 
-fn scope_missing() -> Response<Body> {
-    problem(StatusCode::BAD_REQUEST, ProblemType::ScopeMissing, None)
+/// 400 `scope-missing`, with a `detail` saying what was expected.
+fn scope_missing(detail: &str) -> Response<Body> {
+    problem(StatusCode::BAD_REQUEST, ProblemType::ScopeMissing, Some(detail))
 }

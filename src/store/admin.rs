@@ -18,6 +18,8 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 ///
 /// None of it is on a request's path: each call is one round trip, except the Redis listing,
 /// which scans the keyspace.
+///
+#[doc = include_str!("../docs/admin.md")]
 pub trait Admin: Store {
     /// What the store holds under `key`, if anything: its state, its time left, its size, and
     /// whether a duplicate waits for it; the stored outcome, as the store holds it, only when

@@ -173,7 +173,7 @@ mod store {
             if let Some(password) = d.admin.get_password() {
                 options = options.password(&String::from_utf8_lossy(password));
             }
-            // No ping before each checkout: one round trip a statement, as the README advises.
+            // No ping before each checkout: one round trip a statement, as its docs advise.
             PgPoolOptions::new().test_before_acquire(false).connect_lazy_with(options)
         }
     }

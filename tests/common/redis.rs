@@ -74,7 +74,7 @@ pub async fn reset_command_stats(server: &RedisServer) {
 }
 
 /// How a test's store is built: over a pool of the app's own (`RedisStore::new`, no
-/// subscriber), or from a URL, as the README builds it (`RedisStore::from_url`: a pool the
+/// subscriber), or from a URL, as the docs build it (`RedisStore::from_url`: a pool the
 /// store builds, with the subscriber). Both share the pool's connections, each command bounded
 /// by redis-rs's response timeout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -209,7 +209,7 @@ impl RedisServer {
         Config::from_url(self.url()).create_pool(Some(Runtime::Tokio1)).expect("pool")
     }
 
-    /// The store a user of the README makes: `RedisStore::from_url` (a pool of its own, a
+    /// The store a user of the docs makes: `RedisStore::from_url` (a pool of its own, a
     /// subscriber for waiters). A pool of the app's own,
     /// `RedisStore::new(pool)`, is tested in `tests/redis.rs`, and beside this one in
     /// `tests/redis_faults.rs` and `tests/redis_lost_answers.rs` ([`Built`]).

@@ -38,7 +38,7 @@ use crate::{
     ChildGuard, Error, REQUEST_BODY, bare, free_port, handler, tower_service_shim::oneshot,
 };
 
-/// A pool as the README advises: no ping before each checkout.
+/// A pool as `PostgresStore`'s docs advise: no ping before each checkout.
 fn pool(url: &str) -> Result<PgPool, Error> {
     Ok(PgPoolOptions::new().max_connections(16).test_before_acquire(false).connect_lazy(url)?)
 }

@@ -34,44 +34,18 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// duration as long as `Duration::MAX` means "keep it", never an overflow.
 const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
 
-/// Records in PostgreSQL, through the app's own [`sqlx::PgPool`].
+/// Records in PostgreSQL, through the app's own sqlx
+/// [`PgPool`](https://docs.rs/sqlx/0.8/sqlx/type.PgPool.html) (sqlx is re-exported as
+/// `store::sqlx`): the durable authority.
 ///
 /// Each record is a row of one table (`idempotency_records` unless
 /// [`with_table`](Self::with_table) names another), and each transition is one statement, a
-/// call of a PL/pgSQL function that [`migrate`](Self::migrate) installs with the table: one
-/// round trip, atomic for its key (the row is locked `FOR UPDATE`; a replay reads a completed
-/// row, which never changes until it expires, without a lock), decided by the database's
-/// clock (`clock_timestamp()`), never the app's. `complete`, `release`, `touch` and `abandon` are
-/// fenced by the owner token in the function. The SQL is [`PostgresStore::SCHEMA`].
+/// call of a PL/pgSQL function that [`migrate`](Self::migrate) installs with the table (the
+/// SQL is [`PostgresStore::SCHEMA`]), decided by the database's clock. A handler that moves
+/// money commits its side effect and its record in one transaction the store owns:
+/// [`transaction`](Self::transaction).
 ///
-/// Waiters are woken by `LISTEN`/`NOTIFY` on one listener connection per store; a settle
-/// notifies only when a claim marked its record as waited for, so a request without duplicates
-/// pays nothing. A lost listener connection strands no waiter (its deadline and a last claim
-/// decide), and the listener reconnects.
-///
-/// Expired rows are deleted in bounded batches by a task the store starts on its first claim
-/// (every minute by default, see [`sweep_every`](Self::sweep_every)); an app that prefers to
-/// run it itself turns it off and calls [`sweep_expired`](Self::sweep_expired).
-///
-/// ```no_run
-/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-/// use axum::{Router, routing::post};
-/// use axum_idempotency::{IdempotencyLayer, store::{PostgresStore, sqlx::postgres::PgPoolOptions}};
-///
-/// // No ping before each checkout (sqlx's default): it would cost a round trip a statement.
-/// // Keep it when the pool outlives runtimes (tests sharing it): it finds most connections
-/// // an ended runtime made, which are dead (a statement on one fails: 503).
-/// let pool = PgPoolOptions::new()
-///     .test_before_acquire(false)
-///     .connect("postgres://postgres@127.0.0.1/app")
-///     .await?;
-/// let store = PostgresStore::new(pool);
-/// store.migrate().await?; // safe on every start
-/// let app: Router = Router::new()
-///     .route("/payments", post(|| async { "paid" }))
-///     .layer(IdempotencyLayer::new(store));
-/// # Ok(()) }
-/// ```
+#[doc = include_str!("../../docs/postgres.md")]
 #[derive(Clone)]
 pub struct PostgresStore {
     inner: Arc<Inner>,

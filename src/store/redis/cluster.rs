@@ -20,7 +20,8 @@ use crate::store::StoreError;
 /// A pool of Redis Cluster connections for [`RedisStore::cluster`](crate::RedisStore::cluster).
 pub type ClusterPool = managed::Pool<ClusterManager>;
 
-/// Makes Redis Cluster connections from a [`ClusterClient`].
+/// Makes Redis Cluster connections from a redis-rs
+/// [`ClusterClient`](https://docs.rs/redis/1/redis/cluster/struct.ClusterClient.html).
 ///
 /// A cluster connection reaches every node, follows `MOVED` and `ASK` redirections and
 /// reconnects on its own; the store shares one and takes another from the pool only when it

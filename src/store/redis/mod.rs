@@ -57,35 +57,20 @@ const DEFAULT_COMMAND_TIMEOUT: Duration = Duration::from_secs(1);
 /// is refused; every other claim sees the key as absent (see [`Store::abandon`]).
 ///
 /// A string, rather than a hash, because Redis keeps a hash compact only while every value
-/// is at most `hash-max-listpack-value` (64) bytes; a stored response is larger, and a hash
-/// holding it cost about 870 bytes per record against about 620 for the string.
+/// is at most `hash-max-listpack-value` (64) bytes, and a stored response is larger: a hash
+/// would cost each record more memory (measured in the repository's `BENCHMARKS.md`, *Memory
+/// per record*).
 ///
 /// Each transition is one Lua script over one key (`EVALSHA`; after a Redis restart or
 /// `SCRIPT FLUSH` the script is loaded again on its own). Every operation, connection
 /// checkout included, is bounded by [`command_timeout`](Self::command_timeout): each command
-/// waits for its reply at most what is left of it (redis-rs's response timeout).
+/// waits for its reply at most what is left of it (redis-rs's response timeout). Every
+/// connection comes from the store's deadpool-redis pool: a store from
+/// [`from_url`](Self::from_url) or [`from_client`](Self::from_client) builds one of
+/// [`POOL_SIZE`](Self::POOL_SIZE) connections; over [`new`](Self::new), the app's own pool sets
+/// the bound, and a [`subscriber`](Self::subscriber) wakes waiting retries.
 ///
-/// # Connections
-///
-/// Every connection the store uses comes from its deadpool-redis pool (redis-rs multiplexed
-/// connections), so it never opens more than the pool's `max_size`, whatever the load: a
-/// store from [`from_url`](Self::from_url) or [`from_client`](Self::from_client) builds a pool
-/// of [`POOL_SIZE`](Self::POOL_SIZE) (8); over [`new`](Self::new), the app's own pool sets it.
-/// Beside the pool, a store with a [`subscriber`](Self::subscriber) (one from a URL or a
-/// client) opens one pub/sub connection, when a request first waits for an in-progress one.
-/// Size Redis's `maxclients` for the pool's `max_size` plus one per instance of the service.
-///
-/// The store's requests share one of the pool's connections (Redis pipelines them; one per
-/// tokio runtime when runtimes share the store), and take another only when that one fails:
-/// checking a connection out per request would cost the pool's `PING` round trip every time.
-/// The commands of operations that run together are written as one redis-rs pipeline (a
-/// batch), each with its own reply and errors, within its own operation's timeout.
-/// The requests that find no connection at once (a cold start) wait for the one being taken,
-/// and a connection found closed before anything was sent on it (Redis's idle `timeout`, a
-/// restart, a `CLIENT KILL`) is replaced before the request fails.
-///
-/// For the guarantee to hold, Redis must not evict records (`maxmemory-policy noeviction`);
-/// the store warns once through `tracing` when it finds another policy.
+#[doc = include_str!("../../docs/redis.md")]
 #[derive(Clone)]
 pub struct RedisStore {
     connections: Arc<Connections>,
