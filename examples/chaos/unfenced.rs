@@ -4,10 +4,10 @@
 
 use std::{sync::LazyLock, time::Duration};
 
+use axum_idempotency::Fingerprint;
 use axum_idempotency::store::{
     Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError, Subscription,
 };
-use axum_idempotency::Fingerprint;
 use bytes::Bytes;
 
 /// The one token every holder's calls carry.

@@ -32,7 +32,7 @@ impl<St: Admin, H> Idempotent<St, H> {
     ) -> Result<Option<KeyReport<serde_json::Value>>, StoreError> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         let reader = |opened: Opened| match opened.format {
-            Format::Json | Format::JsonUntimed => serde_json::from_slice(&opened.payload)
+            Format::Json => serde_json::from_slice(&opened.payload)
                 .map_err(|error| StoreError::CorruptRecord(error.to_string())),
             Format::NotStored => Ok(serde_json::json!({
                 "result_not_stored": String::from_utf8_lossy(&opened.payload),

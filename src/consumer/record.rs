@@ -62,9 +62,7 @@ pub(super) fn decode<T: DeserializeOwned, E>(
     };
     let opened = envelope::open(stored, scope);
     let json = match opened {
-        Some(opened) if matches!(opened.format, Format::Json | Format::JsonUntimed) => {
-            opened.payload
-        }
+        Some(opened) if opened.format == Format::Json => opened.payload,
         Some(opened) if opened.format == Format::NotStored => {
             let reason = String::from_utf8_lossy(&opened.payload).into_owned();
             tracing::warn!(

@@ -1,5 +1,5 @@
-//! The stored-outcome envelope every door's record starts with: a format byte, then (for the
-//! timed formats) when the outcome was stored. The doors' formats are one enum, so that two
+//! The stored-outcome envelope every door's record starts with: a format byte, then when the
+//! outcome was stored. The doors' formats are one enum, so that two
 //! doors can never write the same first byte: a clash is a duplicate discriminant, a compile
 //! error.
 
@@ -13,15 +13,11 @@ use super::observe;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Format {
-    /// An HTTP response, without a completion time (written by earlier versions).
-    HttpUntimed = 1,
     /// An HTTP response (`crate::http::record`).
     Http = 2,
     /// An HTTP response stored minimally: its status, its headers and the handler's small
     /// value in place of its body (`crate::http::Minimal`); a hook rebuilds the replay.
     HttpMinimal = 3,
-    /// A consumer result, JSON without a completion time (written by earlier versions).
-    JsonUntimed = b'j',
     /// A consumer result: JSON (`crate::consumer::stored`).
     Json = b'J',
     /// A consumer result that ran but has no faithful stored form: the reason, as text.
@@ -34,52 +30,36 @@ pub(crate) enum Format {
 
 impl Format {
     /// The formats a door opens: every one but [`Encrypted`](Self::Encrypted).
-    const ALL: [Self; 6] = [
-        Self::HttpUntimed,
-        Self::Http,
-        Self::HttpMinimal,
-        Self::JsonUntimed,
-        Self::Json,
-        Self::NotStored,
-    ];
-
-    /// Whether the format carries its completion time (u64 ms since the Unix epoch).
-    fn is_timed(self) -> bool {
-        !matches!(self, Self::HttpUntimed | Self::JsonUntimed)
-    }
+    const ALL: [Self; 4] = [Self::Http, Self::HttpMinimal, Self::Json, Self::NotStored];
 }
 
 /// A stored outcome, its envelope read.
 #[derive(Debug)]
 pub(crate) struct Opened {
     pub(crate) format: Format,
-    /// When it was stored, by the clock of the instance that stored it; `None` for the
-    /// untimed formats.
-    pub(crate) completed_at: Option<SystemTime>,
+    /// When it was stored, by the clock of the instance that stored it.
+    pub(crate) completed_at: SystemTime,
     /// What the door wrote after the envelope; shares the record's memory.
     pub(crate) payload: Bytes,
 }
 
-/// A new record of `format`, stamped with the time now when the format is timed, with room
-/// for `capacity` bytes of payload.
+/// A new record of `format`, stamped with the time now, with room for `capacity` bytes of
+/// payload.
 pub(crate) fn seal(format: Format, capacity: usize) -> BytesMut {
     let mut out = BytesMut::with_capacity(9 + capacity);
     out.put_u8(format as u8);
-    if format.is_timed() {
-        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-        out.put_u64(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
-    }
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    out.put_u64(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
     out
 }
 
 /// Reads the envelope of a stored record and observes its age for `route`'s replayed-age
-/// histogram. `None` when the first byte is no door's format, or a timed record is too short
-/// to hold its time. Never panics.
+/// histogram. `None` when the first byte is no door's format, or the record is too short to
+/// hold its time. Never panics.
 pub(crate) fn open(record: Bytes, route: &str) -> Option<Opened> {
     let opened = read(record)?;
-    if let Some(at) = opened.completed_at {
-        observe::replayed_age(route, SystemTime::now().duration_since(at).unwrap_or_default());
-    }
+    let age = SystemTime::now().duration_since(opened.completed_at).unwrap_or_default();
+    observe::replayed_age(route, age);
     Some(opened)
 }
 
@@ -89,14 +69,10 @@ pub(crate) fn read(mut record: Bytes) -> Option<Opened> {
     let first = *record.first()?;
     let format = Format::ALL.into_iter().find(|format| *format as u8 == first)?;
     record.advance(1);
-    let completed_at = if format.is_timed() {
-        if record.remaining() < 8 {
-            return None;
-        }
-        Some(UNIX_EPOCH + Duration::from_millis(record.get_u64()))
-    } else {
-        None
-    };
+    if record.remaining() < 8 {
+        return None;
+    }
+    let completed_at = UNIX_EPOCH + Duration::from_millis(record.get_u64());
     Some(Opened { format, completed_at, payload: record })
 }
 
@@ -107,7 +83,7 @@ pub(crate) fn same_payload(a: &[u8], b: &[u8]) -> bool {
     fn payload(record: &[u8]) -> Option<(Format, &[u8])> {
         let first = *record.first()?;
         let format = Format::ALL.into_iter().find(|format| *format as u8 == first)?;
-        record.get(if format.is_timed() { 9 } else { 1 }..).map(|payload| (format, payload))
+        record.get(9..).map(|payload| (format, payload))
     }
     matches!((payload(a), payload(b)), (Some(a), Some(b)) if a == b)
 }
@@ -123,18 +99,9 @@ mod tests {
         record.put_slice(b"{}");
         let opened = open(record.freeze(), "r").unwrap();
         assert_eq!(opened.format, Format::Json);
-        let at = opened.completed_at.unwrap();
+        let at = opened.completed_at;
         assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
         assert_eq!(&opened.payload[..], b"{}");
-    }
-
-    #[test]
-    fn an_untimed_record_is_its_payload_after_the_format_byte() {
-        let opened = open(Bytes::from_static(b"j{\"a\":1}"), "r").unwrap();
-        assert_eq!((opened.format, opened.completed_at), (Format::JsonUntimed, None));
-        assert_eq!(&opened.payload[..], b"{\"a\":1}");
-        let opened = open(Bytes::from_static(&[1, 0, 200]), "r").unwrap();
-        assert_eq!((opened.format, &opened.payload[..]), (Format::HttpUntimed, &[0, 200][..]));
     }
 
     #[test]
@@ -158,14 +125,17 @@ mod tests {
         for format in Format::ALL {
             let record = seal(format, 0).freeze();
             assert_eq!(record[0], format as u8);
-            assert_eq!(record.len(), if format.is_timed() { 9 } else { 1 });
+            assert_eq!(record.len(), 9);
             assert_eq!(open(record, "r").unwrap().format, format);
         }
         for byte in (0..=u8::MAX).filter(|b| !Format::ALL.iter().any(|f| *f as u8 == *b)) {
             assert!(open(Bytes::from(vec![byte; 16]), "r").is_none(), "{byte}");
         }
-        // A timed format too short for its time, and an empty record.
+        // A record too short for its time, the formats earlier versions wrote (1, `j`: no
+        // time), and an empty record.
         assert!(open(Bytes::from_static(&[2, 0, 0]), "r").is_none());
+        assert!(open(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), "r").is_none());
+        assert!(open(Bytes::from_static(b"j{\"a\":1}"), "r").is_none());
         assert!(open(Bytes::new(), "r").is_none());
     }
 }

@@ -37,7 +37,7 @@ impl<St: Admin> Engine<St> {
         };
         let completed_ago = opened
             .as_ref()
-            .and_then(|opened| opened.completed_at)
+            .map(|opened| opened.completed_at)
             .map(|at| SystemTime::now().duration_since(at).unwrap_or_default());
         let outcome = match opened {
             Some(opened) if with_outcome => Some(reader(opened)?),

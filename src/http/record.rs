@@ -9,8 +9,6 @@
 //!   | { u16 name len, name, u32 value len, value }* | body
 //! ```
 //!
-//! Format 1 (`HttpUntimed`), written before, has no completion time; it is still read.
-//!
 //! One blob in one hash field keeps a completed record small (see `BENCHMARKS.md`).
 
 use std::time::{Duration, SystemTime};
@@ -24,9 +22,8 @@ use crate::engine::envelope::{self, Format, Opened};
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct StoredResponse {
-    /// When the response was stored, by the clock of the instance that stored it; `None` for
-    /// a record of format 1.
-    pub(crate) completed_at: Option<SystemTime>,
+    /// When the response was stored, by the clock of the instance that stored it.
+    pub(crate) completed_at: SystemTime,
     pub(crate) status: StatusCode,
     pub(crate) headers: HeaderMap,
     /// The body; a minimal record's value ([`super::Minimal`]) when `minimal`.
@@ -148,9 +145,7 @@ pub(crate) fn decode(blob: Bytes, route: &str) -> Result<StoredResponse, DecodeE
 /// Decodes a record whose envelope was read.
 pub(crate) fn decode_opened(opened: Opened) -> Result<StoredResponse, DecodeError> {
     let (completed_at, mut blob) = match opened.format {
-        Format::Http | Format::HttpUntimed | Format::HttpMinimal => {
-            (opened.completed_at, opened.payload)
-        }
+        Format::Http | Format::HttpMinimal => (opened.completed_at, opened.payload),
         _ => return Err(DecodeError("unknown response format")),
     };
     let minimal = opened.format == Format::HttpMinimal;
@@ -283,21 +278,21 @@ mod tests {
     }
 
     #[test]
-    fn a_record_carries_when_it_was_stored_and_format_1_still_reads() {
+    fn a_record_carries_when_it_was_stored_and_format_1_is_not_read() {
         let before = SystemTime::now() - Duration::from_millis(1);
         let stored =
             decode(encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"x"), "r")
                 .unwrap();
-        let at = stored.completed_at.expect("a completion time");
+        let at = stored.completed_at;
         assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
-        // Format 1: no time, status 201, no headers, body "ok".
-        let old = decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), "r").unwrap();
-        assert_eq!(
-            (old.completed_at, old.status, &old.body[..]),
-            (None, StatusCode::CREATED, &b"ok"[..])
-        );
-        // The shortest record of all: format 1, a status, no header, no body.
-        let shortest = decode(Bytes::from_static(&[1, 0, 204, 0, 0]), "r").unwrap();
+        // Format 1 (no time), which no released version wrote: not a record of this layer.
+        assert!(decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), "r").is_err());
+        // The shortest record of all: its envelope, a status, no header, no body.
+        let mut shortest =
+            encode(StatusCode::NO_CONTENT, &HeaderMap::new(), &HeaderFilter::default(), b"")
+                .to_vec();
+        shortest.truncate(13);
+        let shortest = decode(Bytes::from(shortest), "r").unwrap();
         assert_eq!((shortest.status, shortest.body.len()), (StatusCode::NO_CONTENT, 0));
     }
 
@@ -379,7 +374,7 @@ mod properties {
         #[test]
         fn decoder_never_panics_on_large_blobs(len in 5usize..600_000, count in any::<u16>(), fill in proptest::collection::vec(any::<u8>(), 1..16)) {
             let mut blob: Vec<u8> = fill.iter().copied().cycle().take(len).collect();
-            blob[..5].copy_from_slice(&[Format::HttpUntimed as u8, 0, 200, (count >> 8) as u8, count as u8]);
+            blob[..5].copy_from_slice(&[Format::Http as u8, 0, 200, (count >> 8) as u8, count as u8]);
             let _ = decode(Bytes::from(blob), "r");
         }
     }

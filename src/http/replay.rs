@@ -76,10 +76,8 @@ impl Replay<'_> {
             };
         tracing::debug!(key_hash = hash, "idempotency: replayed");
         response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-        if let Some(completed_at) = completed_at {
-            let expiry = self.config.advertise_expiry.then_some(self.retention);
-            record::advertise_expiry(response.headers_mut(), completed_at, expiry);
-        }
+        let expiry = self.config.advertise_expiry.then_some(self.retention);
+        record::advertise_expiry(response.headers_mut(), completed_at, expiry);
         response
     }
 }
