@@ -333,7 +333,8 @@ async fn a_stored_result_of_another_type_is_an_error_naming_the_key_hash<H: Harn
     let fingerprint = Fingerprint::of_payload(PAYLOAD);
     let owner = OwnerToken::random();
     store.claim(&key, &fingerprint, &owner, Duration::from_secs(60).into()).await.unwrap();
-    let http_record = bytes::Bytes::from_static(&[1, 0, 200, 0, 0]);
+    // Format 2 (an HTTP response), its completion time, status 200, no header.
+    let http_record = bytes::Bytes::from_static(&[2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 200, 0, 0]);
     store.complete(&key, &owner, &fingerprint, http_record, Duration::from_secs(60)).await.unwrap();
     let foreign = idem.run(SCOPE, "evt_2", PAYLOAD, charges.charge(Duration::ZERO)).await;
     assert!(matches!(foreign, Err(Error::Corrupt { .. })), "{foreign:?}");

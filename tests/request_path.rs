@@ -200,7 +200,9 @@ async fn a_large_corrupt_record_is_500_not_a_panic<H: Harness>(h: H) {
     // A stored response of 400,000 bytes whose header count reads 0xffff: more headers than
     // `HeaderMap` can hold, in a blob large enough to seem to have room for them.
     let mut blob = vec![0u8; 400_000];
-    blob[..5].copy_from_slice(&[1, 0, 200, 0xff, 0xff]);
+    // Format 2 (an HTTP response), its completion time, status 200, 0xffff headers.
+    blob[0] = 2;
+    blob[9..13].copy_from_slice(&[0, 200, 0xff, 0xff]);
     let store = h.store();
     let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
     let owner = OwnerToken::random();
