@@ -60,7 +60,7 @@ use std::{
 use axum::{
     Json, Router,
     extract::{Path, Query, State},
-    http::{HeaderMap, HeaderName, StatusCode, header},
+    http::{HeaderMap, StatusCode, header},
     response::{IntoResponse, Response},
     routing::{get, post},
 };
@@ -91,7 +91,7 @@ async fn create_payment(
 
 fn app<St: Admin>(store: St, admin_token: Option<String>) -> Router {
     let idempotency = IdempotencyLayer::new(store)
-        .scope(HeaderScope::new(HeaderName::from_static("x-tenant-id")))
+        .scope(HeaderScope::new("x-tenant-id").expect("a valid header name"))
         .require_key(true);
     let app = Router::new()
         .route("/payments", post(create_payment))

@@ -11,7 +11,7 @@ use axum::{
     extract::FromRequestParts,
     response::{IntoResponse, Response},
 };
-use http::{HeaderName, StatusCode, request::Parts};
+use http::{HeaderName, StatusCode, header::InvalidHeaderName, request::Parts};
 
 use super::problem::{ProblemType, problem};
 
@@ -63,9 +63,26 @@ pub struct HeaderScope {
 }
 
 impl HeaderScope {
-    /// Scopes by the header `name`.
-    #[must_use]
-    pub fn new(name: HeaderName) -> Self {
+    /// Scopes by the header `name`, in any case (`X-Tenant-Id` and `x-tenant-id` are one).
+    ///
+    /// ```
+    /// use axum_idempotency::HeaderScope;
+    ///
+    /// let scope = HeaderScope::new("X-Tenant-Id").unwrap();
+    /// assert!(HeaderScope::new("not a header").is_err());
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// When `name` is not a valid header name.
+    pub fn new(name: &str) -> Result<Self, InvalidHeaderName> {
+        Ok(Self { name: HeaderName::try_from(name)? })
+    }
+}
+
+/// Scopes by a header name already checked.
+impl From<HeaderName> for HeaderScope {
+    fn from(name: HeaderName) -> Self {
         Self { name }
     }
 }
