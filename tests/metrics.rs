@@ -62,6 +62,15 @@ async fn counters_follow_what_the_layer_decides_labelled_by_route() {
 
     // One snapshot: reading a histogram drains it.
     let snapshot = snapshotter.snapshot().into_vec();
+    // Every metric carries its description (Prometheus's `# HELP`), and a histogram of
+    // seconds says so.
+    for (key, unit, description, value) in &snapshot {
+        let name = key.key().name();
+        assert!(description.as_ref().is_some_and(|d| !d.is_empty()), "{name} is not described");
+        if matches!(value, DebugValue::Histogram(_)) {
+            assert_eq!(*unit, Some(metrics::Unit::Seconds), "{name}");
+        }
+    }
     let handler_runs: usize = snapshot
         .iter()
         .filter(|(key, ..)| key.key().name() == "idempotency_handler_seconds")
