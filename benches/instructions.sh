@@ -77,6 +77,12 @@ case "$mode" in
       now=$(awk -v s="$scenario" -v t="$target" '$1 == s && $2 == t { print $3 }' "$now_file")
       ratio=$(awk -v n="$now" -v b="$baseline" 'BEGIN { printf "%.3f", n / b }')
       echo "| $scenario | $target | $baseline | $now | $ratio |"
+      # A count that is not a positive number is a run that failed (a store that timed out
+      # under valgrind answers errors, whose requests cost less): no measurement at all.
+      if ! awk -v n="$now" 'BEGIN { exit !(n > 0) }'; then
+        echo "$scenario over $target: no valid count ($now): the run failed" >&2
+        failed=1
+      fi
       if awk -v n="$now" -v b="$baseline" 'BEGIN { exit !(n > b * 1.10) }'; then
         echo "$scenario over $target grew more than 10 % past the baseline in $file" >&2
         failed=1

@@ -32,7 +32,7 @@ every_store!(
     retry_while_in_progress_gets_202_with_retry_after,
     different_payload_is_409_in_progress_and_completed,
     server_error_releases_the_key_so_the_retry_runs,
-    statuses_408_and_429_are_released_other_4xx_stored,
+    the_default_policy_stores_what_the_handler_acted_on,
     response_over_the_stored_limit_is_sent_and_never_run_again,
     response_over_the_stored_limit_is_released_when_so_configured,
     a_two_mebibyte_response_is_sent_and_never_run_again,
@@ -48,6 +48,7 @@ every_store!(
     lapsed_lease_is_taken_over_and_the_old_holder_fenced,
     keep_alive_holds_the_key_for_a_handler_four_times_its_lease,
     keep_alive_stops_at_its_ceiling,
+    a_handler_says_not_stored_through_its_response,
 );
 
 fn layered<H: Harness>(harness: &H, calls: &Calls) -> Router {
@@ -251,12 +252,25 @@ async fn server_error_releases_the_key_so_the_retry_runs<H: Harness>(h: H) {
     assert_eq!(calls.get(), 2);
 }
 
-async fn statuses_408_and_429_are_released_other_4xx_stored<H: Harness>(h: H) {
+async fn the_default_policy_stores_what_the_handler_acted_on<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = layered(&h, &calls);
-    for (code, stored) in
-        [(408, false), (429, false), (422, true), (404, true), (200, true), (503, false)]
-    {
+    // Released: what asks for the retry (408, 429), the credentials (401, 403) and how the
+    // request was sent (406, 415), which a client fixes and retries with the same key; 5xx.
+    for (code, stored) in [
+        (408, false),
+        (429, false),
+        (401, false),
+        (403, false),
+        (406, false),
+        (415, false),
+        (422, true),
+        (404, true),
+        (409, true),
+        (400, true),
+        (200, true),
+        (503, false),
+    ] {
         let uri = format!("/status/{code}");
         let key = format!("k{code}");
         let first = send(
@@ -276,7 +290,7 @@ async fn statuses_408_and_429_are_released_other_4xx_stored<H: Harness>(h: H) {
         assert_eq!(held, stored.then_some(Held::Completed), "status {code}");
     }
     // Each released status ran twice, each stored one once.
-    assert_eq!(calls.get(), 3 * 2 + 3);
+    assert_eq!(calls.get(), 7 * 2 + 5);
 }
 
 /// A response too large to keep goes whole to the client; its key keeps "completed, not
@@ -587,7 +601,7 @@ async fn configuration_setters_take_effect<H: Harness>(h: H) {
         .key_prefix("pay")
         .include_replayed_header(axum::http::header::SET_COOKIE)
         .exclude_replayed_header(HeaderName::from_static("x-payment"))
-        .store_policy(|status| status.is_server_error());
+        .store_policy(|response: &http::response::Parts| response.status.is_server_error());
     let app = app(&calls).layer(layer);
     let request = |method: &str, uri: &str, header: &str, key: &str| {
         Request::builder()
@@ -624,4 +638,57 @@ async fn configuration_setters_take_effect<H: Harness>(h: H) {
     }
     assert_eq!(calls.get(), 7);
     assert_eq!(h.record_count().await, 1);
+}
+
+/// A handler says "not stored" with `ReleaseKey` in its response, whatever its status: the key
+/// is released and the retry runs; a store policy sees the response's headers.
+async fn a_handler_says_not_stored_through_its_response<H: Harness>(h: H) {
+    use axum::response::IntoResponse as _;
+    use axum_idempotency::http::ReleaseKey;
+    let calls = Calls::default();
+    let busy = {
+        let calls = calls.clone();
+        move || async move {
+            match calls.next_call() {
+                1 => (StatusCode::CONFLICT, ReleaseKey, "the ledger is busy").into_response(),
+                call => (StatusCode::CREATED, format!("pay_{call}")).into_response(),
+            }
+        }
+    };
+    let app = Router::new().route("/busy", post(busy)).layer(IdempotencyLayer::new(h.store()));
+    let first = send(&app, keyed("POST", "/busy", "k1", "{}")).await;
+    assert_eq!((first.status.as_u16(), first.replayed()), (409, false));
+    // A 409 the default policy stores: released, for the marker.
+    assert_eq!(h.held(&global("k1")).await, None);
+    let second = send(&app, keyed("POST", "/busy", "k1", "{}")).await;
+    assert_eq!((second.status.as_u16(), second.body.as_str()), (201, "pay_2"));
+    let third = send(&app, keyed("POST", "/busy", "k1", "{}")).await;
+    assert_eq!(
+        (third.status.as_u16(), third.body.as_str(), third.replayed()),
+        (201, "pay_2", true)
+    );
+    assert_eq!(calls.get(), 2);
+
+    // A policy over the head: only responses the handler marks final are stored.
+    let marked = {
+        let calls = calls.clone();
+        move |body: String| async move {
+            let call = calls.next_call();
+            let status = StatusCode::ACCEPTED;
+            match body.as_str() {
+                "final" => (status, [("x-final", "1")], format!("job_{call}")).into_response(),
+                _ => (status, format!("job_{call}")).into_response(),
+            }
+        }
+    };
+    let policy = |response: &axum::http::response::Parts| response.headers.contains_key("x-final");
+    let layer = IdempotencyLayer::new(h.store()).store_policy(policy);
+    let app = Router::new().route("/jobs", post(marked)).layer(layer);
+    for body in ["pending", "pending", "final", "final"] {
+        send(&app, keyed("POST", "/jobs", body, body)).await;
+    }
+    assert_eq!(h.held(&global("pending")).await, None);
+    assert_eq!(h.held(&global("final")).await, Some(Held::Completed));
+    // Two runs of "pending", one of "final" (its retry replayed).
+    assert_eq!(calls.get(), 2 + 3);
 }

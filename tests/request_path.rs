@@ -257,7 +257,8 @@ async fn a_405_is_never_stored<H: Harness>(h: H) {
         assert_eq!(h.held(&global("k1")).await, None);
     }
     // Even with a store policy that stores everything.
-    let everything = app(&calls).layer(IdempotencyLayer::new(h.store()).store_policy(|_| true));
+    let everything = app(&calls)
+        .layer(IdempotencyLayer::new(h.store()).store_policy(|_: &http::response::Parts| true));
     assert_eq!(send(&everything, keyed("PATCH", "/slow", "k2", "{}")).await.status, 405);
     assert_eq!(h.held(&global("k2")).await, None);
     assert_eq!(calls.get(), 0);

@@ -3,30 +3,10 @@
 
 use http::{HeaderName, Method, StatusCode};
 
-use super::{fingerprinting::Intent, minimal::RebuildHook, record::HeaderFilter, recover::Hook};
-
-/// Decides from the status whether a response is stored for replay (`true`) or the key is
-/// released so that a retry runs the handler again (`false`).
-pub type StorePolicy = fn(StatusCode) -> bool;
-
-/// The default [`StorePolicy`]: store 2xx and 4xx, except 408 and 429; release on
-/// everything else (5xx, 408, 429, 1xx, 3xx).
-///
-/// ```
-/// use axum_idempotency::http::default_store_policy;
-/// use http::StatusCode;
-///
-/// assert!(default_store_policy(StatusCode::CREATED));
-/// assert!(default_store_policy(StatusCode::UNPROCESSABLE_ENTITY));
-/// assert!(!default_store_policy(StatusCode::TOO_MANY_REQUESTS));
-/// assert!(!default_store_policy(StatusCode::SERVICE_UNAVAILABLE));
-/// ```
-#[must_use]
-pub fn default_store_policy(status: StatusCode) -> bool {
-    (status.is_success() || status.is_client_error())
-        && status != StatusCode::REQUEST_TIMEOUT
-        && status != StatusCode::TOO_MANY_REQUESTS
-}
+use super::{
+    fingerprinting::Intent, minimal::RebuildHook, record::HeaderFilter, recover::Hook,
+    store_policy::Policy,
+};
 
 #[derive(Debug, Clone)]
 pub(super) struct Config {
@@ -40,7 +20,7 @@ pub(super) struct Config {
     pub(super) intent: Intent,
     pub(super) in_progress_status: StatusCode,
     pub(super) mismatch_status: StatusCode,
-    pub(super) store_policy: StorePolicy,
+    pub(super) store_policy: Policy,
     pub(super) header_filter: HeaderFilter,
     pub(super) fail_open: bool,
     /// Say on stored and replayed responses when the key's record expires.
@@ -63,7 +43,7 @@ impl Default for Config {
             intent: Intent::default(),
             in_progress_status: StatusCode::ACCEPTED,
             mismatch_status: StatusCode::CONFLICT,
-            store_policy: default_store_policy,
+            store_policy: Policy::default(),
             header_filter: HeaderFilter::default(),
             fail_open: false,
             advertise_expiry: false,

@@ -6,10 +6,11 @@ use http::{HeaderName, Method, StatusCode};
 use tower_layer::Layer;
 
 use super::{
-    config::{Config, StorePolicy},
+    config::Config,
     recover::Hook,
     scope::{GlobalScope, ScopeExtractor},
     service::Idempotency,
+    store_policy::Policy,
 };
 use crate::{
     engine::{
@@ -199,9 +200,12 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
             .mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
     }
 
-    /// Sets which responses are stored for replay. Defaults to [`default_store_policy`](crate::http::default_store_policy).
-    pub fn store_policy(mut self, policy: StorePolicy) -> Self {
-        self.config().store_policy = policy;
+    /// Sets which responses are stored for replay: a [`StorePolicy`](crate::http::StorePolicy),
+    /// or a closure over the response's head. Defaults to
+    /// [`DefaultStorePolicy`](crate::http::DefaultStorePolicy). A response marked
+    /// [`ReleaseKey`](crate::http::ReleaseKey) is never stored, whatever the policy.
+    pub fn store_policy(mut self, policy: impl crate::http::StorePolicy) -> Self {
+        self.config().store_policy = Policy(Arc::new(policy));
         self
     }
 

@@ -32,9 +32,9 @@ mod replay;
 pub mod scope;
 mod seal;
 mod service;
+mod store_policy;
 
 pub use self::{
-    config::{StorePolicy, default_store_policy},
     fingerprinting::MakeFingerprint,
     future::ResponseFuture,
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
@@ -42,6 +42,7 @@ pub use self::{
     minimal::{Minimal, Rebuild},
     problem::KeyReused,
     service::Idempotency,
+    store_policy::{DefaultStorePolicy, ReleaseKey, StorePolicy},
 };
 
 use crate::recovery::BoxError;

@@ -19,6 +19,7 @@ use super::{
     config::Config,
     problem::{ProblemType, problem, problem_retry_after},
     record,
+    store_policy::ReleaseKey,
 };
 use crate::{
     context::{Encoding, IdempotencyContext},
@@ -143,8 +144,10 @@ pub(super) fn not_stored<B: HttpBody>(
     head: &http::response::Parts,
     body: &B,
 ) -> Option<NotStored> {
-    if !(config.store_policy)(head.status) {
-        Some(NotStored::Policy("the status is not stored"))
+    if head.extensions.get::<ReleaseKey>().is_some() {
+        Some(NotStored::Policy("the handler marked its response not to be stored (ReleaseKey)"))
+    } else if !config.store_policy.0.stores(head) {
+        Some(NotStored::Policy("the store policy does not keep it"))
     } else if head.status == StatusCode::METHOD_NOT_ALLOWED {
         // The route exists, the method does not: the request was never handled.
         Some(NotStored::Policy("a 405 is never stored"))
