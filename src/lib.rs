@@ -25,6 +25,7 @@ mod fingerprint;
 pub mod http;
 mod key;
 pub mod recovery;
+pub mod settings;
 pub mod store;
 
 // The root holds what a first user writes; the rest is in the modules: `http` (the layer's

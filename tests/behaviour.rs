@@ -15,6 +15,7 @@ use axum::{
     http::{StatusCode, request::Parts},
     routing::post,
 };
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     HeaderScope, IdempotencyLayer, http::scope::ExtractorScope, store::RecordKey,
 };
@@ -206,7 +207,7 @@ async fn body_over_the_limit_is_413<H: Harness>(h: H) {
 async fn retry_while_in_progress_gets_202_with_retry_after<H: Harness>(h: H) {
     let calls = Calls::default();
     // Waiting off: the answer a retry gets at once (and, waiting on, past the wait).
-    let layer = IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::ZERO);
+    let layer = IdempotencyLayer::new(h.store()).waiting(Waiting::off());
     let app = app(&calls).layer(layer.lease(Duration::from_secs(5)));
     let slow = || delayed("/slow", "k1", 400, "{}");
     let first = send_until_claimed(&h, &app, slow(), "k1").await;
@@ -397,7 +398,7 @@ async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
 
 async fn ietf_preset_answers_409_and_422<H: Harness>(h: H) {
     let calls = Calls::default();
-    let layer = IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::ZERO);
+    let layer = IdempotencyLayer::new(h.store()).waiting(Waiting::off());
     let app = app(&calls).layer(layer.ietf_draft());
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 300, "a"), "k1").await;
     let busy = send(&app, keyed("POST", "/slow", "k1", "a")).await;
@@ -512,7 +513,7 @@ async fn outlive_the_lease<H: Harness>(h: &H, app: &Router) -> (Seen, Vec<Seen>)
 async fn keep_alive_holds_the_key_for_a_handler_four_times_its_lease<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
-        .wait_for_in_progress(Duration::ZERO)
+        .waiting(Waiting::off())
         .lease(Duration::from_millis(300))
         .keep_alive(Some(Duration::from_secs(10)));
     let app = app(&calls).layer(layer);
@@ -530,7 +531,7 @@ async fn keep_alive_holds_the_key_for_a_handler_four_times_its_lease<H: Harness>
 async fn keep_alive_stops_at_its_ceiling<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
-        .wait_for_in_progress(Duration::ZERO)
+        .waiting(Waiting::off())
         .lease(Duration::from_millis(300))
         .keep_alive(Some(Duration::from_millis(400)));
     let app = app(&calls).layer(layer);

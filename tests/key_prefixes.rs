@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, consumer::Outcome, store::RecordKey,
 };
@@ -21,7 +22,7 @@ async fn any_prefix_completes_replays_and_wakes_waiters<H: Harness>(h: H) {
         let calls = Calls::default();
         let layer = IdempotencyLayer::new(h.store())
             .key_prefix(prefix)
-            .wait_for_in_progress(Duration::from_secs(5));
+            .waiting(Waiting::up_to(Duration::from_secs(5)));
         let app = app(&calls).layer(layer);
         // The duplicate waits on the record's settle channel: the settle publishes there.
         let first = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));

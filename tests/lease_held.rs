@@ -19,6 +19,7 @@ use std::{
 };
 
 use axum::{Router, body::Body, routing::post};
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent,
     consumer::Outcome,
@@ -63,7 +64,7 @@ async fn a_hook_slower_than_the_lease_keeps_the_key_until_it_answers<H: Harness>
         }
     };
     // Waiting off: a probe's 202 says the key is held.
-    let layer = IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::ZERO);
+    let layer = IdempotencyLayer::new(h.store()).waiting(Waiting::off());
     let app = app(&calls).layer(layer.lease(LEASE).recover(hook));
     let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
     dead_holder(&h.store(), &global("k1"), &fingerprint).await;
@@ -173,7 +174,7 @@ async fn a_known_length_body_slower_than_the_lease_keeps_the_key_until_it_is_sto
     let app = Router::new()
         .route("/proxied", post(handler))
         // Waiting off: a probe's 202 says the key is held.
-        .layer(IdempotencyLayer::new(h.store()).lease(LEASE).wait_for_in_progress(Duration::ZERO));
+        .layer(IdempotencyLayer::new(h.store()).lease(LEASE).waiting(Waiting::off()));
     let first = send_in_background(&app, keyed("POST", "/proxied", "k1", "{}"));
     tokio::time::sleep(Duration::from_millis(700)).await;
     let during = send(&app, keyed("POST", "/proxied", "k1", "{}")).await;
@@ -193,8 +194,7 @@ async fn durations_as_long_as_duration_max_never_panic_a_request<H: Harness>(h: 
         .lease(Duration::MAX)
         .retention(Duration::MAX)
         .keep_alive(Some(Duration::MAX))
-        .wait_for_in_progress(Duration::MAX)
-        .retry_after(Duration::MAX)
+        .waiting(Waiting::up_to(Duration::MAX).retry_after(Duration::MAX))
         .recover(|_lookup: Lookup<Request<Bytes>>| async {
             Ok::<_, std::io::Error>(Recovered::<Response<Bytes>>::Unknown)
         })
@@ -218,8 +218,7 @@ async fn durations_as_long_as_duration_max_never_panic_an_operation<H: Harness>(
         .lease(Duration::MAX)
         .retention(Duration::MAX)
         .keep_alive(Some(Duration::MAX))
-        .wait_for_in_progress(Duration::MAX)
-        .retry_after(Duration::MAX);
+        .waiting(Waiting::up_to(Duration::MAX).retry_after(Duration::MAX));
     let ran = Arc::new(AtomicUsize::new(0));
     let operation = || {
         let ran = ran.clone();
@@ -362,9 +361,7 @@ async fn a_renewal_on_the_wire_never_lands_after_the_settle() {
 /// A layer over a `MemoryStore` with the tests' short lease, answering at once (202) a request
 /// whose original runs.
 fn memory_layer() -> IdempotencyLayer<axum_idempotency::MemoryStore> {
-    IdempotencyLayer::new(axum_idempotency::MemoryStore::new())
-        .lease(LEASE)
-        .wait_for_in_progress(Duration::ZERO)
+    IdempotencyLayer::new(axum_idempotency::MemoryStore::new()).lease(LEASE).waiting(Waiting::off())
 }
 
 fn slow_app(calls: &Arc<AtomicUsize>, hold: Duration, blocking: bool) -> Router {

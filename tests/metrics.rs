@@ -6,6 +6,7 @@ mod common;
 
 use std::{collections::BTreeMap, time::Duration};
 
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
 use common::*;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
@@ -36,7 +37,7 @@ async fn counters_follow_what_the_layer_decides_labelled_by_route() {
 
     let calls = Calls::default();
     // Waiting off: the in-progress answer is counted as such.
-    let layer = IdempotencyLayer::new(MemoryStore::new()).wait_for_in_progress(Duration::ZERO);
+    let layer = IdempotencyLayer::new(MemoryStore::new()).waiting(Waiting::off());
     let routes = app(&calls).layer(layer);
     // Fresh, then its replay, then the same key with another body.
     assert_eq!(send(&routes, keyed("POST", "/payments", "k1", "{}")).await.status, 201);

@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use axum::Router;
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer, Idempotent,
     consumer::Outcome,
@@ -124,7 +125,7 @@ where
 {
     let calls = Calls::default();
     // A duplicate is answered at once, so that it sees the original running.
-    let layer = layer(&h).wait_for_in_progress(Duration::ZERO);
+    let layer = layer(&h).waiting(Waiting::off());
     let app: Router = app(&calls).layer(layer.clone());
     assert_eq!(layer.forget(b"", "k1", false).await.unwrap(), Forgotten::Absent);
 
@@ -156,7 +157,7 @@ where
     H::Store: Admin,
 {
     let calls = Calls::default();
-    let layer = layer(&h).wait_for_in_progress(Duration::from_secs(20));
+    let layer = layer(&h).waiting(Waiting::up_to(Duration::from_secs(20)));
     let app: Router = app(&calls).layer(layer.clone());
     let first = send_until_claimed(&h, &app, delayed("/first-slow", "k1", 3000, "{}"), "k1").await;
     let duplicate = send_in_background(&app, delayed("/first-slow", "k1", 3000, "{}"));

@@ -18,6 +18,7 @@ use axum::{
     routing::post,
 };
 
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer,
     store::{
@@ -303,9 +304,9 @@ async fn a_waiter_is_woken_by_the_settle_and_only_waited_records_notify() {
     let mut heard = notifications(&h).await;
     let calls = Calls::default();
     let a = app(&calls)
-        .layer(IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::from_secs(8)));
+        .layer(IdempotencyLayer::new(h.store()).waiting(Waiting::up_to(Duration::from_secs(8))));
     let b = app(&calls).layer(
-        IdempotencyLayer::new(h.second_store()).wait_for_in_progress(Duration::from_secs(8)),
+        IdempotencyLayer::new(h.second_store()).waiting(Waiting::up_to(Duration::from_secs(8))),
     );
     // Nobody waits: no notification.
     assert_eq!(send(&a, keyed("POST", "/payments", "alone", "{}")).await.status, 201);
@@ -331,7 +332,7 @@ async fn a_killed_listener_connection_strands_no_waiter_and_waiting_works_again(
     let h = harness().await;
     let calls = Calls::default();
     let wait = Duration::from_secs(3);
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).wait_for_in_progress(wait));
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).waiting(Waiting::up_to(wait)));
     // A first waiter starts the listener.
     let original = send_in_background(&app, delayed("/slow", "k0", 300, "{}"));
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -439,7 +440,7 @@ async fn round_trips_fresh_2_replay_1_in_progress_1_pass_through_0() {
     // A pool of its own, whose sessions start after the setting.
     let calls = Calls::default();
     let store = PostgresStore::new(h.pool()).sweep_every(None);
-    let app = app(&calls).layer(IdempotencyLayer::new(store).wait_for_in_progress(Duration::ZERO));
+    let app = app(&calls).layer(IdempotencyLayer::new(store).waiting(Waiting::off()));
     let before = calls_of_functions(&h).await;
     assert!(before.values().all(|calls| *calls == 0), "{before:?}");
 

@@ -10,6 +10,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     IdempotencyLayer, RedisStore,
     store::deadpool_redis::redis::{self, AsyncCommands, TlsCertificates},
@@ -141,7 +142,7 @@ async fn records_and_waiting_work_over_tls_with_the_apps_own_root() {
     let calls = Calls::default();
     let store = RedisStore::from_client(server.client()).unwrap();
     let app = app(&calls)
-        .layer(IdempotencyLayer::new(store).wait_for_in_progress(Duration::from_secs(3)));
+        .layer(IdempotencyLayer::new(store).waiting(Waiting::up_to(Duration::from_secs(3))));
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
     assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     // The record is in the TLS server.

@@ -8,11 +8,12 @@ use std::{
     time::{Duration, Instant},
 };
 
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{IdempotencyLayer, RedisStore, store::deadpool_redis::redis};
 use common::*;
 
 fn waiting(store: RedisStore, calls: &Calls, wait: Duration) -> axum::Router {
-    app(calls).layer(IdempotencyLayer::new(store).wait_for_in_progress(wait))
+    app(calls).layer(IdempotencyLayer::new(store).waiting(Waiting::up_to(wait)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,6 +12,7 @@ use axum::{
     body::Body,
     http::{Request, Response},
 };
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer,
     store::{OwnerToken, Store},
@@ -127,7 +128,7 @@ async fn a_response_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
 async fn retry_after_is_never_under_one_second<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).lease(Duration::from_millis(600)).keep_alive(None);
-    let app = app(&calls).layer(layer.wait_for_in_progress(Duration::ZERO));
+    let app = app(&calls).layer(layer.waiting(Waiting::off()));
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 500, "{}"), "k1").await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Under a second of lease is left: the answer rounds up, never to 0 ("retry now").

@@ -2,9 +2,10 @@
 
 mod common;
 
-use std::{collections::BTreeMap, time::Duration};
+use std::collections::BTreeMap;
 
 use axum::{body::Body, http::Request};
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{IdempotencyLayer, RedisStore};
 use common::*;
 
@@ -15,7 +16,7 @@ async fn fresh_is_two_replay_one_in_progress_one_pass_through_zero() {
     // Waiting off: an in-progress answer at once is one round trip (a waiter's costs are
     // counted in tests/redis_waiting.rs).
     let layer = IdempotencyLayer::new(RedisStore::new(server.pool()));
-    let app = app(&calls).layer(layer.wait_for_in_progress(Duration::ZERO));
+    let app = app(&calls).layer(layer.waiting(Waiting::off()));
     // Warm up: the first request opens the connection, reads the eviction policy and loads
     // the scripts. None of that happens again.
     send(&app, keyed("POST", "/payments", "warm", "{}")).await;

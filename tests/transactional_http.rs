@@ -21,6 +21,7 @@ use axum::{
     response::{IntoResponse, Response},
     routing::post,
 };
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer,
     store::{
@@ -429,7 +430,7 @@ async fn a_commit_lost_in_a_partition_is_in_progress_then_runs_once() {
     let at_once = Router::new()
         .route("/pay", post(pay))
         .with_state(app.clone())
-        .layer(IdempotencyLayer::new(app.store.clone()).wait_for_in_progress(Duration::ZERO));
+        .layer(IdempotencyLayer::new(app.store.clone()).waiting(Waiting::off()));
     proxy.armed.store(true, Ordering::SeqCst);
     let first = common::send_in_background(&router_a, keyed("POST", "/pay", "k1", "{}"));
     proxy.swallowed.notified().await;

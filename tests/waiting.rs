@@ -9,6 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{IdempotencyLayer, Idempotent, consumer::Outcome};
 use common::*;
 
@@ -27,7 +28,7 @@ every_store!(
 );
 
 fn waiting<H: Harness>(h: &H, calls: &Calls, wait: Duration) -> Router {
-    app(calls).layer(IdempotencyLayer::new(h.store()).wait_for_in_progress(wait))
+    app(calls).layer(IdempotencyLayer::new(h.store()).waiting(Waiting::up_to(wait)))
 }
 
 async fn a_default_layer_answers_a_retry_during_a_one_second_handler_with_the_original_response<
@@ -99,7 +100,7 @@ async fn past_the_deadline_the_ietf_preset_answers_409_with_retry_after_1<H: Har
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
         .ietf_draft()
-        .wait_for_in_progress(Duration::from_millis(200));
+        .waiting(Waiting::up_to(Duration::from_millis(200)));
     let app = app(&calls).layer(layer);
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 800, "{}"), "k1").await;
     let retry = send(&app, delayed("/slow", "k1", 800, "{}")).await;
@@ -128,7 +129,7 @@ async fn fifty_duplicates_with_waiting_all_get_the_one_response<H: Harness>(h: H
 async fn waiting_off_answers_at_once_with_retry_after_1<H: Harness>(h: H) {
     let calls = Calls::default();
     // A long lease: Retry-After is a short hint, not the lease. A zero wait turns waiting off.
-    let layer = IdempotencyLayer::new(h.store()).wait_for_in_progress(Duration::ZERO);
+    let layer = IdempotencyLayer::new(h.store()).waiting(Waiting::off());
     let app = app(&calls).layer(layer.lease(Duration::from_secs(30)));
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 500, "{}"), "k1").await;
     let started = Instant::now();
@@ -142,8 +143,7 @@ async fn waiting_off_answers_at_once_with_retry_after_1<H: Harness>(h: H) {
 async fn past_max_waiters_a_retry_is_answered_at_once<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
-        .wait_for_in_progress(Duration::from_secs(5))
-        .max_waiters(1);
+        .waiting(Waiting::up_to(Duration::from_secs(5)).max_waiters(1));
     let app = app(&calls).layer(layer);
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 800, "{}"), "k1").await;
     let waiter = send_in_background(&app, delayed("/slow", "k1", 800, "{}"));
@@ -159,7 +159,7 @@ async fn past_max_waiters_a_retry_is_answered_at_once<H: Harness>(h: H) {
 }
 
 async fn a_delivery_waits_for_the_running_one_and_gets_its_result<H: Harness>(h: H) {
-    let idem = Idempotent::new(h.store()).wait_for_in_progress(Duration::from_secs(5));
+    let idem = Idempotent::new(h.store()).waiting(Waiting::up_to(Duration::from_secs(5)));
     let operation = |value: u32, delay: u64| {
         move |_context| async move {
             tokio::time::sleep(Duration::from_millis(delay)).await;
@@ -189,7 +189,7 @@ async fn a_store_used_again_on_a_new_runtime_serves_and_wakes_its_waiters<H: Har
     let calls = Calls::default();
     let store = h.store_shared_by_runtimes();
     let app = app(&calls)
-        .layer(IdempotencyLayer::new(store).wait_for_in_progress(Duration::from_secs(5)));
+        .layer(IdempotencyLayer::new(store).waiting(Waiting::up_to(Duration::from_secs(5))));
     let runtimes = tokio::task::spawn_blocking(move || {
         for key in ["first-runtime", "second-runtime"] {
             let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();

@@ -60,37 +60,15 @@ macro_rules! engine_setters {
             self
         }
 
-        /// Lets a duplicate whose original is still running wait up to `wait` for it to
-        /// settle, and answer with its stored outcome (or run, when the original released the
-        /// key: a failure, a panic). Past the wait, the answer is the in-progress one.
-        /// `Duration::ZERO` turns waiting off: a duplicate is answered at once. The HTTP layer
-        /// waits 10 seconds by default; the consumer door does not wait by default (a worker
-        /// is better given the next message, and the broker redelivers).
-        ///
-        /// HTTP clients that take any 2xx as the final answer (Stripe's SDKs, most HTTP
-        /// clients' retry middleware) would take a 202 as the created resource: behind them,
-        /// keep waiting on. The settle wakes the waiters (in process for `MemoryStore`; Redis
-        /// pub/sub on one connection per store for a `RedisStore` with a subscriber, sharded
-        /// on a Cluster); a store that cannot notify is polled, every 50 ms at first and at
-        /// most every second, one claim each.
-        pub fn wait_for_in_progress(mut self, wait: std::time::Duration) -> Self {
-            self.settings().wait = (!wait.is_zero()).then_some(wait);
-            self
-        }
-
-        /// Sets how many duplicates may wait at once
-        /// ([`wait_for_in_progress`](Self::wait_for_in_progress)); past it one is answered at
-        /// once. Defaults to 1024.
-        pub fn max_waiters(mut self, waiters: usize) -> Self {
-            self.settings().waiters = std::sync::Arc::new(tokio::sync::Semaphore::new(waiters));
-            self
-        }
-
-        /// Sets the longest retry hint of an in-progress answer (`Retry-After`, or
-        /// `Outcome::InProgress { retry_after }`); it is never past the original's remaining
-        /// lease (and, over HTTP, at least one second). Defaults to 1 second.
-        pub fn retry_after(mut self, hint: std::time::Duration) -> Self {
-            self.settings().retry_after = hint;
+        /// Sets how a duplicate whose original is still running waits for it: see
+        /// [`Waiting`](crate::settings::Waiting). The HTTP layer waits up to 10 seconds by
+        /// default; the consumer door does not wait by default.
+        pub fn waiting(mut self, waiting: crate::settings::Waiting) -> Self {
+            let settings = self.settings();
+            settings.wait = waiting.wait;
+            settings.waiters =
+                std::sync::Arc::new(tokio::sync::Semaphore::new(waiting.max_waiters));
+            settings.retry_after = waiting.retry_after;
             self
         }
 

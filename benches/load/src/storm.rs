@@ -12,6 +12,7 @@ use std::{
 };
 
 use axum::{Router, body::Body, http::Request, routing::post};
+use axum_idempotency::settings::Waiting;
 use axum_idempotency::{IdempotencyLayer, MemoryStore, RedisStore};
 
 use crate::{ChildGuard, Error, matrix::commandstats, tower_service_shim::oneshot};
@@ -37,7 +38,7 @@ fn app(layer_store: Layered, wait: bool, runs: &Arc<AtomicUsize>) -> Router {
         Layered::Memory(store) => {
             let layer = IdempotencyLayer::new(store);
             router.layer(if wait {
-                layer.wait_for_in_progress(Duration::from_secs(5))
+                layer.waiting(Waiting::up_to(Duration::from_secs(5)))
             } else {
                 layer
             })
@@ -45,7 +46,7 @@ fn app(layer_store: Layered, wait: bool, runs: &Arc<AtomicUsize>) -> Router {
         Layered::Redis(store) => {
             let layer = IdempotencyLayer::new(store);
             router.layer(if wait {
-                layer.wait_for_in_progress(Duration::from_secs(5))
+                layer.waiting(Waiting::up_to(Duration::from_secs(5)))
             } else {
                 layer
             })

@@ -124,7 +124,7 @@ impl RedisStore {
     }
 
     /// Sets the client whose connection listens for settles, so that a request waiting for
-    /// an in-progress original (`wait_for_in_progress`) is woken when it settles. Set by
+    /// an in-progress original (`waiting`) is woken when it settles. Set by
     /// [`from_url`](Self::from_url); a store made with [`new`](Self::new) has none, and its
     /// waiters wait out their deadline before they claim again.
     ///
