@@ -99,21 +99,23 @@ fn app<St: Admin>(store: St, admin_token: Option<String>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .with_state(Arc::new(AtomicU64::new(1)));
     match admin_token {
-        Some(token) => app.merge(admin(Operator { layer: idempotency, token: token.into() })),
+        Some(token) => {
+            app.merge(admin(Operator { records: idempotency.operator(), token: token.into() }))
+        }
         None => app,
     }
 }
 
-/// The operator's routes: the layer's `inspect`, `forget` and `abandoned`, behind a bearer
-/// token.
+/// The operator's routes: the layer's operator calls (`inspect`, `forget`, `abandoned`),
+/// behind a bearer token.
 struct Operator<St> {
-    layer: IdempotencyLayer<St, HeaderScope>,
+    records: axum_idempotency::http::Operator<St>,
     token: Arc<str>,
 }
 
 impl<St: Clone> Clone for Operator<St> {
     fn clone(&self) -> Self {
-        Self { layer: self.layer.clone(), token: self.token.clone() }
+        Self { records: self.records.clone(), token: self.token.clone() }
     }
 }
 
@@ -165,7 +167,7 @@ async fn inspect<St: Admin>(
     if !authorized(&operator, &headers) {
         return unauthorized();
     }
-    let report = match operator.layer.inspect(tenant.as_bytes(), &key, query.body).await {
+    let report = match operator.records.inspect(tenant.as_bytes(), &key, query.body).await {
         Ok(Some(report)) => report,
         Ok(None) => {
             return (StatusCode::NOT_FOUND, Json(json!({ "state": "absent" }))).into_response();
@@ -209,7 +211,7 @@ async fn forget<St: Admin>(
     if !authorized(&operator, &headers) {
         return unauthorized();
     }
-    match operator.layer.forget(tenant.as_bytes(), &key, query.force).await {
+    match operator.records.forget(tenant.as_bytes(), &key, query.force).await {
         Ok(Forgotten::Deleted) => Json(json!({ "forgotten": "deleted" })).into_response(),
         Ok(Forgotten::Absent) => (StatusCode::NOT_FOUND, Json(json!({ "forgotten": "absent" }))).into_response(),
         Ok(_) => (
@@ -230,7 +232,7 @@ async fn abandoned<St: Admin>(
         return unauthorized();
     }
     let lapsed = Duration::from_secs(query.lapsed_secs.unwrap_or(60));
-    match operator.layer.abandoned(lapsed, query.limit.unwrap_or(100)).await {
+    match operator.records.abandoned(lapsed, query.limit.unwrap_or(100)).await {
         Ok(claims) => Json(
             claims
                 .iter()

@@ -136,7 +136,7 @@ where
         h.stored_bytes(&RecordKey::new("idempotency-consumer", b"billing", b"evt_1")).await;
     assert!(!contains(&stored, CARD) && !contains(&stored, "card"), "{stored:?}");
     // The door's operator call decrypts.
-    let report = idem.inspect("billing", "evt_1", true).await.unwrap().unwrap();
+    let report = idem.operator().inspect("billing", "evt_1", true).await.unwrap().unwrap();
     assert_eq!(report.outcome, Some(serde_json::json!({"card": CARD})));
 }
 

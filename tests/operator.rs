@@ -38,10 +38,10 @@ where
     let calls = Calls::default();
     let layer = layer(&h);
     let app: Router = app(&calls).layer(layer.clone());
-    assert!(layer.inspect(b"", "k1", true).await.unwrap().is_none(), "absent");
+    assert!(layer.operator().inspect(b"", "k1", true).await.unwrap().is_none(), "absent");
 
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 600, "{}"), "k1").await;
-    let running = layer.inspect(b"", "k1", true).await.unwrap().expect("in progress");
+    let running = layer.operator().inspect(b"", "k1", true).await.unwrap().expect("in progress");
     let RecordStatus::Running { lease_left } = running.record.state else { panic!("{running:?}") };
     assert!(lease_left > Duration::ZERO && lease_left <= Duration::from_secs(30), "{lease_left:?}");
     assert_eq!((running.record.size, running.outcome.is_none()), (0, true));
@@ -50,7 +50,7 @@ where
     assert_eq!(running.key_hash, global("k1").hash());
     assert_eq!(first.await.unwrap().status, 201);
 
-    let quiet = layer.inspect(b"", "k1", false).await.unwrap().expect("completed");
+    let quiet = layer.operator().inspect(b"", "k1", false).await.unwrap().expect("completed");
     assert_eq!(quiet.record.state, RecordStatus::Completed);
     assert!(quiet.outcome.is_none() && quiet.record.outcome.is_none(), "{quiet:?}");
     assert!(quiet.record.size > 20, "{quiet:?}");
@@ -59,13 +59,13 @@ where
     assert!(left > Duration::from_secs(590) && left <= Duration::from_secs(600), "{left:?}");
     assert!(quiet.completed_ago.expect("stored with its time") < Duration::from_secs(5));
 
-    let loud = layer.inspect(b"", "k1", true).await.unwrap().expect("completed");
+    let loud = layer.operator().inspect(b"", "k1", true).await.unwrap().expect("completed");
     let response = loud.outcome.expect("asked for");
     assert_eq!(response.status(), 201);
     assert_eq!(response.headers()["x-payment"], "pay_1");
     assert_eq!(&response.body()[..], br#"{"call":1,"request":{}}"#);
     // Another scope, another record.
-    assert!(layer.inspect(b"tenant-b", "k1", false).await.unwrap().is_none());
+    assert!(layer.operator().inspect(b"tenant-b", "k1", false).await.unwrap().is_none());
     assert_eq!(calls.get(), 1);
 }
 
@@ -101,7 +101,7 @@ where
     assert!(inspected.time_left > Duration::from_secs(50), "{inspected:?}");
     assert_eq!(inspected.fingerprint, older_fingerprint);
 
-    let listed = layer.abandoned(Duration::ZERO, 10).await.unwrap();
+    let listed = layer.operator().abandoned(Duration::ZERO, 10).await.unwrap();
     let keys: Vec<&RecordKey> = listed.iter().map(|claim| &claim.key).collect();
     assert_eq!(keys, [&older, &newer], "oldest lapse first, nothing else: {listed:?}");
     assert_eq!(listed[0].fingerprint, older_fingerprint);
@@ -127,21 +127,21 @@ where
     // A duplicate is answered at once, so that it sees the original running.
     let layer = layer(&h).waiting(Waiting::off());
     let app: Router = app(&calls).layer(layer.clone());
-    assert_eq!(layer.forget(b"", "k1", false).await.unwrap(), Forgotten::Absent);
+    assert_eq!(layer.operator().forget(b"", "k1", false).await.unwrap(), Forgotten::Absent);
 
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.status, 201);
     assert!(send(&app, keyed("POST", "/payments", "k1", "{}")).await.replayed());
-    assert_eq!(layer.forget(b"", "k1", false).await.unwrap(), Forgotten::Deleted);
+    assert_eq!(layer.operator().forget(b"", "k1", false).await.unwrap(), Forgotten::Deleted);
     assert_eq!(h.held(&global("k1")).await, None);
     let rerun = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((rerun.status.as_u16(), rerun.replayed()), (201, false));
     assert_eq!(rerun.header("x-payment"), Some("pay_2"));
 
     let slow = send_until_claimed(&h, &app, delayed("/slow", "k2", 500, "{}"), "k2").await;
-    assert_eq!(layer.forget(b"", "k2", false).await.unwrap(), Forgotten::Running);
+    assert_eq!(layer.operator().forget(b"", "k2", false).await.unwrap(), Forgotten::Running);
     assert_eq!(h.held(&global("k2")).await, Some(Held::InProgress), "refused, nothing deleted");
     send(&app, keyed("POST", "/slow", "k2", "{}")).await.assert_problem(202, "in-progress");
-    assert_eq!(layer.forget(b"", "k2", true).await.unwrap(), Forgotten::Deleted);
+    assert_eq!(layer.operator().forget(b"", "k2", true).await.unwrap(), Forgotten::Deleted);
     assert_eq!(h.held(&global("k2")).await, None, "the key is free at once");
     // The operation ran on: its response, finished before any retry claimed the key, is
     // stored as the one answer, as for a lease that lapsed with nobody taking over.
@@ -162,11 +162,11 @@ where
     let first = send_until_claimed(&h, &app, delayed("/first-slow", "k1", 3000, "{}"), "k1").await;
     let duplicate = send_in_background(&app, delayed("/first-slow", "k1", 3000, "{}"));
     eventually("the duplicate marks the record as waited for", async || {
-        let report = layer.inspect(b"", "k1", false).await.unwrap();
+        let report = layer.operator().inspect(b"", "k1", false).await.unwrap();
         report.is_some_and(|report| report.record.waited_for)
     })
     .await;
-    assert_eq!(layer.forget(b"", "k1", true).await.unwrap(), Forgotten::Deleted);
+    assert_eq!(layer.operator().forget(b"", "k1", true).await.unwrap(), Forgotten::Deleted);
     // Woken, the duplicate claims the key and runs: the second call answers at once.
     let woken = duplicate.await.unwrap();
     assert_eq!((woken.status.as_u16(), woken.replayed()), (201, false), "{woken:?}");
@@ -189,12 +189,16 @@ where
         })
     };
     assert!(matches!(deliver().await.unwrap(), Outcome::Ran(_)));
-    let report = idem.inspect("billing", "evt_1", true).await.unwrap().expect("completed");
+    let report =
+        idem.operator().inspect("billing", "evt_1", true).await.unwrap().expect("completed");
     assert_eq!(report.record.state, RecordStatus::Completed);
     assert_eq!(report.outcome, Some(serde_json::json!({"charge": 1})));
-    assert!(idem.inspect("other", "evt_1", true).await.unwrap().is_none());
+    assert!(idem.operator().inspect("other", "evt_1", true).await.unwrap().is_none());
     assert!(matches!(deliver().await.unwrap(), Outcome::Replayed(_)));
-    assert_eq!(idem.forget("billing", "evt_1", false).await.unwrap(), Forgotten::Deleted);
+    assert_eq!(
+        idem.operator().forget("billing", "evt_1", false).await.unwrap(),
+        Forgotten::Deleted
+    );
     let again = deliver().await.unwrap();
     assert!(matches!(&again, Outcome::Ran(value) if value["charge"] == 2), "{again:?}");
     assert_eq!(runs.get(), 2);

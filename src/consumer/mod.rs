@@ -69,6 +69,7 @@ use serde::{Serialize, de::DeserializeOwned};
 use self::door::ConsumerDoor;
 #[cfg(feature = "postgres")]
 pub use self::durable::DurableRecovery;
+pub use self::operate::Operator;
 pub use self::outcome::{Error, Outcome};
 use self::record::decode;
 #[cfg(feature = "postgres")]

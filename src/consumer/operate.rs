@@ -1,7 +1,7 @@
-//! The operator's calls on the consumer door (see [`Admin`]), by a consumer's scope and an
-//! event's key.
+//! [`Operator`]: the operator's calls on the consumer door (see [`Admin`]), by a consumer's
+//! scope and an event's key.
 
-use std::time::Duration;
+use std::{fmt, time::Duration};
 
 use crate::{
     engine::{
@@ -15,7 +15,32 @@ use crate::{
 use super::Idempotent;
 
 impl<St: Admin, H> Idempotent<St, H> {
-    /// What the store holds for `key` in `scope` (as [`run`](Self::run) was given them): its
+    /// The operator's calls for the records this door writes (its key prefix, decrypted as it
+    /// encrypts). See [`Operator`].
+    pub fn operator(&self) -> Operator<St> {
+        let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
+        Operator { engine, prefix: self.prefix.clone() }
+    }
+}
+
+/// The operator's calls on the consumer door (see [`Admin`]), by a consumer's scope and an
+/// event's key ([`Idempotent::operator`]).
+///
+/// Cloning is cheap.
+#[derive(Clone)]
+pub struct Operator<St> {
+    engine: Engine<St>,
+    prefix: String,
+}
+
+impl<St> fmt::Debug for Operator<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Operator").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
+
+impl<St: Admin> Operator<St> {
+    /// What the store holds for `key` in `scope` (as [`Idempotent::run`] was given them): its
     /// state, its time left and size, whether a duplicate waits for it, how long ago it
     /// completed; the stored result, as JSON, only when `with_result`. A result that ran but
     /// could not be stored is `{"result_not_stored": "<why>"}`.
@@ -30,7 +55,6 @@ impl<St: Admin, H> Idempotent<St, H> {
         key: impl AsRef<[u8]>,
         with_result: bool,
     ) -> Result<Option<KeyReport<serde_json::Value>>, StoreError> {
-        let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         let reader = |opened: Opened| match opened.format {
             Format::Json => serde_json::from_slice(&opened.payload)
                 .map_err(|error| StoreError::CorruptRecord(error.to_string())),
@@ -39,7 +63,7 @@ impl<St: Admin, H> Idempotent<St, H> {
             })),
             _ => Err(StoreError::CorruptRecord("not a result the consumer door stored".into())),
         };
-        engine.report(&self.record_key(scope, key.as_ref()), with_result, reader).await
+        self.engine.report(&self.record_key(scope, key.as_ref()), with_result, reader).await
     }
 
     /// Deletes the record of `key` in `scope`, so that its next delivery runs the operation
@@ -54,7 +78,7 @@ impl<St: Admin, H> Idempotent<St, H> {
         key: impl AsRef<[u8]>,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.store.forget(&self.record_key(scope, key.as_ref()), force).await
+        self.engine.store().forget(&self.record_key(scope, key.as_ref()), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over,
@@ -69,13 +93,20 @@ impl<St: Admin, H> Idempotent<St, H> {
         lapsed_for: Duration,
         limit: u32,
     ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        self.store.abandoned(lapsed_for, limit).await
+        self.engine.store().abandoned(lapsed_for, limit).await
     }
 }
 
 impl<St, H> Idempotent<St, H> {
     /// The record key of `key` in `scope`: where [`run`](Self::run) keeps its record.
     pub(super) fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
+        RecordKey::new(&self.prefix, scope.as_bytes(), key)
+    }
+}
+
+impl<St> Operator<St> {
+    /// The record key of `key` in `scope`, as the door names it.
+    fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
         RecordKey::new(&self.prefix, scope.as_bytes(), key)
     }
 }

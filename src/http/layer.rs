@@ -7,6 +7,7 @@ use tower_layer::Layer;
 
 use super::{
     config::Config,
+    operator::Operator,
     recover::Hook,
     scope::{GlobalScope, ScopeExtractor},
     service::Idempotency,
@@ -17,8 +18,7 @@ use crate::{
         DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
     },
     fingerprint::{PayloadRules, payload_rule_setters},
-    key::RecordKey,
-    store::{AbandonedClaim, Admin, Forgotten, KeyReport, Store, StoreError},
+    store::{Admin, Store},
 };
 
 /// Makes POST and PATCH requests that carry an `Idempotency-Key` idempotent.
@@ -345,70 +345,11 @@ impl<S, St: Store, Sc: Clone> Layer<S> for IdempotencyLayer<St, Sc> {
     }
 }
 
-/// The operator's calls (see [`Admin`]), by a client's scope and key: what a support tool or an
-/// admin route calls. Each answers for the records this layer writes (its key prefix), and
-/// decrypts what it encrypts.
 impl<St: Admin, Sc> IdempotencyLayer<St, Sc> {
-    /// What the store holds for `key` in `scope` (the scope's bytes, as the layer's
-    /// [`ScopeExtractor`] gives them; empty for [`GlobalScope`]; `key` as the client sent it,
-    /// unquoted): its state, its time left and size, whether a duplicate waits for it, how
-    /// long ago it completed; the stored response only when `with_response`.
-    ///
-    /// # Errors
-    ///
-    /// The store's; [`StoreError::CorruptRecord`] when the record cannot be read (or
-    /// decrypted).
-    pub async fn inspect(
-        &self,
-        scope: &[u8],
-        key: &str,
-        with_response: bool,
-    ) -> Result<Option<KeyReport<http::Response<bytes::Bytes>>>, StoreError> {
+    /// The operator's calls for the records this layer writes (its key prefix, decrypted as it
+    /// encrypts): what a support tool or an admin route holds. See [`Operator`].
+    pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        let reader = |opened| {
-            let stored = super::record::decode_opened(opened)
-                .map_err(|error| StoreError::CorruptRecord(error.0.to_owned()))?;
-            let mut response = http::Response::new(stored.body);
-            *response.status_mut() = stored.status;
-            *response.headers_mut() = stored.headers;
-            Ok(response)
-        };
-        engine.report(&self.record_key(scope, key), with_response, reader).await
-    }
-
-    /// Deletes the record of `key` in `scope`, so that the client's next retry runs its
-    /// request as new (see [`Admin::forget`]): one in progress whose lease runs only when
-    /// `force`.
-    ///
-    /// # Errors
-    ///
-    /// The store's.
-    pub async fn forget(
-        &self,
-        scope: &[u8],
-        key: &str,
-        force: bool,
-    ) -> Result<Forgotten, StoreError> {
-        self.store.forget(&self.record_key(scope, key), force).await
-    }
-
-    /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over, oldest
-    /// first, at most `limit` (see [`Admin::abandoned`]): of every door over this store, each
-    /// named by its record key (the prefix, then the key hash; the store never keeps a
-    /// client's key).
-    ///
-    /// # Errors
-    ///
-    /// The store's.
-    pub async fn abandoned(
-        &self,
-        lapsed_for: std::time::Duration,
-        limit: u32,
-    ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        self.store.abandoned(lapsed_for, limit).await
-    }
-
-    fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        RecordKey::new(&self.config.prefix, scope, key.as_bytes())
+        Operator::new(engine, self.config.prefix.clone())
     }
 }

@@ -25,6 +25,7 @@ mod header_filter;
 mod key_header;
 mod layer;
 mod minimal;
+mod operator;
 mod problem;
 pub(crate) mod record;
 mod recover;
@@ -40,6 +41,7 @@ pub use self::{
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
     minimal::{Minimal, Rebuild},
+    operator::Operator,
     problem::KeyReused,
     service::Idempotency,
     store_policy::{DefaultStorePolicy, ReleaseKey, StorePolicy},

@@ -72,8 +72,8 @@ pub struct Inspection {
     pub outcome: Option<Bytes>,
 }
 
-/// What a front door's `inspect` found under a client's key (`IdempotencyLayer::inspect`,
-/// `Idempotent::inspect`): the store's [`Inspection`], and what the door reads in the outcome,
+/// What a front door's `inspect` found under a client's key (`http::Operator::inspect`,
+/// `consumer::Operator::inspect`): the store's [`Inspection`], and what the door reads in the outcome,
 /// decrypted when it encrypts at rest.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
