@@ -14,14 +14,14 @@ use super::{
 };
 use crate::{
     context::Encoding,
-    engine::{Door, Held, Panic, Settlement, envelope},
+    engine::{Door, Held, Label, Panic, Settlement, envelope},
 };
 
-/// One call's side of its claim: the stored limit and the scope (the record names it when it
-/// cannot be read).
+/// One call's side of its claim: the stored limit and the scope's label (its metrics, and the
+/// name a record it cannot read is logged under).
 pub(super) struct ConsumerDoor<T> {
     pub(super) stored_limit: usize,
-    pub(super) scope: Arc<str>,
+    pub(super) label: Label,
     pub(super) result: PhantomData<fn() -> T>,
 }
 
@@ -78,7 +78,7 @@ where
         );
         // A value of another type (sealed from one, returned as another) cannot be read back:
         // the operation's own is answered, and the committed one replayed.
-        Outcome::Ran(decode::<T, ()>(committed, hash, &self.scope).unwrap_or(value))
+        Outcome::Ran(decode::<T, ()>(committed, hash, &self.label).unwrap_or(value))
     }
 
     fn uncommitted(&self, value: T) -> Outcome<T> {

@@ -6,6 +6,7 @@ use serde::de::DeserializeOwned;
 
 use super::{Idempotent, record::decode};
 use crate::{
+    engine::Label,
     recovery::{BoxError, Lookup, Recover, Recovered},
     store::{DurableOutcomes, Store},
 };
@@ -25,8 +26,8 @@ impl<T: DeserializeOwned + Send + 'static> Recover<Bytes, T> for DurableRecovery
             return Ok(Recovered::Mismatch);
         }
         let outcome = context.open_stored(outcome)?;
-        let scope = String::from_utf8_lossy(context.scope());
-        let value = decode::<T, std::convert::Infallible>(outcome, context.key_hash(), &scope)
+        let label = Label::scope(String::from_utf8_lossy(context.scope()));
+        let value = decode::<T, std::convert::Infallible>(outcome, context.key_hash(), &label)
             .map_err(|error| format!("the committed outcome is unreadable: {error:?}"))?;
         Ok(Recovered::Happened(value))
     }

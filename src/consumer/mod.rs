@@ -77,7 +77,8 @@ pub(crate) use self::seal::stored_form;
 use crate::{
     context::IdempotencyContext,
     engine::{
-        Claiming, Decided, Ended, Engine, Operated, RenewalsCell, Settings, Start, engine_setters,
+        Claiming, Decided, Ended, Engine, Label, Operated, RenewalsCell, Settings, Start,
+        engine_setters,
     },
     fingerprint::{Fingerprint, PayloadRules, payload_rule_setters},
     recovery::{Lookup, NoRecovery, Recover},
@@ -282,14 +283,15 @@ impl<St: Store, H> Idempotent<St, H> {
         let record_key = self.record_key(scope, key.as_ref());
         let hash = record_key.hash().to_owned();
         let fingerprint = self.fingerprint.of(payload.as_ref());
-        let route: Arc<str> = scope.into();
+        // The metrics' label, and the name a record this door cannot read is logged under.
+        let label = Label::scope(scope);
         let door = ConsumerDoor {
             stored_limit: self.stored_limit,
-            scope: route.clone(),
+            label: label.clone(),
             result: PhantomData,
         };
-        let claiming =
-            Claiming { key: record_key, fingerprint, route, scope: scope.as_bytes().to_vec() };
+        let (route, scope_bytes) = (label.clone(), scope.as_bytes().to_vec());
+        let claiming = Claiming { key: record_key, fingerprint, route, scope: scope_bytes };
         let start = |operation: F, context: IdempotencyContext, due: bool| {
             let lookup = self.hook.as_ref().filter(|_| due).map(|hook| {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));
@@ -304,7 +306,7 @@ impl<St: Store, H> Idempotent<St, H> {
         };
         match engine.operate(door, claiming, operation, start).await {
             Operated::Decided(_, Decided::Replay(stored)) => {
-                decode(stored, &hash, scope).map(Outcome::Replayed)
+                decode(stored, &hash, &label).map(Outcome::Replayed)
             }
             Operated::Decided(_, Decided::InProgress { retry_after }) => {
                 Ok(Outcome::InProgress { retry_after })

@@ -7,7 +7,10 @@ use bytes::{BufMut, Bytes};
 use serde::{Serialize, de::DeserializeOwned};
 
 use super::{Error, finite};
-use crate::engine::envelope::{self, Format};
+use crate::engine::{
+    Label,
+    envelope::{self, Format},
+};
 
 /// Why a result has no stored form.
 pub(super) enum Unstorable {
@@ -50,17 +53,17 @@ pub(super) fn not_stored(reason: &str) -> Bytes {
     out.freeze()
 }
 
-/// The result stored in `stored`, observing its age for `scope`.
+/// The result stored in `stored`, observing its age under `label`.
 pub(super) fn decode<T: DeserializeOwned, E>(
     stored: Bytes,
     hash: &str,
-    scope: &str,
+    label: &Label,
 ) -> Result<T, Error<E>> {
     let corrupt = |reason: String| {
         tracing::error!(key_hash = hash, reason, "idempotency: stored result is unreadable");
         Error::Corrupt { key_hash: hash.to_owned(), reason }
     };
-    let opened = envelope::open(stored, scope);
+    let opened = envelope::open(stored, label);
     let json = match opened {
         Some(opened) if opened.format == Format::Json => opened.payload,
         Some(opened) if opened.format == Format::NotStored => {

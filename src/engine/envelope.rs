@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use super::observe;
+use super::observe::{self, Label};
 
 /// What a stored outcome is, by its first byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +56,7 @@ pub(crate) fn seal(format: Format, capacity: usize) -> BytesMut {
 /// Reads the envelope of a stored record and observes its age for `route`'s replayed-age
 /// histogram. `None` when the first byte is no door's format, or the record is too short to
 /// hold its time. Never panics.
-pub(crate) fn open(record: Bytes, route: &str) -> Option<Opened> {
+pub(crate) fn open(record: Bytes, route: &Label) -> Option<Opened> {
     let opened = read(record)?;
     let age = SystemTime::now().duration_since(opened.completed_at).unwrap_or_default();
     observe::replayed_age(route, age);
@@ -92,12 +92,17 @@ pub(crate) fn same_payload(a: &[u8], b: &[u8]) -> bool {
 mod tests {
     use super::*;
 
+    /// The metrics label the tests open records under.
+    fn r() -> Label {
+        Label::route("r")
+    }
+
     #[test]
     fn a_timed_record_carries_when_it_was_stored() {
         let before = SystemTime::now() - Duration::from_millis(1);
         let mut record = seal(Format::Json, 4);
         record.put_slice(b"{}");
-        let opened = open(record.freeze(), "r").unwrap();
+        let opened = open(record.freeze(), &r()).unwrap();
         assert_eq!(opened.format, Format::Json);
         let at = opened.completed_at;
         assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
@@ -126,16 +131,16 @@ mod tests {
             let record = seal(format, 0).freeze();
             assert_eq!(record[0], format as u8);
             assert_eq!(record.len(), 9);
-            assert_eq!(open(record, "r").unwrap().format, format);
+            assert_eq!(open(record, &r()).unwrap().format, format);
         }
         for byte in (0..=u8::MAX).filter(|b| !Format::ALL.iter().any(|f| *f as u8 == *b)) {
-            assert!(open(Bytes::from(vec![byte; 16]), "r").is_none(), "{byte}");
+            assert!(open(Bytes::from(vec![byte; 16]), &r()).is_none(), "{byte}");
         }
         // A record too short for its time, the formats earlier versions wrote (1, `j`: no
         // time), and an empty record.
-        assert!(open(Bytes::from_static(&[2, 0, 0]), "r").is_none());
-        assert!(open(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), "r").is_none());
-        assert!(open(Bytes::from_static(b"j{\"a\":1}"), "r").is_none());
-        assert!(open(Bytes::new(), "r").is_none());
+        assert!(open(Bytes::from_static(&[2, 0, 0]), &r()).is_none());
+        assert!(open(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), &r()).is_none());
+        assert!(open(Bytes::from_static(b"j{\"a\":1}"), &r()).is_none());
+        assert!(open(Bytes::new(), &r()).is_none());
     }
 }

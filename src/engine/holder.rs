@@ -1,5 +1,6 @@
 //! [`Holder`]: what a claim that won holds, and the only way to settle it.
 
+use super::observe::Label;
 use std::{any::Any, fmt, future::Future, panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
 use bytes::Bytes;
@@ -36,7 +37,7 @@ pub(crate) struct Holder<St> {
     owner: OwnerToken,
     settings: Arc<Settings>,
     /// The metrics label: a route or a scope, never a key.
-    route: Arc<str>,
+    route: Label,
     /// The claim took over from a holder whose lease lapsed.
     taken_over: bool,
     /// The lease's renewals, when keep-alive is on; they stop when the holder settles or is
@@ -74,7 +75,7 @@ impl<St: Store> Holder<St> {
         key: RecordKey,
         fingerprint: Fingerprint,
         owner: OwnerToken,
-        route: Arc<str>,
+        route: Label,
         taken_over: bool,
     ) -> Self {
         let commit = Arc::<CommitSlot>::default();
@@ -357,8 +358,9 @@ mod tests {
                 let engine = Engine::new(store.clone(), Arc::new(settings), &Default::default());
                 let (key, fingerprint) =
                     (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
-                let Ok(Claimed::Run(holder)) =
-                    engine.claim(key.clone(), fingerprint.clone(), "r".into()).await
+                let Ok(Claimed::Run(holder)) = engine
+                    .claim(key.clone(), fingerprint.clone(), crate::engine::Label::route("r"))
+                    .await
                 else {
                     panic!("not claimed")
                 };

@@ -36,6 +36,7 @@ use tokio_util::task::TaskTracker;
 
 pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
 pub(crate) use self::holder::{Holder, Panic, Recovery};
+pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::engine_setters;
@@ -218,7 +219,7 @@ impl<St: Store> Engine<St> {
         &self,
         key: RecordKey,
         fingerprint: Fingerprint,
-        route: Arc<str>,
+        route: Label,
     ) -> Result<Claimed<St>, StoreError> {
         let (claim, owner) = match self.claim_or_wait(&key, &fingerprint, &route).await {
             Ok(claimed) => claimed,
@@ -263,7 +264,7 @@ impl<St: Store> Engine<St> {
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
-        route: &str,
+        route: &Label,
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let (mut claim, mut owner) = self.claim_once(key, fingerprint, false).await?;
         if matches!(claim, Claim::InProgress { .. })

@@ -1,16 +1,45 @@
 //! What the engine decides, for an operator: counters and histograms through the `metrics`
-//! facade (feature `metrics`), labelled by route (HTTP: the matched route; consumer door: the
-//! scope), never by key. Without the feature every function here is empty.
+//! facade (feature `metrics`), labelled by what the door names an operation by ([`Label`]: the
+//! HTTP door's matched route, `route`; the consumer door's scope, `scope`), never by key.
+//! Without the feature every function here is empty.
 
-use std::time::Duration;
+use std::{ops::Deref, sync::Arc, time::Duration};
+
+/// The label of a door's metrics: its name (`route`, `scope`) and its value. Never a key.
+#[derive(Debug, Clone)]
+pub(crate) struct Label {
+    name: &'static str,
+    value: Arc<str>,
+}
+
+impl Label {
+    /// The HTTP door's: the matched route.
+    pub(crate) fn route(value: impl Into<Arc<str>>) -> Self {
+        Self { name: "route", value: value.into() }
+    }
+
+    /// The consumer door's: the scope an operation runs in.
+    pub(crate) fn scope(value: impl Into<Arc<str>>) -> Self {
+        Self { name: "scope", value: value.into() }
+    }
+}
+
+/// The label's value, as the door logs it.
+impl Deref for Label {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.value
+    }
+}
 
 /// `idempotency_claims_total{route, outcome}`: claimed, taken_over, replayed, in_progress,
 /// mismatch.
-pub(crate) fn claim(route: &str, outcome: &'static str) {
+pub(crate) fn claim(route: &Label, outcome: &'static str) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_claims_total", "route" => route.to_owned(), "outcome" => outcome)
+    metrics::counter!("idempotency_claims_total", route.name => route.value.to_string(), "outcome" => outcome)
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (route, outcome);
@@ -18,11 +47,11 @@ pub(crate) fn claim(route: &str, outcome: &'static str) {
 
 /// `idempotency_recoveries_total{route, result}`: what the recovery hook answered: happened,
 /// unknown, failed.
-pub(crate) fn recovery(route: &str, result: &'static str) {
+pub(crate) fn recovery(route: &Label, result: &'static str) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_recoveries_total", "route" => route.to_owned(), "result" => result)
+    metrics::counter!("idempotency_recoveries_total", route.name => route.value.to_string(), "result" => result)
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (route, result);
@@ -30,11 +59,11 @@ pub(crate) fn recovery(route: &str, result: &'static str) {
 
 /// `idempotency_settles_total{route, result}`: stored, stored_in_transaction (by the
 /// operation, with its side effect), released, fenced_out, failed.
-pub(crate) fn settle(route: &str, result: &'static str) {
+pub(crate) fn settle(route: &Label, result: &'static str) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_settles_total", "route" => route.to_owned(), "result" => result)
+    metrics::counter!("idempotency_settles_total", route.name => route.value.to_string(), "result" => result)
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (route, result);
@@ -53,33 +82,33 @@ pub(crate) fn abandoned(result: &'static str) {
 }
 
 /// `idempotency_store_errors_total{route, phase}`: claim, complete, release, touch.
-pub(crate) fn store_error(route: &str, phase: &'static str) {
+pub(crate) fn store_error(route: &Label, phase: &'static str) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::counter!("idempotency_store_errors_total", "route" => route.to_owned(), "phase" => phase)
+    metrics::counter!("idempotency_store_errors_total", route.name => route.value.to_string(), "phase" => phase)
         .increment(1);
     #[cfg(not(feature = "metrics"))]
     let _ = (route, phase);
 }
 
 /// `idempotency_wait_seconds{route}`: how long a duplicate waited for its original.
-pub(crate) fn waited(route: &str, took: Duration) {
+pub(crate) fn waited(route: &Label, took: Duration) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::histogram!("idempotency_wait_seconds", "route" => route.to_owned())
+    metrics::histogram!("idempotency_wait_seconds", route.name => route.value.to_string())
         .record(took.as_secs_f64());
     #[cfg(not(feature = "metrics"))]
     let _ = (route, took);
 }
 
 /// `idempotency_handler_seconds{route}`: how long a claimed operation ran.
-pub(crate) fn ran(route: &str, took: Duration) {
+pub(crate) fn ran(route: &Label, took: Duration) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::histogram!("idempotency_handler_seconds", "route" => route.to_owned())
+    metrics::histogram!("idempotency_handler_seconds", route.name => route.value.to_string())
         .record(took.as_secs_f64());
     #[cfg(not(feature = "metrics"))]
     let _ = (route, took);
@@ -87,11 +116,11 @@ pub(crate) fn ran(route: &str, took: Duration) {
 
 /// `idempotency_replayed_record_age_seconds{route}`: how old a replayed outcome was, by the
 /// clocks of the instances that stored and replayed it.
-pub(crate) fn replayed_age(route: &str, age: Duration) {
+pub(crate) fn replayed_age(route: &Label, age: Duration) {
     #[cfg(feature = "metrics")]
     described();
     #[cfg(feature = "metrics")]
-    metrics::histogram!("idempotency_replayed_record_age_seconds", "route" => route.to_owned())
+    metrics::histogram!("idempotency_replayed_record_age_seconds", route.name => route.value.to_string())
         .record(age.as_secs_f64());
     #[cfg(not(feature = "metrics"))]
     let _ = (route, age);

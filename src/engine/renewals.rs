@@ -14,6 +14,7 @@
 //! that no renewal lands after the settle: a hand-back (a lease ended now) would otherwise be
 //! undone by a renewal landing after it, and the key held for another lease.
 
+use super::observe::Label;
 use std::{
     sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak},
     time::Duration,
@@ -110,7 +111,7 @@ struct Entry {
     owner: OwnerToken,
     /// The runtime the claim was made on, whose task renews it.
     runtime: runtime::Id,
-    route: Arc<str>,
+    route: Label,
     commit: Arc<CommitSlot>,
     /// The claim, then each renewal's sending.
     renewed_at: Instant,
@@ -149,7 +150,7 @@ impl<St: Store> Renewals<St> {
         &self,
         key: &RecordKey,
         owner: &OwnerToken,
-        route: &Arc<str>,
+        route: &Label,
         commit: &Arc<CommitSlot>,
     ) -> Renewing<St> {
         let now = Instant::now();
@@ -341,7 +342,7 @@ async fn look_over<St: Store>(shared: Weak<Shared<St>>, period: Duration, runtim
 async fn renew<St: Store>(
     mut touched: Touched<St>,
     (key, owner): (RecordKey, OwnerToken),
-    route: Arc<str>,
+    route: Label,
     commit: Arc<CommitSlot>,
 ) {
     let hash = key.hash();

@@ -3,11 +3,11 @@
 //! its lease renewed, a failure or a panic that releases the key, and the door's settle; then
 //! the answer back to the caller.
 
+use super::observe::Label;
 use std::{
     future::Future,
     panic::AssertUnwindSafe,
     pin::Pin,
-    sync::Arc,
     task::{Context, Poll},
     time::Duration,
 };
@@ -84,7 +84,7 @@ pub(crate) struct Claiming {
     pub(crate) key: RecordKey,
     pub(crate) fingerprint: Fingerprint,
     /// The metrics label: a route or a scope, never a key.
-    pub(crate) route: Arc<str>,
+    pub(crate) route: Label,
     /// The scope the operation's context names.
     pub(crate) scope: Vec<u8>,
 }

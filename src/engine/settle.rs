@@ -1,6 +1,7 @@
 //! Settling a claim: complete and release, fenced by the owner token, retried in the
 //! background when the store fails.
 
+use super::observe::Label;
 use std::{future::Future, time::Duration};
 
 use bytes::Bytes;
@@ -32,7 +33,7 @@ pub(super) enum Completed {
 
 impl Completed {
     /// Counts and logs what became of the complete.
-    pub(super) fn report(self, hash: &str, route: &str) {
+    pub(super) fn report(self, hash: &str, route: &Label) {
         match self {
             Self::Settled(Fenced::Applied) => {
                 observe::settle(route, "stored");
@@ -62,7 +63,7 @@ impl Completed {
 /// that a retry is replayed rather than run again.
 pub(super) async fn complete_while_held<St: Store>(
     (store, key, owner, fingerprint): (&St, &RecordKey, &OwnerToken, &Fingerprint),
-    route: &str,
+    route: &Label,
     outcome: Bytes,
     retention: Duration,
     answered: impl FnOnce(),
@@ -115,7 +116,7 @@ pub(super) async fn release<St: Store>(
     store: &St,
     key: &RecordKey,
     owner: &OwnerToken,
-    route: Option<&str>,
+    route: Option<&Label>,
     why: &'static str,
 ) {
     let hash = key.hash();
@@ -140,7 +141,7 @@ pub(super) async fn release<St: Store>(
     }
     tracing::warn!(key_hash = hash, why, %error, "idempotency: release failed; retrying");
     let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
-    let route = route.map(str::to_owned);
+    let route = route.cloned();
     drop(tokio::spawn(async move {
         if let Some(outcome) = retry_settle(|| store.release(&key, &owner)).await {
             if let (Fenced::Applied, Some(route)) = (outcome, &route) {

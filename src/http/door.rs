@@ -23,14 +23,14 @@ use super::{
 };
 use crate::{
     context::Encoding,
-    engine::{Door, Held, Settlement, StreamEnd, Streaming, envelope},
+    engine::{Door, Held, Label, Settlement, StreamEnd, Streaming, envelope},
 };
 
 /// One request's side of its claim: the layer's configuration, the matched route, the
 /// request's span, the rebuild hook's bound.
 pub(super) struct HttpDoor<ResBody> {
     pub(super) config: Arc<Config>,
-    pub(super) route: Arc<str>,
+    pub(super) route: Label,
     pub(super) span: tracing::Span,
     /// The longest the layer's hook may take to rebuild a minimal record.
     pub(super) rebuild_timeout: Duration,

@@ -26,7 +26,7 @@ use super::{
 };
 use crate::{
     context::IdempotencyContext,
-    engine::{Claiming, Decided, Ended, Engine, Operated, Start},
+    engine::{Claiming, Decided, Ended, Engine, Label, Operated, Start},
     key::RecordKey,
     recovery::Lookup,
     store::{Store, StoreError},
@@ -87,8 +87,9 @@ where
         let config = &self.config;
         let span = tracing::Span::current();
         span.record("key_hash", record_key.hash());
-        let route: Arc<str> =
-            parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str).into();
+        let route = Label::route(
+            parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str),
+        );
         let rebuild_timeout = self.engine.recovery_timeout();
         let door = HttpDoor {
             config: config.clone(),

@@ -17,7 +17,10 @@ use bytes::{Buf, BufMut, Bytes};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 
 pub(crate) use super::header_filter::HeaderFilter;
-use crate::engine::envelope::{self, Format, Opened};
+use crate::engine::{
+    Label,
+    envelope::{self, Format, Opened},
+};
 
 /// A response as stored for replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,7 +138,7 @@ pub(crate) fn not_replayable(status: StatusCode, why: &str) -> Bytes {
 
 /// Decodes a blob written by [`encode`], observing its age for `route`. Never panics; the body
 /// shares `blob`'s memory.
-pub(crate) fn decode(blob: Bytes, route: &str) -> Result<StoredResponse, DecodeError> {
+pub(crate) fn decode(blob: Bytes, route: &Label) -> Result<StoredResponse, DecodeError> {
     let Some(opened) = envelope::open(blob, route) else {
         return Err(DecodeError("unknown response format, or a truncated header"));
     };
@@ -204,6 +207,11 @@ pub(crate) fn advertise_expiry(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The metrics label the tests open records under.
+    fn r() -> Label {
+        Label::route("r")
+    }
     use std::time::Duration;
 
     fn sample_headers() -> HeaderMap {
@@ -222,7 +230,7 @@ mod tests {
     fn round_trip_keeps_status_body_and_end_to_end_headers() {
         let blob =
             encode(StatusCode::CREATED, &sample_headers(), &HeaderFilter::default(), b"{\"id\":7}");
-        let stored = decode(blob, "r").unwrap();
+        let stored = decode(blob, &r()).unwrap();
         assert_eq!(stored.status, StatusCode::CREATED);
         assert_eq!(stored.body, Bytes::from_static(b"{\"id\":7}"));
         assert_eq!(stored.headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
@@ -238,7 +246,7 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.insert("x-empty", HeaderValue::from_static(""));
         let stored =
-            decode(encode(StatusCode::OK, &headers, &HeaderFilter::default(), b""), "r").unwrap();
+            decode(encode(StatusCode::OK, &headers, &HeaderFilter::default(), b""), &r()).unwrap();
         assert_eq!(stored.headers, headers);
         assert!(stored.body.is_empty());
     }
@@ -281,18 +289,18 @@ mod tests {
     fn a_record_carries_when_it_was_stored_and_format_1_is_not_read() {
         let before = SystemTime::now() - Duration::from_millis(1);
         let stored =
-            decode(encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"x"), "r")
+            decode(encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"x"), &r())
                 .unwrap();
         let at = stored.completed_at;
         assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
         // Format 1 (no time), which no released version wrote: not a record of this layer.
-        assert!(decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), "r").is_err());
+        assert!(decode(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), &r()).is_err());
         // The shortest record of all: its envelope, a status, no header, no body.
         let mut shortest =
             encode(StatusCode::NO_CONTENT, &HeaderMap::new(), &HeaderFilter::default(), b"")
                 .to_vec();
         shortest.truncate(13);
-        let shortest = decode(Bytes::from(shortest), "r").unwrap();
+        let shortest = decode(Bytes::from(shortest), &r()).unwrap();
         assert_eq!((shortest.status, shortest.body.len()), (StatusCode::NO_CONTENT, 0));
     }
 
@@ -301,7 +309,7 @@ mod tests {
         let mut filter = HeaderFilter::default();
         filter.include(&header::SET_COOKIE);
         filter.exclude(header::CONTENT_TYPE);
-        let stored = decode(encode(StatusCode::OK, &sample_headers(), &filter, b""), "r").unwrap();
+        let stored = decode(encode(StatusCode::OK, &sample_headers(), &filter, b""), &r()).unwrap();
         assert!(stored.headers.get(header::SET_COOKIE).is_some());
         assert!(stored.headers.get(header::CONTENT_TYPE).is_none());
     }
@@ -312,14 +320,14 @@ mod tests {
         // The body may be empty, so the full blob decodes; every shorter prefix that cuts a
         // header must fail.
         for len in 0..blob.len() {
-            assert!(decode(blob.slice(..len), "r").is_err(), "prefix of {len} bytes decoded");
+            assert!(decode(blob.slice(..len), &r()).is_err(), "prefix of {len} bytes decoded");
         }
-        assert!(decode(Bytes::from_static(&[2, 0, 200, 0, 0]), "r").is_err());
-        assert!(decode(Bytes::from_static(&[1, 0, 5, 0, 0]), "r").is_err());
+        assert!(decode(Bytes::from_static(&[2, 0, 200, 0, 0]), &r()).is_err());
+        assert!(decode(Bytes::from_static(&[1, 0, 5, 0, 0]), &r()).is_err());
         // A header count past HeaderMap's maximum once panicked the allocation (found by
         // `decoder_survives_bit_flips`).
         assert!(
-            decode(Bytes::from_static(&[1, 0, 200, 0xff, 0xff, 0, 0, 0, 0, 0, 0]), "r").is_err()
+            decode(Bytes::from_static(&[1, 0, 200, 0xff, 0xff, 0, 0, 0, 0, 0, 0]), &r()).is_err()
         );
     }
 }
@@ -329,13 +337,17 @@ mod properties {
     use super::*;
     use proptest::prelude::*;
 
+    fn r() -> Label {
+        Label::route("r")
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 4096, failure_persistence: None, ..ProptestConfig::default() })]
 
         /// Arbitrary bytes never panic the decoder.
         #[test]
         fn decoder_never_panics(blob in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = decode(Bytes::from(blob), "r");
+            let _ = decode(Bytes::from(blob), &r());
         }
 
         /// A stored blob with one byte flipped either decodes or is refused; never a panic.
@@ -346,7 +358,7 @@ mod properties {
             let mut blob = encode(StatusCode::OK, &headers, &HeaderFilter::default(), &body).to_vec();
             let at = at % blob.len();
             blob[at] ^= 1 << bit;
-            let _ = decode(Bytes::from(blob), "r");
+            let _ = decode(Bytes::from(blob), &r());
         }
 
         /// What is encoded is decoded as it was.
@@ -358,7 +370,7 @@ mod properties {
                 headers.append("x-value", HeaderValue::from_str(value).unwrap());
             }
             let status = StatusCode::from_u16(status).unwrap();
-            let stored = decode(encode(status, &headers, &HeaderFilter::default(), &body), "r").unwrap();
+            let stored = decode(encode(status, &headers, &HeaderFilter::default(), &body), &r()).unwrap();
             prop_assert_eq!(stored.status, status);
             prop_assert_eq!(stored.headers, headers);
             prop_assert_eq!(stored.body, Bytes::from(body));
@@ -375,7 +387,7 @@ mod properties {
         fn decoder_never_panics_on_large_blobs(len in 5usize..600_000, count in any::<u16>(), fill in proptest::collection::vec(any::<u8>(), 1..16)) {
             let mut blob: Vec<u8> = fill.iter().copied().cycle().take(len).collect();
             blob[..5].copy_from_slice(&[Format::Http as u8, 0, 200, (count >> 8) as u8, count as u8]);
-            let _ = decode(Bytes::from(blob), "r");
+            let _ = decode(Bytes::from(blob), &r());
         }
     }
 }

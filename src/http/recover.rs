@@ -108,8 +108,9 @@ impl Recover<Request<Bytes>, Response<Bytes>> for Durable {
             return Ok(Recovered::Mismatch);
         }
         let outcome = lookup.context.open_stored(outcome)?;
-        let stored = super::record::decode(outcome, "durable-outcomes")
-            .map_err(|error| format!("the committed outcome is unreadable: {}", error.0))?;
+        let stored =
+            super::record::decode(outcome, &crate::engine::Label::route("durable-outcomes"))
+                .map_err(|error| format!("the committed outcome is unreadable: {}", error.0))?;
         let mut response = Response::new(stored.body);
         *response.status_mut() = stored.status;
         *response.headers_mut() = stored.headers;

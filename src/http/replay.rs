@@ -14,13 +14,16 @@ use super::{
     problem::{ProblemType, problem, problem_retry_after},
     record::{self, StoredResponse},
 };
-use crate::engine::envelope::{self, Format};
+use crate::engine::{
+    Label,
+    envelope::{self, Format},
+};
 
 /// What a replay needs besides the record: the layer's configuration (its rebuild hook), the
 /// route, the retry's headers, the retention (for the expiry header) and the hook's bound.
 pub(super) struct Replay<'a> {
     pub(super) config: &'a Config,
-    pub(super) route: &'a str,
+    pub(super) route: &'a Label,
     pub(super) request: &'a HeaderMap,
     pub(super) retention: Duration,
     pub(super) rebuild_timeout: Duration,
