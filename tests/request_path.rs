@@ -21,6 +21,7 @@ use common::*;
 use tower::{ServiceBuilder, ServiceExt};
 
 every_store!(
+    a_store_policy_that_panics_is_resumed_and_releases_the_key,
     one_key_on_two_resources_of_one_route_is_409,
     one_key_on_two_resources_through_a_nested_router_is_409,
     the_query_string_is_part_of_the_request,
@@ -388,5 +389,18 @@ async fn a_custom_fingerprint_decides_what_a_retry_is<H: Harness>(h: H) {
     let app = app(&calls).layer(layer);
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "one body")).await.status, 201);
     assert!(send(&app, keyed("POST", "/payments", "k1", "another body")).await.replayed());
+    assert_eq!(calls.get(), 1);
+}
+
+/// A store policy is the user's code, run in the settle: its panic releases the key and reaches
+/// the caller, as a handler's does (the key is not left claimed until its lease lapses).
+async fn a_store_policy_that_panics_is_resumed_and_releases_the_key<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let policy = |_: &axum::http::response::Parts| -> bool { panic!("the policy panicked") };
+    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).store_policy(policy));
+    let joined = tokio::spawn(app.clone().oneshot(keyed("POST", "/payments", "k1", "{}"))).await;
+    let panic = joined.expect_err("the panic propagates").into_panic();
+    assert_eq!(panic.downcast_ref::<&str>().copied(), Some("the policy panicked"));
+    assert_eq!(h.held(&global("k1")).await, None);
     assert_eq!(calls.get(), 1);
 }

@@ -30,6 +30,7 @@ every_store!(
     an_endless_stream_is_never_buffered_and_never_run_again,
     a_two_mib_header_is_sent_and_never_run_again,
     headers_of_exactly_the_stored_limit_are_stored,
+    a_stream_that_panics_ends_in_an_error_and_its_key_is_released_first,
 );
 
 /// When the handler produced each event, by its own clock.
@@ -221,5 +222,39 @@ async fn headers_of_exactly_the_stored_limit_are_stored<H: Harness>(h: H) {
         if !replayed {
             again.assert_problem(500, "response-not-replayable");
         }
+    }
+}
+
+/// A body that panics mid-stream: the client reads the first chunk, then an error where the
+/// body broke off (not a body that looks whole), and by then its key is released: the retry at
+/// once runs the handler again.
+async fn a_stream_that_panics_ends_in_an_error_and_its_key_is_released_first<H: Harness>(h: H) {
+    let calls = Calls::default();
+    let panicking = {
+        let calls = calls.clone();
+        move || async move {
+            calls.next_call();
+            let stream = futures_util::stream::unfold(0, |i| async move {
+                if i == 1 {
+                    panic!("the body panicked on purpose");
+                }
+                Some((Ok::<_, std::io::Error>(Bytes::from_static(b"partial")), i + 1))
+            });
+            Body::from_stream(stream)
+        }
+    };
+    let app =
+        Router::new().route("/panics", post(panicking)).layer(IdempotencyLayer::new(h.store()));
+    for call in 1..=2 {
+        let response = app.clone().oneshot(keyed("POST", "/panics", "k1", "")).await.unwrap();
+        assert_eq!(response.status(), 200);
+        let mut body = response.into_body();
+        let first = body.frame().await.expect("a first frame").expect("the first chunk");
+        assert_eq!(first.into_data().unwrap(), "partial");
+        assert!(body.frame().await.expect("an error frame").is_err(), "the panic ends in an error");
+        assert!(body.frame().await.is_none());
+        // The stream ended only once the key was released.
+        assert_eq!(h.held(&global("k1")).await, None);
+        assert_eq!(calls.get(), call);
     }
 }

@@ -272,7 +272,7 @@ async fn a_response_the_layer_would_not_store_is_refused_and_its_side_effect_rol
     let (app, router) = setup(&d).await;
     let first = send(&router, keyed("POST", "/commit-a-500", "k1", "{}")).await;
     assert_eq!(first.status, StatusCode::BAD_GATEWAY);
-    assert_eq!(first.body, "the outcome is not stored: the status is not stored");
+    assert_eq!(first.body, "the outcome is not stored: the store policy does not keep it");
     // A 502 is not stored either: the key is released, and the payment was rolled back.
     assert_eq!(record_state(&app).await, None);
     assert_eq!(payments(&app).await, 0);

@@ -16,7 +16,8 @@ use super::Idempotent;
 
 impl<St: Admin, H> Idempotent<St, H> {
     /// The operator's calls for the records this door writes (its key prefix, decrypted as it
-    /// encrypts). See [`Operator`].
+    /// encrypts). See [`Operator`]. It takes the door as configured when called: call it on
+    /// the finished door.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         Operator { engine, prefix: self.prefix.clone() }

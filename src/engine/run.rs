@@ -17,6 +17,7 @@ use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
 use tracing::{Instrument as _, instrument::Instrumented};
 
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 
 use super::{
     Claimed, Engine, Holder, Panic, Recovery,
@@ -190,7 +191,10 @@ impl<St: Store> Engine<St> {
                 Some(lookup) => match holder.recover(lookup).await {
                     Recovery::Run(holder) => holder,
                     Recovery::Happened(holder, outcome) => {
-                        let settlement = door.recovered(outcome, &holder.held()).await;
+                        let held = holder.held();
+                        let recovered = door.recovered(outcome, &held);
+                        let recovered = AssertUnwindSafe(recovered).catch_unwind().await;
+                        let settlement = recovered.unwrap_or_else(Settlement::Panicked);
                         return settle(holder, settlement, answer).await;
                     }
                     Recovery::Refused => return answer.end(Message::Refused),
@@ -269,7 +273,11 @@ async fn settle_output<St: Store, D: Door, E>(
             answer.send(door.uncommitted(output));
         }
         None => {
-            let settlement = door.settle(output, &holder.held()).await;
+            // A door's settle runs the user's code too (a store policy): its panic releases the
+            // key and is resumed in the caller, as the operation's is.
+            let held = holder.held();
+            let settled = AssertUnwindSafe(door.settle(output, &held)).catch_unwind().await;
+            let settlement = settled.unwrap_or_else(Settlement::Panicked);
             settle(holder, settlement, answer).await;
         }
     }

@@ -207,6 +207,8 @@ pub(super) enum Teed {
     OverLimit(Body),
     /// The body failed; the client got the error where it happened.
     Failed(axum::Error),
+    /// The body panicked (never returned by [`tee`]: its caller catches the panic).
+    Panicked,
 }
 
 /// Reads `body` to its end, sending every frame on to `client` as it comes and keeping a copy

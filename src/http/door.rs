@@ -3,12 +3,14 @@
 
 use std::{
     marker::PhantomData,
+    panic::AssertUnwindSafe,
     sync::Arc,
     time::{Duration, SystemTime},
 };
 
 use axum::{body::Body, response::Response};
 use bytes::Bytes;
+use futures_util::FutureExt as _;
 use http::{HeaderMap, StatusCode};
 use http_body::Body as HttpBody;
 
@@ -224,7 +226,12 @@ impl<ResBody> HttpDoor<ResBody> {
         let config = self.config.clone();
         let rest = async move {
             let limit = config.stored_body_limit;
-            let ended = match tee(body, &client, limit).await {
+            // A body that panics is caught here, so that the client gets an error where its
+            // body broke off (not a body that looks whole), and its stream ends only once the
+            // key is released.
+            let teed = AssertUnwindSafe(tee(body, &client, limit)).catch_unwind().await;
+            let teed = teed.unwrap_or_else(|_panic| Teed::Panicked);
+            let ended = match teed {
                 Teed::Whole(copy) => {
                     let filter = &config.header_filter;
                     Streaming::Stored(record::encode(status, &headers, filter, &copy))
@@ -238,6 +245,11 @@ impl<ResBody> HttpDoor<ResBody> {
                     }
                 }
                 Teed::Failed(error) => Streaming::Failed(error.to_string()),
+                Teed::Panicked => {
+                    let error = axum::Error::new("the response body panicked");
+                    let _ = client.send(Err(error)).await;
+                    Streaming::Failed("the response body panicked".to_owned())
+                }
             };
             StreamEnd { ended, open: Box::new(client) }
         };

@@ -347,7 +347,8 @@ impl<S, St: Store, Sc: Clone> Layer<S> for IdempotencyLayer<St, Sc> {
 
 impl<St: Admin, Sc> IdempotencyLayer<St, Sc> {
     /// The operator's calls for the records this layer writes (its key prefix, decrypted as it
-    /// encrypts): what a support tool or an admin route holds. See [`Operator`].
+    /// encrypts): what a support tool or an admin route holds. See [`Operator`]. It takes the
+    /// layer as configured when called: call it on the finished layer.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
         Operator::new(engine, self.config.prefix.clone())

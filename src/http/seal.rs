@@ -1,6 +1,6 @@
 //! The HTTP door's side of a store's transaction: how it encodes the outcome a handler commits
-//! ([`Committable`] for `Response`), how it answers a [`TransactionError`], and how it settles
-//! a claim whose handler committed (or tried to).
+//! ([`Committable`] for `Response`), and how it answers a [`TransactionError`]; and which
+//! responses it does not store ([`not_stored`]), for both its settle and its commits.
 
 use std::{fmt, sync::Arc};
 
@@ -122,7 +122,8 @@ pub(super) const OVER_BODY_LIMIT: &str = "the response is over the stored body l
 /// Why the layer does not store a response.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum NotStored {
-    /// Its policy: a status its store policy does not keep, a 405. The key is released.
+    /// Its policy: a response marked `ReleaseKey`, one its store policy does not keep, a 405.
+    /// The key is released.
     Policy(&'static str),
     /// Over the stored limits: kept as "completed, not replayable", unless the layer releases
     /// such keys.

@@ -88,7 +88,10 @@ impl StorePolicy for DefaultStorePolicy {
 ///
 /// For a failure the handler knows to be passing (a dependency down, a lock not taken), or an
 /// extractor's rejection, which answered before the handler acted: put it in the response as one
-/// of its parts.
+/// of its parts. A response committed in a store's transaction (`PostgresStore::transaction`)
+/// that carries it, or that the store policy does not keep, is refused, and the transaction
+/// rolled back with its side effect (`TransactionError::NotStored`): a side effect committed
+/// with its key released would run again on the retry.
 ///
 /// ```
 /// use axum::{http::StatusCode, response::IntoResponse};

@@ -56,9 +56,11 @@ pub enum TransactionError<E> {
     /// live claim, because its lease was taken over or it was claimed in another store):
     /// rolled back.
     Store(StoreError),
-    /// The front door does not store this outcome (a status its store policy does not keep,
-    /// a response over the stored limits, a value serde cannot encode, a response committed
-    /// for the consumer door): rolled back. The reason.
+    /// The front door does not store this outcome (a response its store policy does not
+    /// keep or marked `http::ReleaseKey`, a response over the stored limits, a value serde
+    /// cannot encode, a response committed for the consumer door): rolled back, its side
+    /// effect with it (committed with its key released, it would run again on the retry).
+    /// The reason.
     NotStored(String),
     /// The commit was sent, and its answer was lost (the connection broke, or the command
     /// timeout ran out): the transaction committed, or not. Nothing is retried; the key stays
