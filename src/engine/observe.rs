@@ -8,6 +8,8 @@ use std::{ops::Deref, sync::Arc, time::Duration};
 /// The label of a door's metrics: its name (`route`, `scope`) and its value. Never a key.
 #[derive(Debug, Clone)]
 pub(crate) struct Label {
+    /// Read only by the metrics.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     name: &'static str,
     value: Arc<str>,
 }
