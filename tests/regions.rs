@@ -171,3 +171,40 @@ async fn the_home_region_unreachable_answers_503_and_runs_nothing() {
     assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
     assert_eq!(calls.get(), 1);
 }
+
+/// Downstream provider idempotency, the app's: with a store per region the handler runs again
+/// in the second region, but a provider keyed by `IdempotencyContext::derived_key` charges
+/// once, and both answers name the one charge (the derived key depends on the prefix, scope
+/// and key, never on the store or the region).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_provider_keyed_by_the_derived_key_charges_once_across_stores_per_region() {
+    use std::{
+        collections::HashMap,
+        sync::{Arc, Mutex},
+    };
+
+    use axum::routing::post;
+    use axum_idempotency::IdempotencyContext;
+
+    // The provider: one charge per idempotency key it is given, as a payment provider keeps.
+    let charges: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let runs = Calls::default();
+    let region = |store: RedisStore| {
+        let (charges, runs) = (charges.clone(), runs.clone());
+        let charge = move |context: IdempotencyContext| async move {
+            runs.next_call();
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let mut charges = charges.lock().unwrap();
+            let count = charges.len();
+            let id = *charges.entry(context.derived_key("psp")).or_insert(count + 1);
+            (StatusCode::CREATED, format!("charge {id}"))
+        };
+        Router::new().route("/slow", post(charge)).layer(IdempotencyLayer::new(store))
+    };
+    let (eu_server, us_server) = (RedisServer::start(), RedisServer::start());
+    let (eu, us) = (region(eu_server.store()), region(us_server.store()));
+    let (first, retry) = first_then_retry(&eu, &us, &eu_server, "order-1").await;
+    assert_eq!(runs.get(), 2, "a store per region: the retry elsewhere ran the handler again");
+    assert_eq!(charges.lock().unwrap().len(), 1, "the provider charged twice");
+    assert_eq!((first.body.as_str(), retry.body.as_str()), ("charge 1", "charge 1"));
+}

@@ -250,7 +250,7 @@ impl<St: Admin, H: HomeRegion> Admin for RegionalStore<St, H> {
         for listing in futures_util::future::join_all(listings).await {
             claims.extend(listing?);
         }
-        claims.sort_by(|a, b| b.lapsed_for.cmp(&a.lapsed_for));
+        claims.sort_by_key(|claim| std::cmp::Reverse(claim.lapsed_for));
         claims.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
         Ok(claims)
     }
