@@ -208,3 +208,44 @@ async fn a_provider_keyed_by_the_derived_key_charges_once_across_stores_per_regi
     assert_eq!(charges.lock().unwrap().len(), 1, "the provider charged twice");
     assert_eq!((first.body.as_str(), retry.body.as_str()), ("charge 1", "charge 1"));
 }
+
+/// The opt-in fallback: a key whose home is unreachable is claimed, completed and replayed in
+/// the fallback region; what it gives up shows once the home is back: the key runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_opt_in_fallback_serves_a_cut_off_home_here_and_gives_up_uniqueness() {
+    let eu_server = RedisServer::start();
+    let mut us_server = RedisServer::start();
+    let timeout = Duration::from_millis(300);
+    let store = RegionalStore::new([
+        ("eu", eu_server.store().command_timeout(timeout)),
+        ("us", us_server.store().command_timeout(timeout)),
+    ])
+    .fall_back_to("eu");
+    us_server.kill();
+    let calls = Calls::default();
+    let layer = app(&calls).layer(IdempotencyLayer::new(store.clone()));
+    let key: &'static str =
+        (0..).map(|i| format!("k{i}")).find(|k| store.home_of(&global(k)) == "us").unwrap().leak();
+
+    let first = send(&layer, delayed("/payments", key, 0, "{}")).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    // The complete followed the claim to the fallback: the retry is its replay.
+    assert_eq!(eu_server.held(&global(key)).await, Some(Held::Completed));
+    let retry = send(&layer, delayed("/payments", key, 0, "{}")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(calls.get(), 1);
+
+    // The home is back (empty, as a home that never saw the claim): the key runs again.
+    us_server.restart();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let answer = send(&layer, delayed("/payments", key, 0, "{}")).await;
+        assert_eq!(answer.status, StatusCode::CREATED, "{answer:?}");
+        if !answer.replayed() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the home never came back");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(calls.get(), 2, "what the fallback gives up: the key ran once per side");
+}

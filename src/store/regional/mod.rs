@@ -1,9 +1,12 @@
 //! [`RegionalStore`]: one store per region, and every record decided by its key's home region.
 
+mod fallback;
+
 use std::{fmt, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 
+use self::fallback::Fallback;
 use super::{
     AbandonedClaim, Admin, Claim, Fenced, Forgotten, Inspection, Lease, OwnerToken, Store,
     StoreError, Subscription,
@@ -76,9 +79,9 @@ impl HomeRegion for HashedHome {
 ///   local to the region that holds it (a completed record read once from the home).
 /// - **The home unreachable fails closed**: the home store's own error comes back unchanged
 ///   (an unavailable or timed-out store), which the HTTP door answers 503 with `Retry-After`
-///   and the consumer door as a store error; the operation does not run. There is no fallback
-///   to another region: a claim taken anywhere but the home would let the same key run once
-///   per side of a partition.
+///   and the consumer door as a store error; the operation does not run. Opt in to
+///   [`fall_back_to`](Self::fall_back_to) to claim in this region instead, giving up
+///   uniqueness across regions while the home is cut off.
 /// - A claim from a region far from the key's home pays the round trips between the regions:
 ///   two per fresh request (claim, complete), one per replay.
 ///
@@ -91,10 +94,11 @@ impl HomeRegion for HashedHome {
 /// let layer = IdempotencyLayer::new(store);
 /// ```
 ///
-#[doc = include_str!("../docs/regions.md")]
+#[doc = include_str!("../../docs/regions.md")]
 pub struct RegionalStore<St, H = HashedHome> {
     regions: Arc<[(String, St)]>,
     home: Arc<H>,
+    fallback: Option<Arc<Fallback>>,
 }
 
 impl<St> RegionalStore<St> {
@@ -108,7 +112,7 @@ impl<St> RegionalStore<St> {
         let regions: Arc<[(String, St)]> =
             regions.into_iter().map(|(name, store)| (name.into(), store)).collect();
         assert!(!regions.is_empty(), "a RegionalStore needs at least one region");
-        Self { regions, home: Arc::new(HashedHome) }
+        Self { regions, home: Arc::new(HashedHome), fallback: None }
     }
 }
 
@@ -116,7 +120,31 @@ impl<St, H> RegionalStore<St, H> {
     /// Sets the rule that picks a key's home. Defaults to [`HashedHome`].
     #[must_use]
     pub fn home<H2: HomeRegion>(self, rule: H2) -> RegionalStore<St, H2> {
-        RegionalStore { regions: self.regions, home: Arc::new(rule) }
+        RegionalStore { regions: self.regions, home: Arc::new(rule), fallback: self.fallback }
+    }
+
+    /// **Opt in, knowing what it gives up**: when a key's home cannot be reached (its store
+    /// answers unavailable, or not in time), claim the key in the region named `region`
+    /// (this instance's own, typically) instead of failing; the claim's settles (complete,
+    /// release, renewals) follow it there. Defaults to none: the request fails closed.
+    ///
+    /// What it gives up: uniqueness across regions while the home is cut off. A retry that
+    /// reaches the home meanwhile, or any request for the key once the home is back, does not
+    /// see the claim taken here, and runs the operation again; and the other side of a
+    /// partition falls back to its own region. A claim that timed out at the home may still
+    /// land there, holding the key until its lease lapses. Use it where serving beats running
+    /// twice, never for a payment; waiters of a claim taken here wait out their deadline (they
+    /// listen at the home).
+    ///
+    /// # Panics
+    ///
+    /// When no region is named `region`.
+    #[must_use]
+    pub fn fall_back_to(mut self, region: &str) -> Self {
+        let index = self.regions.iter().position(|(name, _)| name == region);
+        let index = index.unwrap_or_else(|| panic!("no region is named {region:?}"));
+        self.fallback = Some(Arc::new(Fallback::new(index)));
+        self
     }
 
     /// The regions' names, in order.
@@ -146,11 +174,69 @@ impl<St, H: HomeRegion> RegionalStore<St, H> {
     fn authority(&self, key: &RecordKey) -> &St {
         &self.regions[self.index_of(key)].1
     }
+
+    /// The store that holds `owner`'s claim of `key`: the home's, or the fallback's when the
+    /// claim was taken there.
+    fn holding(&self, key: &RecordKey, owner: &OwnerToken) -> &St {
+        match &self.fallback {
+            Some(fallback) if fallback.holds(key, owner) => &self.regions[fallback.region].1,
+            _ => self.authority(key),
+        }
+    }
+
+    /// Forgets a claim taken at the fallback once its settle has an answer.
+    fn settled<T>(&self, key: &RecordKey, owner: &OwnerToken, answer: &Result<T, StoreError>) {
+        if let (Some(fallback), Ok(_)) = (&self.fallback, answer) {
+            fallback.forget(key, owner);
+        }
+    }
+}
+
+impl<St: Store, H: HomeRegion> RegionalStore<St, H> {
+    /// A claim at the key's home; at the fallback, when one is set and the home is unreachable.
+    async fn claim_in(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+        waiting: bool,
+    ) -> Result<Claim, StoreError> {
+        let claim = async |store: &St| match waiting {
+            true => store.claim_waiting(key, fingerprint, owner, lease).await,
+            false => store.claim(key, fingerprint, owner, lease).await,
+        };
+        let home = self.index_of(key);
+        let answer = claim(&self.regions[home].1).await;
+        match (&self.fallback, answer) {
+            (Some(fallback), Err(error))
+                if fallback.region != home && Fallback::applies(&error) =>
+            {
+                tracing::warn!(
+                    key_hash = key.hash(),
+                    home = self.regions[home].0,
+                    fallback = self.regions[fallback.region].0,
+                    %error,
+                    "the key's home region is unreachable: claiming in the fallback region"
+                );
+                let claim = claim(&self.regions[fallback.region].1).await?;
+                if matches!(claim, Claim::Claimed | Claim::TakenOver) {
+                    fallback.remember(key, owner, lease);
+                }
+                Ok(claim)
+            }
+            (_, answer) => answer,
+        }
+    }
 }
 
 impl<St, H> Clone for RegionalStore<St, H> {
     fn clone(&self) -> Self {
-        Self { regions: Arc::clone(&self.regions), home: Arc::clone(&self.home) }
+        Self {
+            regions: Arc::clone(&self.regions),
+            home: Arc::clone(&self.home),
+            fallback: self.fallback.clone(),
+        }
     }
 }
 
@@ -160,6 +246,7 @@ impl<St: fmt::Debug, H> fmt::Debug for RegionalStore<St, H> {
         f.debug_struct("RegionalStore")
             .field("regions", &self.regions)
             .field("home", &std::any::type_name::<H>())
+            .field("fallback", &self.fallback.as_ref().map(|f| &self.regions[f.region].0))
             .finish()
     }
 }
@@ -172,7 +259,7 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
-        self.authority(key).claim(key, fingerprint, owner, lease).await
+        self.claim_in(key, fingerprint, owner, lease, false).await
     }
 
     async fn claim_waiting(
@@ -182,7 +269,7 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
-        self.authority(key).claim_waiting(key, fingerprint, owner, lease).await
+        self.claim_in(key, fingerprint, owner, lease, true).await
     }
 
     async fn subscribe(&self, key: &RecordKey) -> Subscription {
@@ -197,11 +284,16 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         response: Bytes,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        self.authority(key).complete(key, owner, fingerprint, response, retention).await
+        let store = self.holding(key, owner);
+        let answer = store.complete(key, owner, fingerprint, response, retention).await;
+        self.settled(key, owner, &answer);
+        answer
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
-        self.authority(key).release(key, owner).await
+        let answer = self.holding(key, owner).release(key, owner).await;
+        self.settled(key, owner, &answer);
+        answer
     }
 
     async fn abandon(
@@ -211,7 +303,9 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         fingerprint: &Fingerprint,
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
-        self.authority(key).abandon(key, owner, fingerprint, lease).await
+        let answer = self.holding(key, owner).abandon(key, owner, fingerprint, lease).await;
+        self.settled(key, owner, &answer);
+        answer
     }
 
     async fn touch(
@@ -220,7 +314,13 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
-        self.authority(key).touch(key, owner, lease).await
+        let answer = self.holding(key, owner).touch(key, owner, lease).await;
+        if let (Some(fallback), Ok(Fenced::Applied)) = (&self.fallback, &answer)
+            && fallback.holds(key, owner)
+        {
+            fallback.remember(key, owner, lease);
+        }
+        answer
     }
 }
 
@@ -257,65 +357,4 @@ impl<St: Admin, H: HomeRegion> Admin for RegionalStore<St, H> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::store::MemoryStore;
-
-    fn three() -> RegionalStore<MemoryStore> {
-        RegionalStore::new([
-            ("eu", MemoryStore::new()),
-            ("us", MemoryStore::new()),
-            ("ap", MemoryStore::new()),
-        ])
-    }
-
-    #[test]
-    fn the_hashed_home_spreads_keys_over_every_region_and_never_moves_one() {
-        let store = three();
-        let mut homes = std::collections::HashMap::<&str, usize>::new();
-        for i in 0..3000 {
-            let key = RecordKey::new("idempotency", b"", format!("order-{i}").as_bytes());
-            let home = store.home_of(&key);
-            assert_eq!(home, store.clone().home_of(&key), "one key, two homes");
-            *homes.entry(home).or_default() += 1;
-        }
-        for region in ["eu", "us", "ap"] {
-            let share = homes[region];
-            assert!((800..1200).contains(&share), "{region} homes {share} of 3000 keys");
-        }
-        // The rule depends on the key alone: a fixed key has a fixed home, in every process.
-        let fixed = RecordKey::new("idempotency", b"", b"order-1");
-        let expected = ["eu", "us", "ap"]
-            [usize::try_from(u64::from_str_radix(&fixed.hash()[..16], 16).unwrap() % 3).unwrap()];
-        assert_eq!(store.home_of(&fixed), expected);
-    }
-
-    #[tokio::test]
-    async fn every_transition_of_a_key_lands_in_its_home_alone() {
-        let store = three();
-        let fingerprint = Fingerprint::new("POST", "/", "", b"1");
-        let long = Duration::from_secs(60);
-        for i in 0..30 {
-            let key = RecordKey::new("t", b"", format!("k{i}").as_bytes());
-            let owner = OwnerToken::random();
-            assert_eq!(
-                store.claim(&key, &fingerprint, &owner, long.into()).await.unwrap(),
-                Claim::Claimed
-            );
-            let done = store.complete(&key, &owner, &fingerprint, Bytes::from_static(b"r"), long);
-            assert_eq!(done.await.unwrap(), Fenced::Applied);
-            for name in ["eu", "us", "ap"] {
-                let held = store.region(name).unwrap().inspect(&key, false).await.unwrap();
-                assert_eq!(held.is_some(), name == store.home_of(&key), "{name} for k{i}");
-            }
-        }
-    }
-
-    #[test]
-    fn a_rule_past_the_last_region_wraps_around() {
-        let store = three().home(|_: &RecordKey, regions: usize| regions + 1);
-        assert_eq!(store.home_of(&RecordKey::new("t", b"", b"k")), "us");
-        assert_eq!(store.regions().collect::<Vec<_>>(), ["eu", "us", "ap"]);
-        assert!(format!("{store:?}").contains("\"eu\""));
-    }
-}
+mod tests;
