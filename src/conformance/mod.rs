@@ -7,7 +7,8 @@
 //! can be in (absent, in progress by the caller or by another owner, lapsed within a recovery
 //! window, completed, expired), and assert the exact answer and what a later claim sees.
 //! [`MemoryStore`](crate::MemoryStore), [`RedisStore`](crate::RedisStore) (standalone and
-//! Cluster) and [`CachingStore`](crate::store::CachingStore) run them in this crate's tests,
+//! Cluster), [`CachingStore`](crate::store::CachingStore) and
+//! [`RegionalStore`](crate::store::RegionalStore) run them in this crate's tests,
 //! and so does a store written in `tests/` against the public API alone.
 //!
 //! One test per check, in a test file of your store's crate:

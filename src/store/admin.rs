@@ -12,8 +12,8 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 /// An operator's handle on single records: support answering "what happened to this request
 /// with key K?", letting a client run it again, and finding the claims nobody came back for.
 /// [`MemoryStore`](super::MemoryStore), [`RedisStore`](super::RedisStore) (standalone and
-/// Cluster), [`PostgresStore`](super::PostgresStore) and [`CachingStore`](super::CachingStore)
-/// implement it. The front doors' `inspect`, `forget` and `abandoned` take a scope and a client's
+/// Cluster), [`PostgresStore`](super::PostgresStore), [`CachingStore`](super::CachingStore) and
+/// [`RegionalStore`](super::RegionalStore) implement it. The front doors' `inspect`, `forget` and `abandoned` take a scope and a client's
 /// key instead of a [`RecordKey`], and decrypt what the door encrypted.
 ///
 /// None of it is on a request's path: each call is one round trip, except the Redis listing,

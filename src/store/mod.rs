@@ -1,5 +1,6 @@
 //! Where idempotency records live: the [`Store`] trait and its implementations ([`MemoryStore`],
-//! [`RedisStore`], `PostgresStore`, [`CachingStore`], each passing one behaviour suite); beside
+//! [`RedisStore`], `PostgresStore`, [`CachingStore`], [`RegionalStore`], each passing one
+//! behaviour suite); beside
 //! it, the operator's calls ([`Admin`]) and the `dedup` door's ([`DedupStore`]).
 //!
 //! A record moves through three transitions, each one atomic in the store:
@@ -26,6 +27,7 @@ mod memory;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+mod regional;
 mod subscription;
 mod transaction;
 
@@ -45,6 +47,7 @@ pub use self::postgres::{
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
+pub use self::regional::{HashedHome, HomeRegion, RegionalStore};
 pub use self::subscription::{OnLastLeave, Subscription, Waiters};
 #[cfg(feature = "postgres")]
 pub(crate) use self::transaction::Running;

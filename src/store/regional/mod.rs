@@ -1,0 +1,360 @@
+//! [`RegionalStore`]: one store per region, and every record decided by its key's home region.
+
+mod fallback;
+
+use std::{fmt, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+
+use self::fallback::Fallback;
+use super::{
+    AbandonedClaim, Admin, Claim, Fenced, Forgotten, Inspection, Lease, OwnerToken, Store,
+    StoreError, Subscription,
+};
+use crate::{fingerprint::Fingerprint, key::RecordKey};
+
+/// Picks the home region of a record key: the one region whose store decides every claim,
+/// settle and replay of that key, whatever region served the request.
+///
+/// Every instance of the service, in every region, must give the same answer for a key: build
+/// each region's [`RegionalStore`] with the same regions, in the same order, and the same rule.
+/// A rule that reads a clock, a config reloaded per region, or a process's random seed breaks
+/// that, and with it the one authority per key.
+///
+/// The record key is all a store sees of a request: a hash of the prefix, the scope and the
+/// client's key (the scope itself is not in it). To home a tenant's keys in its region, give
+/// the tenant's routes a layer whose [`key_prefix`](crate::IdempotencyLayer::key_prefix) names
+/// the region, and match on it:
+///
+/// ```
+/// use axum_idempotency::{MemoryStore, store::{RecordKey, RegionalStore}};
+///
+/// let regions = [("eu", MemoryStore::new()), ("us", MemoryStore::new())];
+/// // `eu:` keys (a layer with `.key_prefix("eu")`) live in the EU, every other key in the US.
+/// let store = RegionalStore::new(regions)
+///     .home(|key: &RecordKey, _regions: usize| usize::from(!key.as_str().starts_with("eu:")));
+/// assert_eq!(store.home_of(&RecordKey::new("eu", b"acme", b"order-1")), "eu");
+/// assert_eq!(store.home_of(&RecordKey::new("idempotency", b"acme", b"order-1")), "us");
+/// ```
+pub trait HomeRegion: Send + Sync + 'static {
+    /// The index of `key`'s home among the `regions` (in the order [`RegionalStore::new`] was
+    /// given them); an index past the last is taken modulo `regions`.
+    fn home(&self, key: &RecordKey, regions: usize) -> usize;
+}
+
+impl<F> HomeRegion for F
+where
+    F: Fn(&RecordKey, usize) -> usize + Send + Sync + 'static,
+{
+    fn home(&self, key: &RecordKey, regions: usize) -> usize {
+        self(key, regions)
+    }
+}
+
+/// The default [`HomeRegion`]: the record key's hash, modulo the number of regions. Keys
+/// spread evenly; the answer depends on the key alone, so every instance agrees on it.
+/// Adding or removing a region moves most keys to another home: do it between retention
+/// windows, or a retry may find its key's record in the old home no more.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HashedHome;
+
+impl HomeRegion for HashedHome {
+    fn home(&self, key: &RecordKey, regions: usize) -> usize {
+        // The first 16 hex digits of the SHA-256 hash: 64 well-mixed bits.
+        let high = key.hash().get(..16).and_then(|hex| u64::from_str_radix(hex, 16).ok());
+        let regions = u64::try_from(regions.max(1)).unwrap_or(u64::MAX);
+        usize::try_from(high.unwrap_or(0) % regions).unwrap_or(0)
+    }
+}
+
+/// A store over one store per region, which sends every call for a record key to the key's
+/// home region: one authority decides each key, so a retry that a global load balancer sends
+/// to another region finds the first attempt's claim, waits for it, and gets its response.
+///
+/// - Each region's store is of one type (`St`): a [`RedisStore`](super::RedisStore) per region,
+///   say, each reached from every region. The home of a key is picked by a [`HomeRegion`]
+///   rule ([`HashedHome`] by default; [`home`](Self::home) sets another).
+/// - Waiting ([`Store::subscribe`]) listens on the home's store; encryption at rest is the
+///   doors' and is unchanged; a [`CachingStore`](super::CachingStore) over it is a near cache
+///   local to the region that holds it (a completed record read once from the home).
+/// - **The home unreachable fails closed**: the home store's own error comes back unchanged
+///   (an unavailable or timed-out store), which the HTTP door answers 503 with `Retry-After`
+///   and the consumer door as a store error; the operation does not run. Opt in to
+///   [`fall_back_to`](Self::fall_back_to) to claim in this region instead, giving up
+///   uniqueness across regions while the home is cut off.
+/// - A claim from a region far from the key's home pays the round trips between the regions:
+///   two per fresh request (claim, complete), one per replay.
+///
+/// ```
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, store::RegionalStore};
+///
+/// // In production: a `RedisStore` per region, each reachable from every region.
+/// let regions = [("eu", MemoryStore::new()), ("us", MemoryStore::new()), ("ap", MemoryStore::new())];
+/// let store = RegionalStore::new(regions);
+/// let layer = IdempotencyLayer::new(store);
+/// ```
+///
+#[doc = include_str!("../../docs/regions.md")]
+pub struct RegionalStore<St, H = HashedHome> {
+    regions: Arc<[(String, St)]>,
+    home: Arc<H>,
+    fallback: Option<Arc<Fallback>>,
+}
+
+impl<St> RegionalStore<St> {
+    /// A store over `regions`, each a name and its store, homing keys by [`HashedHome`].
+    /// Every instance must be given the same regions in the same order.
+    ///
+    /// # Panics
+    ///
+    /// When `regions` is empty.
+    pub fn new<N: Into<String>>(regions: impl IntoIterator<Item = (N, St)>) -> Self {
+        let regions: Arc<[(String, St)]> =
+            regions.into_iter().map(|(name, store)| (name.into(), store)).collect();
+        assert!(!regions.is_empty(), "a RegionalStore needs at least one region");
+        Self { regions, home: Arc::new(HashedHome), fallback: None }
+    }
+}
+
+impl<St, H> RegionalStore<St, H> {
+    /// Sets the rule that picks a key's home. Defaults to [`HashedHome`].
+    #[must_use]
+    pub fn home<H2: HomeRegion>(self, rule: H2) -> RegionalStore<St, H2> {
+        RegionalStore { regions: self.regions, home: Arc::new(rule), fallback: self.fallback }
+    }
+
+    /// **Opt in, knowing what it gives up**: when a key's home cannot be reached (its store
+    /// answers unavailable, or not in time), claim the key in the region named `region`
+    /// (this instance's own, typically) instead of failing; the claim's settles (complete,
+    /// release, renewals) follow it there. Defaults to none: the request fails closed.
+    ///
+    /// What it gives up: uniqueness across regions while the home is cut off. A retry that
+    /// reaches the home meanwhile, or any request for the key once the home is back, does not
+    /// see the claim taken here, and runs the operation again; and the other side of a
+    /// partition falls back to its own region. A claim that timed out at the home may still
+    /// land there, holding the key until its lease lapses. Use it where serving beats running
+    /// twice, never for a payment; waiters of a claim taken here wait out their deadline (they
+    /// listen at the home).
+    ///
+    /// # Panics
+    ///
+    /// When no region is named `region`.
+    #[must_use]
+    pub fn fall_back_to(mut self, region: &str) -> Self {
+        let index = self.regions.iter().position(|(name, _)| name == region);
+        let index = index.unwrap_or_else(|| panic!("no region is named {region:?}"));
+        self.fallback = Some(Arc::new(Fallback::new(index)));
+        self
+    }
+
+    /// The regions' names, in order.
+    pub fn regions(&self) -> impl Iterator<Item = &str> {
+        self.regions.iter().map(|(name, _)| name.as_str())
+    }
+
+    /// The store of the region named `name`.
+    #[must_use]
+    pub fn region(&self, name: &str) -> Option<&St> {
+        self.regions.iter().find(|(region, _)| region == name).map(|(_, store)| store)
+    }
+}
+
+impl<St, H: HomeRegion> RegionalStore<St, H> {
+    /// The name of `key`'s home region.
+    #[must_use]
+    pub fn home_of(&self, key: &RecordKey) -> &str {
+        &self.regions[self.index_of(key)].0
+    }
+
+    fn index_of(&self, key: &RecordKey) -> usize {
+        self.home.home(key, self.regions.len()) % self.regions.len()
+    }
+
+    /// The store of `key`'s home region.
+    fn authority(&self, key: &RecordKey) -> &St {
+        &self.regions[self.index_of(key)].1
+    }
+
+    /// The store that holds `owner`'s claim of `key`: the home's, or the fallback's when the
+    /// claim was taken there.
+    fn holding(&self, key: &RecordKey, owner: &OwnerToken) -> &St {
+        match &self.fallback {
+            Some(fallback) if fallback.holds(key, owner) => &self.regions[fallback.region].1,
+            _ => self.authority(key),
+        }
+    }
+
+    /// Forgets a claim taken at the fallback once its settle has an answer.
+    fn settled<T>(&self, key: &RecordKey, owner: &OwnerToken, answer: &Result<T, StoreError>) {
+        if let (Some(fallback), Ok(_)) = (&self.fallback, answer) {
+            fallback.forget(key, owner);
+        }
+    }
+}
+
+impl<St: Store, H: HomeRegion> RegionalStore<St, H> {
+    /// A claim at the key's home; at the fallback, when one is set and the home is unreachable.
+    async fn claim_in(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+        waiting: bool,
+    ) -> Result<Claim, StoreError> {
+        let claim = async |store: &St| match waiting {
+            true => store.claim_waiting(key, fingerprint, owner, lease).await,
+            false => store.claim(key, fingerprint, owner, lease).await,
+        };
+        let home = self.index_of(key);
+        let answer = claim(&self.regions[home].1).await;
+        match (&self.fallback, answer) {
+            (Some(fallback), Err(error))
+                if fallback.region != home && Fallback::applies(&error) =>
+            {
+                tracing::warn!(
+                    key_hash = key.hash(),
+                    home = self.regions[home].0,
+                    fallback = self.regions[fallback.region].0,
+                    %error,
+                    "the key's home region is unreachable: claiming in the fallback region"
+                );
+                let claim = claim(&self.regions[fallback.region].1).await?;
+                if matches!(claim, Claim::Claimed | Claim::TakenOver) {
+                    fallback.remember(key, owner, lease);
+                }
+                Ok(claim)
+            }
+            (_, answer) => answer,
+        }
+    }
+}
+
+impl<St, H> Clone for RegionalStore<St, H> {
+    fn clone(&self) -> Self {
+        Self {
+            regions: Arc::clone(&self.regions),
+            home: Arc::clone(&self.home),
+            fallback: self.fallback.clone(),
+        }
+    }
+}
+
+impl<St: fmt::Debug, H> fmt::Debug for RegionalStore<St, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The rule may be a closure, which has no `Debug`.
+        f.debug_struct("RegionalStore")
+            .field("regions", &self.regions)
+            .field("home", &std::any::type_name::<H>())
+            .field("fallback", &self.fallback.as_ref().map(|f| &self.regions[f.region].0))
+            .finish()
+    }
+}
+
+impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.claim_in(key, fingerprint, owner, lease, false).await
+    }
+
+    async fn claim_waiting(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.claim_in(key, fingerprint, owner, lease, true).await
+    }
+
+    async fn subscribe(&self, key: &RecordKey) -> Subscription {
+        self.authority(key).subscribe(key).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        let store = self.holding(key, owner);
+        let answer = store.complete(key, owner, fingerprint, response, retention).await;
+        self.settled(key, owner, &answer);
+        answer
+    }
+
+    async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        let answer = self.holding(key, owner).release(key, owner).await;
+        self.settled(key, owner, &answer);
+        answer
+    }
+
+    async fn abandon(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        let answer = self.holding(key, owner).abandon(key, owner, fingerprint, lease).await;
+        self.settled(key, owner, &answer);
+        answer
+    }
+
+    async fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        let answer = self.holding(key, owner).touch(key, owner, lease).await;
+        if let (Some(fallback), Ok(Fenced::Applied)) = (&self.fallback, &answer)
+            && fallback.holds(key, owner)
+        {
+            fallback.remember(key, owner, lease);
+        }
+        answer
+    }
+}
+
+impl<St: Admin, H: HomeRegion> Admin for RegionalStore<St, H> {
+    async fn inspect(
+        &self,
+        key: &RecordKey,
+        with_outcome: bool,
+    ) -> Result<Option<Inspection>, StoreError> {
+        self.authority(key).inspect(key, with_outcome).await
+    }
+
+    async fn forget(&self, key: &RecordKey, force: bool) -> Result<Forgotten, StoreError> {
+        self.authority(key).forget(key, force).await
+    }
+
+    /// Every region's abandoned claims, oldest lapse first, at most `limit` in all. A region
+    /// that cannot answer fails the listing: a partial list would read as "nothing abandoned
+    /// there".
+    async fn abandoned(
+        &self,
+        lapsed_for: Duration,
+        limit: u32,
+    ) -> Result<Vec<AbandonedClaim>, StoreError> {
+        let listings = self.regions.iter().map(|(_, store)| store.abandoned(lapsed_for, limit));
+        let mut claims = Vec::new();
+        for listing in futures_util::future::join_all(listings).await {
+            claims.extend(listing?);
+        }
+        claims.sort_by_key(|claim| std::cmp::Reverse(claim.lapsed_for));
+        claims.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        Ok(claims)
+    }
+}
+
+#[cfg(test)]
+mod tests;
