@@ -278,17 +278,16 @@ impl<St: Store, H> Idempotent<St, H> {
             return Err(Error::EmptyKey);
         }
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        let record_key = self.record_key(scope, key.as_ref());
-        let hash = record_key.hash().to_owned();
         let fingerprint = self.fingerprint.of(payload.as_ref());
+        let named = self.named(scope, key.as_ref(), fingerprint);
+        let hash = named.key.hash().to_owned();
         let route: Arc<str> = scope.into();
         let door = ConsumerDoor {
             stored_limit: self.stored_limit,
             scope: route.clone(),
             result: PhantomData,
         };
-        let claiming =
-            Claiming { key: record_key, fingerprint, route, scope: scope.as_bytes().to_vec() };
+        let claiming = Claiming { named, route, scope: scope.as_bytes().to_vec() };
         let start = |operation: F, context: IdempotencyContext, due: bool| {
             let lookup = self.hook.as_ref().filter(|_| due).map(|hook| {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));

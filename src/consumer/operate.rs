@@ -8,7 +8,8 @@ use crate::{
         Engine,
         envelope::{Format, Opened},
     },
-    key::RecordKey,
+    fingerprint::Fingerprint,
+    key::{Named, RecordKey},
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
 
@@ -76,6 +77,12 @@ impl<St: Admin, H> Idempotent<St, H> {
 impl<St, H> Idempotent<St, H> {
     /// The record key of `key` in `scope`: where [`run`](Self::run) keeps its record.
     pub(super) fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
-        RecordKey::new(&self.prefix, scope.as_bytes(), key)
+        self.settings.names.record_key(&self.prefix, scope.as_bytes(), key)
+    }
+
+    /// The names [`run`](Self::run) claims `key` in `scope` under, for a payload fingerprinted
+    /// as `fingerprint`.
+    pub(super) fn named(&self, scope: &str, key: &[u8], fingerprint: Fingerprint) -> Named {
+        self.settings.names.name(&self.prefix, scope.as_bytes(), key, fingerprint)
     }
 }

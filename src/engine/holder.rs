@@ -315,7 +315,7 @@ mod tests {
     use crate::{
         engine::{Claimed, Engine, Settings},
         fingerprint::Fingerprint,
-        key::RecordKey,
+        key::{Named, RecordKey},
         store::{MemoryStore, Store},
     };
 
@@ -357,8 +357,12 @@ mod tests {
                 let engine = Engine::new(store.clone(), Arc::new(settings), &Default::default());
                 let (key, fingerprint) =
                     (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
-                let Ok(Claimed::Run(holder)) =
-                    engine.claim(key.clone(), fingerprint.clone(), "r".into()).await
+                let Ok(Claimed::Run(holder)) = engine
+                    .claim(
+                        Named { key: key.clone(), fingerprint: fingerprint.clone(), other: None },
+                        "r".into(),
+                    )
+                    .await
                 else {
                     panic!("not claimed")
                 };

@@ -409,6 +409,6 @@ impl<St: Admin, Sc> IdempotencyLayer<St, Sc> {
     }
 
     fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        RecordKey::new(&self.config.prefix, scope, key.as_bytes())
+        self.settings.names.record_key(&self.config.prefix, scope, key.as_bytes())
     }
 }
