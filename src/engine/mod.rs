@@ -319,9 +319,11 @@ impl<St: Store> Engine<St> {
             }
             return Ok((key, fingerprint, claim, owner));
         }
+        // Logged by the name tried first: in step 2 the other is a plain hash, which a reader of
+        // the logs could test a guess against.
         tracing::info!(
-            key_hash = other_key.hash(),
-            "idempotency: a record under the name of before keyed hashes (or of a step behind) answers"
+            key_hash = key.hash(),
+            "idempotency: answered by the record under the other name (keyed hashes rolling out)"
         );
         if let Err(error) = release(&key, &owner).await {
             if found == Claim::TakenOver {
