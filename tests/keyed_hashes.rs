@@ -249,3 +249,26 @@ where
     assert!(matches!(deliver(done, "evt_1").await, Outcome::Ran(3)));
     assert_eq!(runs.get(), 3);
 }
+
+/// Read from Redis itself, by the name computed here: the value under the keyed name holds the
+/// keyed fingerprint, and no key in the server carries the plain hash of the key or the plain
+/// fingerprint of the body.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_holds_the_keyed_name_and_fingerprint_only() {
+    let h = <RedisHarness as Harness>::start().await;
+    let calls = Calls::default();
+    let keyed = layer(&h, &calls, Some(KeyedRollout::Done));
+    assert_eq!(send(&keyed, payment("order-1")).await.status, 201);
+    let mut connection = h.server.connection().await;
+    let names: Vec<String> =
+        ::redis::cmd("KEYS").arg("*").query_async(&mut connection).await.unwrap();
+    assert_eq!(names, vec![keyed_name("idempotency", b"", "order-1")]);
+    let raw: Vec<u8> =
+        ::redis::cmd("GET").arg(&names[0]).query_async(&mut connection).await.unwrap();
+    let plain = Fingerprint::new("POST", "/payments", "", BODY.as_bytes());
+    // A record: version, state, the fingerprint (32 bytes), the outcome.
+    assert_eq!(&raw[2..34], &keyed_fingerprint(&plain));
+    assert!(!raw.windows(32).any(|window| window == plain.as_bytes()));
+    assert!(!names[0].contains(global("order-1").hash()));
+}
