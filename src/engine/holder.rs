@@ -316,7 +316,7 @@ mod tests {
     use crate::{
         engine::{Claimed, Engine, Settings},
         fingerprint::Fingerprint,
-        key::RecordKey,
+        key::{Named, RecordKey},
         store::{MemoryStore, Store},
     };
 
@@ -359,7 +359,10 @@ mod tests {
                 let (key, fingerprint) =
                     (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
                 let Ok(Claimed::Run(holder)) = engine
-                    .claim(key.clone(), fingerprint.clone(), crate::engine::Label::route("r"))
+                    .claim(
+                        Named { key: key.clone(), fingerprint: fingerprint.clone(), other: None },
+                        crate::engine::Label::route("r"),
+                    )
                     .await
                 else {
                     panic!("not claimed")

@@ -25,8 +25,7 @@ use super::{
 };
 use crate::{
     context::IdempotencyContext,
-    fingerprint::Fingerprint,
-    key::RecordKey,
+    key::Named,
     recovery::{BoxError, Recovered},
     store::{Commit, Store, StoreError},
 };
@@ -80,10 +79,10 @@ pub(crate) enum Ended<A, E> {
     Cancelled,
 }
 
-/// Who a claim is for: the record key, the fingerprint, the metrics label and the scope.
+/// Who a claim is for: the record key and the fingerprint (with the names also looked under
+/// while keyed hashes roll out), the metrics label and the scope.
 pub(crate) struct Claiming {
-    pub(crate) key: RecordKey,
-    pub(crate) fingerprint: Fingerprint,
+    pub(crate) named: Named,
     /// The metrics label: a route or a scope, never a key.
     pub(crate) route: Label,
     /// The scope the operation's context names.
@@ -149,8 +148,8 @@ impl<St: Store> Engine<St> {
         F: Future<Output = Result<D::Output, E>> + Send + 'static,
         L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
     {
-        let Claiming { key, fingerprint, route, scope } = claiming;
-        let claimed = self.claim(key, fingerprint, route).await;
+        let Claiming { named, route, scope } = claiming;
+        let claimed = self.claim(named, route).await;
         door.claimed(outcome_name(&claimed));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,

@@ -96,7 +96,9 @@ impl<St: Admin> Operator<St> {
         self.engine.store().abandoned(lapsed_for, limit).await
     }
 
+    /// The record key of `key` in `scope`, as the layer names it (keyed, when it keys its
+    /// hashes).
     fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        RecordKey::new(&self.prefix, scope, key.as_bytes())
+        self.engine.names().record_key(&self.prefix, scope, key.as_bytes())
     }
 }
