@@ -33,14 +33,15 @@ cat > "$dir/plain.sql" <<SQL
 INSERT INTO idempotency_records (key, state, fingerprint, owner, lease_until, expires_at) VALUES ($key, 'P', $fp, $owner, clock_timestamp() + interval '30 s', clock_timestamp() + interval '90 s') ON CONFLICT (key) DO NOTHING;
 UPDATE idempotency_records SET state = 'C', owner = NULL, response = $response, lease_until = NULL, expires_at = clock_timestamp() + interval '1 day' WHERE key = $key AND state = 'P' AND owner = $owner AND expires_at > clock_timestamp();
 SQL
+# As the store calls them (src/store/postgres/schema.rs): in the select list.
 cat > "$dir/functions.sql" <<SQL
 \set k random(1, 1000000000000)
-SELECT * FROM idempotency_records_claim($key, $fp, $owner, 30000, 60000, false, 0, 500);
-SELECT * FROM idempotency_records_complete($key, $owner, $fp, $response, 86400000);
+SELECT (r).outcome, (r).response, (r).remaining_ms FROM (SELECT idempotency_records_claim($key, $fp, $owner, 30000, 60000, false, 0, 500) AS r) AS called;
+SELECT idempotency_records_complete($key, $owner, $fp, $response, 86400000);
 SQL
 echo "SELECT response FROM floor WHERE key = 'replay';" > "$dir/floor-replay.sql"
 echo "SELECT state, fingerprint, response, expires_at FROM idempotency_records WHERE key = 'replay';" > "$dir/plain-replay.sql"
-echo "SELECT * FROM idempotency_records_claim('replay', $fp, $owner, 30000, 60000, false, 0, 500);" > "$dir/functions-replay.sql"
+echo "SELECT (r).outcome, (r).response, (r).remaining_ms FROM (SELECT idempotency_records_claim('replay', $fp, $owner, 30000, 60000, false, 0, 500) AS r) AS called;" > "$dir/functions-replay.sql"
 
 run() {
   psql -q "$url" -c "TRUNCATE floor, idempotency_records" -c "CHECKPOINT" \

@@ -848,3 +848,47 @@ async fn migrate_keeps_the_previous_versions_claim_for_a_rolling_deploy() {
     .unwrap();
     assert_eq!(claims, 2, "the previous version's claim was dropped");
 }
+
+/// A table made by an earlier version keeps its rows and loses the CHECK on `state` that
+/// every write paid for: `migrate()` drops it, once, and the store claims and completes on
+/// the table as before. Run again, it finds nothing to drop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_drops_the_previous_versions_state_check_and_keeps_the_rows() {
+    use axum_idempotency::store::sqlx;
+    let d = common::postgres::TestDatabase::create("upgrade_check").await;
+    let pool = common::postgres::pool_for(&d);
+    let previous = "CREATE TABLE pay_keys (key TEXT PRIMARY KEY,
+        state \"char\" NOT NULL CHECK (state IN ('P', 'C', 'X')), fingerprint BYTEA NOT NULL,
+        owner BYTEA, response BYTEA, lease_until TIMESTAMPTZ, expires_at TIMESTAMPTZ NOT NULL,
+        waited BOOLEAN NOT NULL DEFAULT false);
+        INSERT INTO pay_keys (key, state, fingerprint, response, expires_at)
+        VALUES ('kept', 'C', '\\x00', '\\x01', now() + interval '1 hour')";
+    sqlx::raw_sql(previous).execute(&pool).await.unwrap();
+    let checks = "SELECT count(*) FROM pg_constraint WHERE conrelid = 'pay_keys'::regclass \
+                  AND contype = 'c'";
+    let count = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, i64>(checks).fetch_one(&pool).await.unwrap()
+    };
+    assert_eq!(count(pool.clone()).await, 1);
+    let store = PostgresStore::with_table(pool.clone(), "pay_keys").unwrap().sweep_every(None);
+    store.migrate().await.unwrap();
+    assert_eq!(count(pool.clone()).await, 0, "the previous version's CHECK is still there");
+    store.migrate().await.unwrap();
+    assert_eq!(count(pool.clone()).await, 0);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pay_keys WHERE key = 'kept'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+
+    let (k, fingerprint, owner) = (key("k"), Fingerprint::of_payload(b"1"), OwnerToken::random());
+    let lease = Lease::new(Duration::from_secs(30));
+    assert!(matches!(store.claim(&k, &fingerprint, &owner, lease).await, Ok(Claim::Claimed)));
+    let stored = store
+        .complete(&k, &owner, &fingerprint, Bytes::from_static(b"done"), Duration::from_secs(60))
+        .await;
+    assert!(matches!(stored, Ok(Fenced::Applied)), "{stored:?}");
+    let replay = store.claim(&k, &fingerprint, &OwnerToken::random(), lease).await;
+    let Ok(Claim::Replay { response, .. }) = replay else { panic!("no replay: {replay:?}") };
+    assert_eq!(&response[..], b"done");
+}
