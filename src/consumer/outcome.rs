@@ -13,7 +13,7 @@ pub enum Outcome<T> {
     Replayed(T),
     /// Another delivery of the same payload is running it; ask again after `retry_after`.
     InProgress {
-        /// A short hint ([`Idempotent::retry_after`](super::Idempotent::retry_after), 1 s by
+        /// A short hint ([`Waiting::retry_after`](crate::settings::Waiting::retry_after), 1 s by
         /// default), never past the running delivery's lease.
         retry_after: Duration,
     },
