@@ -17,9 +17,10 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 /// settle and replay of that key, whatever region served the request.
 ///
 /// Every instance of the service, in every region, must give the same answer for a key: build
-/// each region's [`RegionalStore`] with the same regions, in the same order, and the same rule.
-/// A rule that reads a clock, a config reloaded per region, or a process's random seed breaks
-/// that, and with it the one authority per key.
+/// each region's [`RegionalStore`] with the same regions and the same rule. A rule that reads a
+/// clock, a config reloaded per region, or a process's random seed breaks that, and with it the
+/// one authority per key. The default, [`HashedHome`], depends on the regions' names, not on
+/// their order.
 ///
 /// The record key is all a store sees of a request: a hash of the prefix, the scope and the
 /// client's key (the scope itself is not in it). To home a tenant's keys in its region, give
@@ -32,38 +33,57 @@ use crate::{fingerprint::Fingerprint, key::RecordKey};
 /// let regions = [("eu", MemoryStore::new()), ("us", MemoryStore::new())];
 /// // `eu:` keys (a layer with `.key_prefix("eu")`) live in the EU, every other key in the US.
 /// let store = RegionalStore::new(regions)
-///     .home(|key: &RecordKey, _regions: usize| usize::from(!key.as_str().starts_with("eu:")));
+///     .home(|key: &RecordKey, _regions: &[String]| usize::from(!key.as_str().starts_with("eu:")));
 /// assert_eq!(store.home_of(&RecordKey::new("eu", b"acme", b"order-1")), "eu");
 /// assert_eq!(store.home_of(&RecordKey::new("idempotency", b"acme", b"order-1")), "us");
 /// ```
 pub trait HomeRegion: Send + Sync + 'static {
-    /// The index of `key`'s home among the `regions` (in the order [`RegionalStore::new`] was
-    /// given them); an index past the last is taken modulo `regions`.
-    fn home(&self, key: &RecordKey, regions: usize) -> usize;
+    /// The index of `key`'s home among the `regions` (their names, in the order
+    /// [`RegionalStore::new`] was given them); an index past the last is taken modulo their
+    /// number.
+    fn home(&self, key: &RecordKey, regions: &[String]) -> usize;
 }
 
 impl<F> HomeRegion for F
 where
-    F: Fn(&RecordKey, usize) -> usize + Send + Sync + 'static,
+    F: Fn(&RecordKey, &[String]) -> usize + Send + Sync + 'static,
 {
-    fn home(&self, key: &RecordKey, regions: usize) -> usize {
+    fn home(&self, key: &RecordKey, regions: &[String]) -> usize {
         self(key, regions)
     }
 }
 
-/// The default [`HomeRegion`]: the record key's hash, modulo the number of regions. Keys
-/// spread evenly; the answer depends on the key alone, so every instance agrees on it.
-/// Adding or removing a region moves most keys to another home: do it between retention
-/// windows, or a retry may find its key's record in the old home no more.
+/// The default [`HomeRegion`]: rendezvous hashing of the record key over the regions' names
+/// (the region whose SHA-256 of its name and the key's hash is highest). Keys spread evenly;
+/// the answer depends on the key and the set of names alone, not their order, so every
+/// instance agrees on it. Adding or removing a region moves only the keys it takes or held
+/// (about one in the number of regions): do it between retention windows, or a retry of a
+/// moved key may find its record in the old home no more.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HashedHome;
 
 impl HomeRegion for HashedHome {
-    fn home(&self, key: &RecordKey, regions: usize) -> usize {
-        // The first 16 hex digits of the SHA-256 hash: 64 well-mixed bits.
-        let high = key.hash().get(..16).and_then(|hex| u64::from_str_radix(hex, 16).ok());
-        let regions = u64::try_from(regions.max(1)).unwrap_or(u64::MAX);
-        usize::try_from(high.unwrap_or(0) % regions).unwrap_or(0)
+    fn home(&self, key: &RecordKey, regions: &[String]) -> usize {
+        use sha2::{Digest, Sha256};
+        let score = |name: &String| {
+            let digest = Sha256::new()
+                .chain_update((name.len() as u64).to_be_bytes())
+                .chain_update(name.as_bytes())
+                .chain_update(key.hash().as_bytes())
+                .finalize();
+            let mut high = [0; 8];
+            high.copy_from_slice(&digest[..8]);
+            u64::from_be_bytes(high)
+        };
+        // Ties (equal names, refused by `new`) go to the first.
+        let mut best = (0, 0);
+        for (index, name) in regions.iter().enumerate() {
+            let scored = score(name);
+            if index == 0 || scored > best.1 {
+                best = (index, scored);
+            }
+        }
+        best.0
     }
 }
 
@@ -97,22 +117,30 @@ impl HomeRegion for HashedHome {
 #[doc = include_str!("../../docs/regions.md")]
 pub struct RegionalStore<St, H = HashedHome> {
     regions: Arc<[(String, St)]>,
+    /// The regions' names, in order, as the home rule reads them.
+    names: Arc<[String]>,
     home: Arc<H>,
     fallback: Option<Arc<Fallback>>,
 }
 
 impl<St> RegionalStore<St> {
     /// A store over `regions`, each a name and its store, homing keys by [`HashedHome`].
-    /// Every instance must be given the same regions in the same order.
+    /// Every instance must be given the same regions (a rule of its own may also need them in
+    /// the same order).
     ///
     /// # Panics
     ///
-    /// When `regions` is empty.
+    /// When `regions` is empty, or two have one name: a configuration the service must not
+    /// start with (two names for one home would split its keys).
     pub fn new<N: Into<String>>(regions: impl IntoIterator<Item = (N, St)>) -> Self {
         let regions: Arc<[(String, St)]> =
             regions.into_iter().map(|(name, store)| (name.into(), store)).collect();
         assert!(!regions.is_empty(), "a RegionalStore needs at least one region");
-        Self { regions, home: Arc::new(HashedHome), fallback: None }
+        let names: Arc<[String]> = regions.iter().map(|(name, _)| name.clone()).collect();
+        for (index, name) in names.iter().enumerate() {
+            assert!(!names[..index].contains(name), "two regions are named {name:?}");
+        }
+        Self { regions, names, home: Arc::new(HashedHome), fallback: None }
     }
 }
 
@@ -120,7 +148,8 @@ impl<St, H> RegionalStore<St, H> {
     /// Sets the rule that picks a key's home. Defaults to [`HashedHome`].
     #[must_use]
     pub fn home<H2: HomeRegion>(self, rule: H2) -> RegionalStore<St, H2> {
-        RegionalStore { regions: self.regions, home: Arc::new(rule), fallback: self.fallback }
+        let (regions, names, fallback) = (self.regions, self.names, self.fallback);
+        RegionalStore { regions, names, home: Arc::new(rule), fallback }
     }
 
     /// **Opt in, knowing what it gives up**: when a key's home cannot be reached (its store
@@ -128,13 +157,19 @@ impl<St, H> RegionalStore<St, H> {
     /// (this instance's own, typically) instead of failing; the claim's settles (complete,
     /// release, renewals) follow it there. Defaults to none: the request fails closed.
     ///
-    /// What it gives up: uniqueness across regions while the home is cut off. A retry that
-    /// reaches the home meanwhile, or any request for the key once the home is back, does not
-    /// see the claim taken here, and runs the operation again; and the other side of a
-    /// partition falls back to its own region. A claim that timed out at the home may still
-    /// land there, holding the key until its lease lapses. Use it where serving beats running
-    /// twice, never for a payment; waiters of a claim taken here wait out their deadline (they
-    /// listen at the home).
+    /// What it gives up: uniqueness while the home is cut off. **Every record the home holds,
+    /// running or completed, is out of sight meanwhile**: a retry of a request answered long
+    /// ago runs it again here, on this very instance, and its key then holds two answers, one
+    /// per region. A retry that reaches the home meanwhile, or any request for the key once the
+    /// home is back, does not see the claim taken here, and runs the operation again; the
+    /// other side of a partition falls back to its own region. The home counts as cut off when
+    /// its store answers [`StoreError::Unavailable`] (which also covers a server that answers
+    /// with an error, such as a replica read-only during a failover) or
+    /// [`StoreError::Timeout`]; a claim that timed out at the home is abandoned there in the
+    /// background (it may have landed). Use it where serving beats running twice, never for a
+    /// payment; waiters of a claim taken here wait out their deadline (they listen at the
+    /// home). The operator's `inspect` and `forget` look at the fallback region when the home
+    /// holds nothing.
     ///
     /// # Panics
     ///
@@ -167,7 +202,7 @@ impl<St, H: HomeRegion> RegionalStore<St, H> {
     }
 
     fn index_of(&self, key: &RecordKey) -> usize {
-        self.home.home(key, self.regions.len()) % self.regions.len()
+        self.home.home(key, &self.names) % self.regions.len()
     }
 
     /// The store of `key`'s home region.
@@ -219,6 +254,17 @@ impl<St: Store, H: HomeRegion> RegionalStore<St, H> {
                     %error,
                     "the key's home region is unreachable: claiming in the fallback region"
                 );
+                if matches!(error, StoreError::Timeout(_)) {
+                    // The home's claim may have landed, or may still land: abandon it there
+                    // (fenced by the token), as the engine abandons a claim whose answer it
+                    // never saw, so that it does not hold the key for a lease.
+                    let home_store = self.regions[home].1.clone();
+                    let (key, owner, fingerprint) =
+                        (key.clone(), owner.clone(), fingerprint.clone());
+                    drop(tokio::spawn(async move {
+                        let _ = home_store.abandon(&key, &owner, &fingerprint, lease).await;
+                    }));
+                }
                 let claim = claim(&self.regions[fallback.region].1).await?;
                 if matches!(claim, Claim::Claimed | Claim::TakenOver) {
                     fallback.remember(key, owner, lease);
@@ -234,6 +280,7 @@ impl<St, H> Clone for RegionalStore<St, H> {
     fn clone(&self) -> Self {
         Self {
             regions: Arc::clone(&self.regions),
+            names: Arc::clone(&self.names),
             home: Arc::clone(&self.home),
             fallback: self.fallback.clone(),
         }
@@ -330,16 +377,30 @@ impl<St: Admin, H: HomeRegion> Admin for RegionalStore<St, H> {
         key: &RecordKey,
         with_outcome: bool,
     ) -> Result<Option<Inspection>, StoreError> {
-        self.authority(key).inspect(key, with_outcome).await
+        let found = self.authority(key).inspect(key, with_outcome).await?;
+        match (&self.fallback, found) {
+            // A claim taken at the fallback while the home was cut off is there.
+            (Some(fallback), None) if fallback.region != self.index_of(key) => {
+                self.regions[fallback.region].1.inspect(key, with_outcome).await
+            }
+            (_, found) => Ok(found),
+        }
     }
 
     async fn forget(&self, key: &RecordKey, force: bool) -> Result<Forgotten, StoreError> {
-        self.authority(key).forget(key, force).await
+        let forgotten = self.authority(key).forget(key, force).await?;
+        match (&self.fallback, forgotten) {
+            (Some(fallback), Forgotten::Absent) if fallback.region != self.index_of(key) => {
+                self.regions[fallback.region].1.forget(key, force).await
+            }
+            (_, forgotten) => Ok(forgotten),
+        }
     }
 
     /// Every region's abandoned claims, oldest lapse first, at most `limit` in all. A region
     /// that cannot answer fails the listing: a partial list would read as "nothing abandoned
-    /// there".
+    /// there". During an outage, list the regions that answer one by one
+    /// ([`region`](RegionalStore::region)`(name)`'s own `abandoned`).
     async fn abandoned(
         &self,
         lapsed_for: Duration,

@@ -25,11 +25,54 @@ fn the_hashed_home_spreads_keys_over_every_region_and_never_moves_one() {
         let share = homes[region];
         assert!((800..1200).contains(&share), "{region} homes {share} of 3000 keys");
     }
-    // The rule depends on the key alone: a fixed key has a fixed home, in every process.
+    // The rule depends on the key and the names alone: a fixed key has a fixed home, in
+    // every process: the name whose SHA-256 of (its length, itself, the key's hash) is highest.
     let fixed = RecordKey::new("idempotency", b"", b"order-1");
-    let expected = ["eu", "us", "ap"]
-        [usize::try_from(u64::from_str_radix(&fixed.hash()[..16], 16).unwrap() % 3).unwrap()];
+    let score = |name: &str| {
+        use sha2::{Digest, Sha256};
+        let mut bytes = (name.len() as u64).to_be_bytes().to_vec();
+        bytes.extend_from_slice(name.as_bytes());
+        bytes.extend_from_slice(fixed.hash().as_bytes());
+        u64::from_be_bytes(Sha256::digest(&bytes)[..8].try_into().unwrap())
+    };
+    let expected = ["eu", "us", "ap"].into_iter().max_by_key(|name| score(name)).unwrap();
     assert_eq!(store.home_of(&fixed), expected);
+}
+
+#[test]
+fn the_hashed_home_depends_on_the_names_not_their_order_and_a_new_region_moves_few_keys() {
+    let (store, reordered) = (
+        three(),
+        RegionalStore::new([
+            ("ap", MemoryStore::new()),
+            ("eu", MemoryStore::new()),
+            ("us", MemoryStore::new()),
+        ]),
+    );
+    let four = RegionalStore::new([
+        ("eu", MemoryStore::new()),
+        ("us", MemoryStore::new()),
+        ("ap", MemoryStore::new()),
+        ("sa", MemoryStore::new()),
+    ]);
+    let mut moved = 0;
+    for i in 0..3000 {
+        let key = RecordKey::new("idempotency", b"", format!("order-{i}").as_bytes());
+        assert_eq!(store.home_of(&key), reordered.home_of(&key), "order-{i}");
+        let now = four.home_of(&key);
+        if now != store.home_of(&key) {
+            // A key moves only to the new region.
+            assert_eq!(now, "sa", "order-{i}");
+            moved += 1;
+        }
+    }
+    assert!((600..900).contains(&moved), "{moved} of 3000 keys moved");
+}
+
+#[test]
+#[should_panic(expected = "two regions are named \"eu\"")]
+fn two_regions_of_one_name_are_refused() {
+    let _ = RegionalStore::new([("eu", MemoryStore::new()), ("eu", MemoryStore::new())]);
 }
 
 #[tokio::test]
@@ -55,7 +98,7 @@ async fn every_transition_of_a_key_lands_in_its_home_alone() {
 
 #[test]
 fn a_rule_past_the_last_region_wraps_around() {
-    let store = three().home(|_: &RecordKey, regions: usize| regions + 1);
+    let store = three().home(|_: &RecordKey, regions: &[String]| regions.len() + 1);
     assert_eq!(store.home_of(&RecordKey::new("t", b"", b"k")), "us");
     assert_eq!(store.regions().collect::<Vec<_>>(), ["eu", "us", "ap"]);
     assert!(format!("{store:?}").contains("\"eu\""));
