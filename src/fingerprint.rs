@@ -3,10 +3,7 @@
 
 use std::{borrow::Cow, fmt};
 
-use hmac::Mac as _;
 use sha2::{Digest, Sha256};
-
-use crate::key::HashSecret;
 
 /// SHA-256 over the length-prefixed method, path, query and body of a request.
 ///
@@ -40,25 +37,6 @@ impl Fingerprint {
             hasher.update(field);
         }
         Self(hasher.finalize().into())
-    }
-
-    /// HMAC-SHA256 under `secret` over each field, length-prefixed: what
-    /// [`of_fields`](Self::of_fields) is, keyed, so that nobody without the secret can confirm
-    /// a guess of the fields.
-    pub(crate) fn of_fields_keyed(secret: &HashSecret, fields: &[&[u8]]) -> Self {
-        let mut mac = secret.mac();
-        for field in fields {
-            mac.update(&(field.len() as u64).to_be_bytes());
-            mac.update(field);
-        }
-        Self(mac.finalize().into_bytes().into())
-    }
-
-    /// This fingerprint as the store keeps it under `secret`: an HMAC-SHA256 of it, so that a
-    /// reader of the store cannot confirm a guessed request. Any fingerprint (the doors' own,
-    /// or the app's `fingerprint_with`) is keyed so.
-    pub(crate) fn keyed(&self, secret: &HashSecret) -> Self {
-        Self::of_fields_keyed(secret, &[b"fingerprint", &self.0])
     }
 
     /// Fingerprints an opaque payload, such as an event's canonical bytes: what the consumer

@@ -1,11 +1,6 @@
-//! The record key: where one scope's key lives in the store, without the key itself; and the
-//! keyed hashes ([`HashSecret`], [`KeyedRollout`]) that name records and fingerprints under a
-//! server secret.
+//! The record key: where one scope's key lives in the store, without the key itself.
 
-use std::{fmt, sync::Arc};
-
-use hmac::{Hmac, KeyInit as _};
-use sha2::Sha256;
+use std::sync::Arc;
 
 use crate::fingerprint::Fingerprint;
 
@@ -49,18 +44,7 @@ impl RecordKey {
     /// ```
     #[must_use]
     pub fn new(prefix: &str, scope: &[u8], key: &[u8]) -> Self {
-        Self::named(prefix, &Fingerprint::of_fields(&[prefix.as_bytes(), scope, key]))
-    }
-
-    /// The record key for `key` in `scope`, under `prefix`, with its hash an HMAC-SHA256
-    /// under `secret`: nobody without the secret can tell which key it names.
-    pub(crate) fn keyed(secret: &HashSecret, prefix: &str, scope: &[u8], key: &[u8]) -> Self {
-        let fields: [&[u8]; 4] = [b"record-key", prefix.as_bytes(), scope, key];
-        Self::named(prefix, &Fingerprint::of_fields_keyed(secret, &fields))
-    }
-
-    /// `{prefix}:{<digest in hex>}`, the prefix escaped.
-    fn named(prefix: &str, digest: &Fingerprint) -> Self {
+        let digest = Fingerprint::of_fields(&[prefix.as_bytes(), scope, key]);
         let digest = digest.as_bytes();
         let mut full = String::with_capacity(prefix.len() + 3 + 2 * digest.len());
         // Most prefixes need no escape: written whole, not a character at a time.
@@ -111,145 +95,6 @@ impl RecordKey {
     #[must_use]
     pub fn hash(&self) -> &str {
         &self.full[self.hash_start..self.full.len() - 1]
-    }
-}
-
-/// A server secret under which record keys and fingerprints are keyed hashes (HMAC-SHA256),
-/// not plain SHA-256: see [`keyed_hashes`](crate::IdempotencyLayer::keyed_hashes).
-///
-/// Someone who reads the store (a Redis dump, a replica, a backup) and knows no secret can
-/// confirm a guess offline against a plain hash: whether a guessable key (an order id) was
-/// used, and what a request held (an amount, an account), by hashing the guess and finding it.
-/// Under a secret the store never sees, they cannot.
-///
-/// The secret is 32 bytes, random, kept where the service keeps its other secrets, and the
-/// same on every instance that shares a store. The copy given to [`new`](Self::new) is
-/// cleared, and so is the secret's own state when the last clone is dropped. Its `Debug`
-/// output never shows it.
-///
-/// ```
-/// use axum_idempotency::store::HashSecret;
-///
-/// let secret = HashSecret::new([7; 32]);
-/// assert_eq!(format!("{secret:?}"), "HashSecret(..)");
-/// ```
-#[derive(Clone)]
-pub struct HashSecret(Arc<Hmac<Sha256>>);
-
-impl HashSecret {
-    /// A secret of the 32 bytes `secret`; the copy passed here is cleared.
-    #[must_use]
-    pub fn new(mut secret: [u8; 32]) -> Self {
-        // HMAC's keyed state, two SHA-256 states, is cleared on drop (sha2's `zeroize`).
-        let mac = Hmac::<Sha256>::new_from_slice(&secret).expect("HMAC takes a key of any length");
-        zeroize::Zeroize::zeroize(&mut secret);
-        Self(Arc::new(mac))
-    }
-
-    /// A fresh HMAC-SHA256 under the secret.
-    pub(crate) fn mac(&self) -> Hmac<Sha256> {
-        (*self.0).clone()
-    }
-}
-
-impl fmt::Debug for HashSecret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("HashSecret(..)")
-    }
-}
-
-/// Where a service that turns keyed hashes on stands, so that a record stored under the names
-/// of before (plain SHA-256) is still found: turning keyed hashes on renames every record, and a
-/// retry that looked only under the new name would run its request again.
-///
-/// Every variant is a choice the operator makes: the doors' `keyed_hashes` takes one, so that
-/// no service turns keyed hashes on without saying what becomes of the records stored before.
-///
-/// A running service turns keyed hashes on in three deploys:
-///
-/// 1. [`Prepare`](Self::Prepare) on every instance: records are still named and fingerprinted
-///    as before, and a claim that finds nothing also looks under the keyed name. No record
-///    changes yet; this step lets instances of step 2 and of step 1 run side by side.
-/// 2. [`Migrate`](Self::Migrate) on every instance, once no instance runs without step 1:
-///    records are keyed, and a claim that finds nothing also looks under the plain name, and
-///    honours what it finds there (a completed outcome replayed, a running one answered in
-///    progress, another request's answered as a mismatch).
-/// 3. [`Done`](Self::Done), once every instance has run step 2 for the retention (and the
-///    recovery window, if longer): every plain record has expired.
-///
-/// A service that stops every instance before it starts the new ones (or runs one instance)
-/// skips step 1. A new deployment, over a store without records, starts at step 3.
-///
-/// Leaving out a step, or shortening step 2, reopens the gap: a retry whose record is under
-/// the other name runs its request again. Steps 1 and 2 cost two store round trips more on
-/// every new key (a claim under the other name and its release); replays, duplicates in
-/// progress and mismatches found under the name a claim tries first cost nothing more.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum KeyedRollout {
-    /// Step 1: plain names, and the keyed ones looked under too.
-    Prepare,
-    /// Step 2: keyed names, and the plain ones looked under too, for at least the retention.
-    Migrate,
-    /// Keyed names only: a new store, or step 3 of a rollout.
-    Done,
-}
-
-/// How a door names its records and fingerprints: plain SHA-256, or keyed under a secret,
-/// perhaps looking under the other names too while keyed hashes roll out.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Names {
-    keyed: Option<(HashSecret, KeyedRollout)>,
-}
-
-/// The names one claim is made under: the record key and the fingerprint written, and those a
-/// claim that finds nothing also looks under.
-#[derive(Debug, Clone)]
-pub(crate) struct Named {
-    pub(crate) key: RecordKey,
-    pub(crate) fingerprint: Fingerprint,
-    /// The other names, while keyed hashes roll out.
-    pub(crate) other: Option<(RecordKey, Fingerprint)>,
-}
-
-impl Names {
-    pub(crate) fn keyed(secret: HashSecret, rollout: KeyedRollout) -> Self {
-        Self { keyed: Some((secret, rollout)) }
-    }
-
-    /// The names of `key` in `scope` under `prefix`, for a request fingerprinted as
-    /// `fingerprint` (the door's plain fingerprint).
-    pub(crate) fn name(
-        &self,
-        prefix: &str,
-        scope: &[u8],
-        key: &[u8],
-        fingerprint: Fingerprint,
-    ) -> Named {
-        let plain = || RecordKey::new(prefix, scope, key);
-        let Some((secret, rollout)) = &self.keyed else {
-            return Named { key: plain(), fingerprint, other: None };
-        };
-        let keyed = (RecordKey::keyed(secret, prefix, scope, key), fingerprint.keyed(secret));
-        match rollout {
-            KeyedRollout::Prepare => Named { key: plain(), fingerprint, other: Some(keyed) },
-            KeyedRollout::Migrate => {
-                let (key, keyed_fingerprint) = keyed;
-                Named { key, fingerprint: keyed_fingerprint, other: Some((plain(), fingerprint)) }
-            }
-            KeyedRollout::Done => Named { key: keyed.0, fingerprint: keyed.1, other: None },
-        }
-    }
-
-    /// The record key claims write for `key` in `scope` under `prefix`: what the operator
-    /// calls (`inspect`, `forget`) read.
-    pub(crate) fn record_key(&self, prefix: &str, scope: &[u8], key: &[u8]) -> RecordKey {
-        match &self.keyed {
-            Some((secret, KeyedRollout::Migrate | KeyedRollout::Done)) => {
-                RecordKey::keyed(secret, prefix, scope, key)
-            }
-            _ => RecordKey::new(prefix, scope, key),
-        }
     }
 }
 
@@ -317,66 +162,5 @@ mod tests {
             RecordKey::new("{x}%", b"", b"k").as_str().split(':').next(),
             Some("%7Bx%7D%25")
         );
-    }
-
-    #[test]
-    fn a_keyed_name_depends_on_the_secret_and_is_no_plain_hash() {
-        let secret = HashSecret::new([7; 32]);
-        let keyed = RecordKey::keyed(&secret, "idem", b"tenant-a", b"order-1");
-        let plain = RecordKey::new("idem", b"tenant-a", b"order-1");
-        assert_ne!(keyed, plain);
-        assert_eq!(
-            keyed,
-            RecordKey::keyed(&HashSecret::new([7; 32]), "idem", b"tenant-a", b"order-1")
-        );
-        assert_ne!(
-            keyed,
-            RecordKey::keyed(&HashSecret::new([8; 32]), "idem", b"tenant-a", b"order-1")
-        );
-        assert_ne!(keyed, RecordKey::keyed(&secret, "idem", b"tenant-b", b"order-1"));
-        assert_eq!(keyed.as_str(), format!("idem:{{{}}}", keyed.hash()));
-        assert_eq!(RecordKey::from_stored(keyed.as_str().to_owned()), Some(keyed.clone()));
-        assert!(RecordKey::keyed(&secret, "a{b}", b"", b"k").as_str().starts_with("a%7Bb%7D:{"));
-        let fingerprint = Fingerprint::of_payload(b"{}");
-        assert_ne!(fingerprint.keyed(&secret), fingerprint);
-        assert_ne!(fingerprint.keyed(&secret), fingerprint.keyed(&HashSecret::new([8; 32])));
-        // The two MACs are apart: a fingerprint never names a record.
-        assert_ne!(fingerprint.keyed(&secret).as_bytes(), keyed.hash().as_bytes());
-    }
-
-    #[test]
-    fn each_step_of_the_rollout_claims_one_name_and_looks_under_the_other() {
-        let secret = HashSecret::new([7; 32]);
-        let fingerprint = Fingerprint::of_payload(b"{}");
-        let plain = (RecordKey::new("p", b"s", b"k"), fingerprint.clone());
-        let keyed = (RecordKey::keyed(&secret, "p", b"s", b"k"), fingerprint.keyed(&secret));
-        let named = |names: Names| {
-            let named = names.name("p", b"s", b"k", fingerprint.clone());
-            ((named.key, named.fingerprint), named.other)
-        };
-        assert_eq!(named(Names::default()), (plain.clone(), None));
-        let rollout = |step| Names::keyed(secret.clone(), step);
-        assert_eq!(named(rollout(KeyedRollout::Prepare)), (plain.clone(), Some(keyed.clone())));
-        assert_eq!(named(rollout(KeyedRollout::Migrate)), (keyed.clone(), Some(plain.clone())));
-        assert_eq!(named(rollout(KeyedRollout::Done)), (keyed.clone(), None));
-        // The operator's calls read where claims write.
-        for (step, key) in [
-            (KeyedRollout::Prepare, &plain.0),
-            (KeyedRollout::Migrate, &keyed.0),
-            (KeyedRollout::Done, &keyed.0),
-        ] {
-            assert_eq!(&rollout(step).record_key("p", b"s", b"k"), key, "{step:?}");
-        }
-    }
-
-    #[test]
-    fn a_secret_is_never_printed_and_cleared_when_dropped() {
-        fn cleared_on_drop<T: zeroize::ZeroizeOnDrop>() {}
-        // HMAC-SHA256's keyed state is two SHA-256 states: each cleared when dropped.
-        cleared_on_drop::<sha2::block_api::Sha256VarCore>();
-        let secret = HashSecret::new([0xAB; 32]);
-        assert_eq!(format!("{secret:?}"), "HashSecret(..)");
-        let names = format!("{:?}", Names::keyed(secret, KeyedRollout::Migrate));
-        assert!(!names.contains("171") && !names.contains("ab"), "{names}");
     }
 }

@@ -16,10 +16,7 @@ use axum_idempotency::{
     Fingerprint, IdempotencyLayer, Idempotent, MemoryStore,
     consumer::{Error, Outcome},
     encryption::Keyring,
-    store::{
-        Admin, Claim, Fenced, HashSecret, KeyedRollout, Lease, OwnerToken, RecordKey, Store,
-        StoreError, Subscription,
-    },
+    store::{Admin, Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError, Subscription},
 };
 use common::*;
 
@@ -29,7 +26,6 @@ every_store!(
     an_old_key_replays_while_listed_and_is_refused_once_dropped,
     a_changed_byte_is_refused_and_never_rerun,
     plaintext_is_refused_unless_the_keyring_reads_it,
-    encrypted_records_replay_across_the_switch_to_keyed_hashes,
     ; redis stores:
     a_byte_flipped_in_redis_is_refused,
     a_fingerprint_rewritten_in_redis_is_refused,
@@ -169,34 +165,6 @@ where
     let clear: Router = app(&calls).layer(IdempotencyLayer::new(h.store()));
     send(&clear, card_request("sealed-new")).await.assert_problem(500, "corrupt-record");
     assert_eq!(calls.get(), 2, "no refused record ran again");
-}
-
-async fn encrypted_records_replay_across_the_switch_to_keyed_hashes<H: AtRest>(h: H)
-where
-    H::Store: Admin,
-{
-    // The associated data binds an outcome to the name and fingerprint it was sealed under: a
-    // record sealed under its plain names still opens when found by a migrating door's
-    // lookup, and one sealed under keyed names opens under them.
-    let calls = Calls::default();
-    let layered = |rollout: Option<KeyedRollout>| -> Router {
-        let layer = IdempotencyLayer::new(h.store()).encrypt_at_rest(keys("k1", 1));
-        let layer = match rollout {
-            Some(rollout) => layer.keyed_hashes(HashSecret::new([3; 32]), rollout),
-            None => layer,
-        };
-        app(&calls).layer(layer)
-    };
-    assert_eq!(send(&layered(None), card_request("before")).await.status, 201);
-    let migrating = layered(Some(KeyedRollout::Migrate));
-    let replay = send(&migrating, card_request("before")).await;
-    assert!(replay.replayed() && replay.body.contains(CARD), "{replay:?}");
-    assert_eq!(send(&migrating, card_request("after")).await.status, 201);
-    assert!(!contains(&h.stored_bytes(&global("before")).await, CARD));
-    let done = layered(Some(KeyedRollout::Done));
-    let replay = send(&done, card_request("after")).await;
-    assert!(replay.replayed() && replay.body.contains(CARD), "{replay:?}");
-    assert_eq!(calls.get(), 2);
 }
 
 /// A store that flips one byte of every outcome it is given to keep, `at` bytes from its end:

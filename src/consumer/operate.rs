@@ -8,8 +8,7 @@ use crate::{
         Engine,
         envelope::{Format, Opened},
     },
-    fingerprint::Fingerprint,
-    key::{Named, RecordKey},
+    key::RecordKey,
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
 
@@ -100,17 +99,15 @@ impl<St: Admin> Operator<St> {
 }
 
 impl<St, H> Idempotent<St, H> {
-    /// The names [`run`](Self::run) claims `key` in `scope` under, for a payload fingerprinted
-    /// as `fingerprint`.
-    pub(super) fn named(&self, scope: &str, key: &[u8], fingerprint: Fingerprint) -> Named {
-        self.settings.names.name(&self.prefix, scope.as_bytes(), key, fingerprint)
+    /// The record key of `key` in `scope`: where [`run`](Self::run) keeps its record.
+    pub(super) fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
+        RecordKey::new(&self.prefix, scope.as_bytes(), key)
     }
 }
 
 impl<St> Operator<St> {
-    /// The record key of `key` in `scope`, as the door names it (keyed, when it keys its
-    /// hashes).
+    /// The record key of `key` in `scope`, as the door names it.
     fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
-        self.engine.names().record_key(&self.prefix, scope.as_bytes(), key)
+        RecordKey::new(&self.prefix, scope.as_bytes(), key)
     }
 }

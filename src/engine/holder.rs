@@ -316,7 +316,7 @@ mod tests {
     use crate::{
         engine::{Claimed, Engine, Settings},
         fingerprint::Fingerprint,
-        key::{Named, RecordKey},
+        key::RecordKey,
         store::{MemoryStore, Store},
     };
 
@@ -359,10 +359,7 @@ mod tests {
                 let (key, fingerprint) =
                     (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
                 let Ok(Claimed::Run(holder)) = engine
-                    .claim(
-                        Named { key: key.clone(), fingerprint: fingerprint.clone(), other: None },
-                        crate::engine::Label::route("r"),
-                    )
+                    .claim(key.clone(), fingerprint.clone(), crate::engine::Label::route("r"))
                     .await
                 else {
                     panic!("not claimed")

@@ -44,8 +44,8 @@ use self::settle::abandon;
 use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
-    key::{Named, Names, RecordKey},
-    store::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, later},
+    key::RecordKey,
+    store::{Claim, Lease, OwnerToken, Store, StoreError, later},
 };
 
 /// What the engine needs to know of a front door's configuration.
@@ -78,8 +78,6 @@ pub(crate) struct Settings {
     pub(crate) release_too_large: bool,
     /// The door's recovery hook reads `DurableOutcomes` (`.durable(…)`).
     pub(crate) durable: bool,
-    /// How record keys and fingerprints are named: plain SHA-256, or keyed under a secret.
-    pub(crate) names: Names,
 }
 
 /// How the engine uses a front door's recovery hook.
@@ -160,7 +158,6 @@ impl Default for Settings {
             at_rest: AtRest::default(),
             release_too_large: false,
             durable: false,
-            names: Names::default(),
         }
     }
 }
@@ -210,11 +207,6 @@ impl<St> Engine<St> {
     pub(crate) fn recovery_timeout(&self) -> Duration {
         self.settings.recovery.timeout
     }
-
-    /// How the door's records and fingerprints are named.
-    pub(crate) fn names(&self) -> &Names {
-        &self.settings.names
-    }
 }
 
 impl<St: Store> Engine<St> {
@@ -223,26 +215,13 @@ impl<St: Store> Engine<St> {
     /// was released.
     ///
     /// `route` labels the metrics (the matched route, or the consumer's scope): never a key.
-    ///
-    /// While keyed hashes roll out (`named.other`), a claim that finds nothing under its name
-    /// also looks under the other one, and honours what holds it ([`Self::look_under_other`]).
     pub(crate) async fn claim(
         &self,
-        named: Named,
+        key: RecordKey,
+        fingerprint: Fingerprint,
         route: Label,
     ) -> Result<Claimed<St>, StoreError> {
-        let Named { key, fingerprint, other } = named;
-        let claimed = match self.claim_or_wait(&key, &fingerprint, &route).await {
-            Ok((claim @ (Claim::Claimed | Claim::TakenOver), owner)) => match other {
-                Some(other) => {
-                    self.look_under_other((key, fingerprint, claim, owner), other, &route).await
-                }
-                None => Ok((key, fingerprint, claim, owner)),
-            },
-            Ok((claim, owner)) => Ok((key, fingerprint, claim, owner)),
-            Err(error) => Err(error),
-        };
-        let (key, fingerprint, claim, owner) = match claimed {
+        let (claim, owner) = match self.claim_or_wait(&key, &fingerprint, &route).await {
             Ok(claimed) => claimed,
             Err(error) => {
                 observe::store_error(&route, "claim");
@@ -278,68 +257,6 @@ impl<St: Store> Engine<St> {
                 Claimed::Mismatch
             }
         })
-    }
-
-    /// A claim won under one name (`won`), while keyed hashes roll out: looks under the
-    /// `other` name (plain, or keyed), where a record stored before the rollout (or by an
-    /// instance a step behind) lives. Nothing there: the other name's claim is released, and
-    /// the won claim stands. Something there: the won claim is released, and what holds the
-    /// other name is the answer (a completed outcome replayed, opened under its own name; a
-    /// running one waited for or answered in progress; another request's a mismatch; a lapsed
-    /// claim taken over, under that name).
-    ///
-    /// Every claim that runs an operation held both names at once, for a moment: two
-    /// instances a step apart, each trying its own name first, never both run a request.
-    async fn look_under_other(
-        &self,
-        won: (RecordKey, Fingerprint, Claim, OwnerToken),
-        other: (RecordKey, Fingerprint),
-        route: &Label,
-    ) -> Result<(RecordKey, Fingerprint, Claim, OwnerToken), StoreError> {
-        let (key, fingerprint, claim, owner) = won;
-        let (other_key, other_fingerprint) = other;
-        // `Fenced::Rejected`: its lease lapsed and another claim holds it now, nothing of ours
-        // is left to free.
-        let release = async |key: &RecordKey, owner: &OwnerToken| -> Result<(), StoreError> {
-            self.store.release(key, owner).await.map(|_: Fenced| ())
-        };
-        let looked = self.claim_once(&other_key, &other_fingerprint, false).await;
-        let (found, other_owner) = match looked {
-            Ok(looked) => looked,
-            Err(error) => {
-                // Nothing ran: the won claim is freed (or lapses), and a retry looks again.
-                let _ = release(&key, &owner).await;
-                return Err(error);
-            }
-        };
-        if found == Claim::Claimed {
-            tracing::debug!(key_hash = key.hash(), "idempotency: nothing under the other name");
-            if let Err(error) = release(&other_key, &other_owner).await {
-                let _ = release(&key, &owner).await;
-                return Err(error);
-            }
-            return Ok((key, fingerprint, claim, owner));
-        }
-        // Logged by the name tried first: in step 2 the other is a plain hash, which a reader of
-        // the logs could test a guess against.
-        tracing::info!(
-            key_hash = key.hash(),
-            "idempotency: answered by the record under the other name (keyed hashes rolling out)"
-        );
-        if let Err(error) = release(&key, &owner).await {
-            if found == Claim::TakenOver {
-                let _ = release(&other_key, &other_owner).await;
-            }
-            return Err(error);
-        }
-        let (found, other_owner) = match found {
-            // Wait for the original where it runs, as for any duplicate.
-            Claim::InProgress { .. } if self.settings.wait.is_some() => {
-                self.claim_or_wait(&other_key, &other_fingerprint, route).await?
-            }
-            found => (found, other_owner),
-        };
-        Ok((other_key, other_fingerprint, found, other_owner))
     }
 
     /// One claim and, when the request is in progress and waiting is on, the wait.

@@ -25,7 +25,8 @@ use super::{
 };
 use crate::{
     context::IdempotencyContext,
-    key::Named,
+    fingerprint::Fingerprint,
+    key::RecordKey,
     recovery::{BoxError, Recovered},
     store::{Commit, Store, StoreError},
 };
@@ -79,10 +80,10 @@ pub(crate) enum Ended<A, E> {
     Cancelled,
 }
 
-/// Who a claim is for: the record key and the fingerprint (with the names also looked under
-/// while keyed hashes roll out), the metrics label and the scope.
+/// Who a claim is for: the record key, the fingerprint, the metrics label and the scope.
 pub(crate) struct Claiming {
-    pub(crate) named: Named,
+    pub(crate) key: RecordKey,
+    pub(crate) fingerprint: Fingerprint,
     /// The metrics label: a route or a scope, never a key.
     pub(crate) route: Label,
     /// The scope the operation's context names.
@@ -148,8 +149,8 @@ impl<St: Store> Engine<St> {
         F: Future<Output = Result<D::Output, E>> + Send + 'static,
         L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
     {
-        let Claiming { named, route, scope } = claiming;
-        let claimed = self.claim(named, route).await;
+        let Claiming { key, fingerprint, route, scope } = claiming;
+        let claimed = self.claim(key, fingerprint, route).await;
         door.claimed(outcome_name(&claimed));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,

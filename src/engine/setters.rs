@@ -105,26 +105,6 @@ macro_rules! engine_setters {
             self
         }
 
-        /// Names records and fingerprints with keyed hashes (HMAC-SHA256 under `secret`)
-        /// instead of plain SHA-256, so that a reader of the store (a Redis dump, a replica, a
-        /// backup) cannot confirm a guessed key or request offline; `rollout` says what becomes
-        /// of the records stored under the names of before (see [`KeyedRollout`]: a running
-        /// service turns keyed hashes on in three deploys, a new one at once with
-        /// [`KeyedRollout::Done`]). Every instance over one store takes the same secret. The
-        /// key hash in the logs and in the operation's context is the keyed one. Defaults to
-        /// plain SHA-256.
-        ///
-        /// [`KeyedRollout`]: crate::store::KeyedRollout
-        /// [`KeyedRollout::Done`]: crate::store::KeyedRollout::Done
-        pub fn keyed_hashes(
-            mut self,
-            secret: crate::store::HashSecret,
-            rollout: crate::store::KeyedRollout,
-        ) -> Self {
-            self.settings().names = crate::key::Names::keyed(secret, rollout);
-            self
-        }
-
         /// Encrypts every outcome this door stores, at rest, under `keyring`'s newest key:
         /// in the record store, in a commit of the operation's own transaction, in
         /// `DurableOutcomes`; and reads each back under the key its id names. A record under

@@ -27,6 +27,7 @@ use super::{
 use crate::{
     context::IdempotencyContext,
     engine::{Claiming, Decided, Ended, Engine, Label, Operated, Start},
+    key::RecordKey,
     recovery::Lookup,
     store::{Store, StoreError},
 };
@@ -68,6 +69,7 @@ where
             Ok(scope) => scope,
             Err(response) => return Ok(response),
         };
+        let record_key = RecordKey::new(&self.config.prefix, &scope, &key);
 
         // 4. body + fingerprint
         let body = match read_body(&parts, body, self.config.body_limit).await {
@@ -80,13 +82,11 @@ where
         let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
         let query = uri.query().unwrap_or("");
         let fingerprint = self.config.intent.fingerprint(&parts, uri.path(), query, &body);
-        // The names the store sees: plain SHA-256, or keyed under the secret.
-        let named = self.engine.names().name(&self.config.prefix, &scope, &key, fingerprint);
 
         // 5. claim, run, settle: the engine's.
         let config = &self.config;
         let span = tracing::Span::current();
-        span.record("key_hash", named.key.hash());
+        span.record("key_hash", record_key.hash());
         let route = Label::route(
             parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str),
         );
@@ -99,9 +99,9 @@ where
             body: PhantomData,
         };
         // A clone shares the key's text: the logs below name its hash.
-        let logged = named.key.clone();
+        let logged = record_key.clone();
         let hash = logged.hash();
-        let claiming = Claiming { named, route: route.clone(), scope };
+        let claiming = Claiming { key: record_key, fingerprint, route: route.clone(), scope };
         let recover = &config.recover;
         let start = |(inner, mut parts, body): (S, http::request::Parts, Bytes),
                      context: IdempotencyContext,

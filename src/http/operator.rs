@@ -96,9 +96,7 @@ impl<St: Admin> Operator<St> {
         self.engine.store().abandoned(lapsed_for, limit).await
     }
 
-    /// The record key of `key` in `scope`, as the layer names it (keyed, when it keys its
-    /// hashes).
     fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        self.engine.names().record_key(&self.prefix, scope, key.as_bytes())
+        RecordKey::new(&self.prefix, scope, key.as_bytes())
     }
 }

@@ -54,7 +54,7 @@ pub(crate) use self::transaction::Running;
 pub(crate) use self::transaction::{Commit, CommitSlot, SealedOutcome};
 pub use self::transaction::{Committable, SealError, TransactionError};
 use crate::fingerprint::Fingerprint;
-pub use crate::key::{HashSecret, KeyedRollout, RecordKey};
+pub use crate::key::RecordKey;
 /// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
