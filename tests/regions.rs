@@ -249,3 +249,28 @@ async fn the_opt_in_fallback_serves_a_cut_off_home_here_and_gives_up_uniqueness(
     }
     assert_eq!(calls.get(), 2, "what the fallback gives up: the key ran once per side");
 }
+
+/// The fallback takes over only from a home that cannot be reached: any other answer of the
+/// home's stands. A home that holds a value this crate did not write answers 500
+/// `corrupt-record`, and nothing is claimed or run in the fallback region.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fallback_leaves_a_home_that_answered_alone() {
+    let (eu_server, us_server) = (RedisServer::start(), RedisServer::start());
+    let store = RegionalStore::new([("eu", eu_server.store()), ("us", us_server.store())])
+        .fall_back_to("eu");
+    let calls = Calls::default();
+    let layer = app(&calls).layer(IdempotencyLayer::new(store.clone()));
+    let key: &'static str =
+        (0..).map(|i| format!("k{i}")).find(|k| store.home_of(&global(k)) == "us").unwrap().leak();
+    let mut home = us_server.connection().await;
+    let _: () = axum_idempotency::store::deadpool_redis::redis::cmd("SET")
+        .arg(global(key).as_str())
+        .arg("not a record of this crate")
+        .query_async(&mut home)
+        .await
+        .unwrap();
+    let answer = send(&layer, delayed("/payments", key, 0, "{}")).await;
+    answer.assert_problem(500, "corrupt-record");
+    assert_eq!(calls.get(), 0);
+    assert_eq!(eu_server.held(&global(key)).await, None, "claimed in the fallback region");
+}
