@@ -31,11 +31,7 @@ const LEASE: Duration = Duration::from_millis(200);
 const LAPSED: Duration = Duration::from_millis(20);
 
 async fn store(d: &TestDatabase) -> PostgresStore {
-    let options = sqlx::postgres::PgConnectOptions::new()
-        .host(&d.host())
-        .port(d.port())
-        .username(d.user())
-        .database(&d.name);
+    let options = d.options();
     let pool = sqlx::postgres::PgPoolOptions::new().connect_lazy_with(options);
     let store = PostgresStore::new(pool).sweep_every(None);
     store.migrate().await.unwrap();

@@ -28,16 +28,14 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, RedisStore,
     store::{
         DurableOutcomes, RecoveryPoints, StoreError,
-        sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions},
+        sqlx::{self, PgPool, postgres::PgPoolOptions},
     },
 };
 use common::{RedisServer, keyed, postgres::TestDatabase, send};
 use tokio::sync::oneshot;
 
 fn pool(d: &TestDatabase) -> PgPool {
-    let options =
-        PgConnectOptions::new().host(&d.host()).port(d.port()).username(d.user()).database(&d.name);
-    PgPoolOptions::new().connect_lazy_with(options)
+    PgPoolOptions::new().connect_lazy_with(d.options())
 }
 
 #[derive(Clone)]

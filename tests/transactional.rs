@@ -33,13 +33,12 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// that a second run shows as a second row.
 const PAYMENTS: &str = "CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, event TEXT NOT NULL)";
 
-fn pool(host: &str, port: u16, user: &str, database: &str) -> PgPool {
-    let options = PgConnectOptions::new().host(host).port(port).username(user).database(database);
+fn pool(options: PgConnectOptions) -> PgPool {
     PgPoolOptions::new().test_before_acquire(false).connect_lazy_with(options)
 }
 
 fn pool_of(d: &TestDatabase) -> PgPool {
-    pool(&d.host(), d.port(), d.user(), &d.name)
+    pool(d.options())
 }
 
 async fn setup(d: &TestDatabase) -> (PgPool, PostgresStore) {
@@ -263,7 +262,7 @@ async fn the_door_writes_nothing_after_a_sealed_outcome() {
             let label =
                 |name: &str| key.labels().find(|l| l.key() == name).map(|l| l.value().to_owned());
             let DebugValue::Counter(count) = value else { return None };
-            if key.name() != "idempotency_settles_total" || label("route")? != "metered" {
+            if key.name() != "idempotency_settles_total" || label("scope")? != "metered" {
                 return None;
             }
             Some((label("result")?, count))
@@ -281,10 +280,7 @@ impl Worker {
         let mut child = tokio::process::Command::new(std::env::current_exe().unwrap())
             .args(["worker_process", "--exact", "--nocapture", "--test-threads=1"])
             .env("TRANSACTIONAL_WORKER", stop)
-            .env("TRANSACTIONAL_HOST", d.host())
-            .env("TRANSACTIONAL_PORT", d.port().to_string())
-            .env("TRANSACTIONAL_USER", d.user())
-            .env("TRANSACTIONAL_DATABASE", &d.name)
+            .env("TRANSACTIONAL_URL", d.uri())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
@@ -321,9 +317,7 @@ fn worker_process() {
     let var = |name: &str| std::env::var(name).unwrap();
     let runtime = tokio::runtime::Runtime::new().unwrap();
     runtime.block_on(async {
-        let port = var("TRANSACTIONAL_PORT").parse().unwrap();
-        let db = var("TRANSACTIONAL_DATABASE");
-        let pool = pool(&var("TRANSACTIONAL_HOST"), port, &var("TRANSACTIONAL_USER"), &db);
+        let pool = pool(var("TRANSACTIONAL_URL").parse().unwrap());
         let store = PostgresStore::new(pool.clone()).sweep_every(None);
         let idem = Idempotent::new(store.clone()).lease(LEASE).keep_alive(None);
         let outcome = idem

@@ -26,7 +26,7 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer,
     store::{
         PostgresStore, StoreError, TransactionError,
-        sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions},
+        sqlx::{self, PgPool, postgres::PgPoolOptions},
     },
 };
 use common::{keyed, postgres::TestDatabase, send};
@@ -53,9 +53,7 @@ struct App {
 }
 
 async fn setup(d: &TestDatabase) -> (App, Router) {
-    let options =
-        PgConnectOptions::new().host(&d.host()).port(d.port()).username(d.user()).database(&d.name);
-    let pool = PgPoolOptions::new().connect_lazy_with(options);
+    let pool = PgPoolOptions::new().connect_lazy_with(d.options());
     // A short command timeout, which the slow commit outlives.
     let store = PostgresStore::new(pool.clone())
         .sweep_every(None)
@@ -413,11 +411,7 @@ async fn a_commit_lost_in_a_partition_is_in_progress_then_runs_once() {
     let d = TestDatabase::create("txnhttp").await;
     let (app, router_b) = setup(&d).await;
     let proxy = SwallowingProxy::start((d.host(), d.port())).await;
-    let options = PgConnectOptions::new()
-        .host("127.0.0.1")
-        .port(proxy.port)
-        .username(d.user())
-        .database(&d.name);
+    let options = d.options().host("127.0.0.1").port(proxy.port);
     let pool_a = PgPoolOptions::new().test_before_acquire(false).connect_lazy_with(options);
     let store_a =
         PostgresStore::new(pool_a).sweep_every(None).command_timeout(Duration::from_secs(2));

@@ -83,6 +83,17 @@ impl TestDatabase {
         )
     }
 
+    /// The database's connection options for a sqlx pool: the server's host, port, user and
+    /// password (a fresh Debian install asks TCP clients for one), and the database.
+    pub fn options(&self) -> axum_idempotency::store::sqlx::postgres::PgConnectOptions {
+        self.uri().parse().expect("the database's URL")
+    }
+
+    /// The password `DATABASE_URL` gives, if any.
+    pub fn password(&self) -> Option<String> {
+        self.admin.get_password().map(|password| String::from_utf8_lossy(password).into_owned())
+    }
+
     pub fn host(&self) -> String {
         match &self.admin.get_hosts()[0] {
             tokio_postgres::config::Host::Tcp(host) => host.clone(),
