@@ -85,6 +85,7 @@ impl TestDatabase {
 
     /// The database's connection options for a sqlx pool: the server's host, port, user and
     /// password (a fresh Debian install asks TCP clients for one), and the database.
+    #[cfg(feature = "postgres")]
     pub fn options(&self) -> axum_idempotency::store::sqlx::postgres::PgConnectOptions {
         self.uri().parse().expect("the database's URL")
     }
