@@ -80,10 +80,16 @@ fn global(key: &str) -> RecordKey {
     RecordKey::new("idempotency", b"", key.as_bytes())
 }
 
-/// Sends `key` and leaves its handler hanging: a claim whose holder never settles.
-async fn abandon(app: &Router, key: &'static str) {
+/// Sends `key` and leaves its handler hanging: a claim whose holder never settles. `runs` is
+/// the service's: the client gives up once its handler started (however long a cold claim
+/// took), and at least 50 ms later.
+async fn abandon(app: &Router, key: &'static str, runs: &AtomicUsize) {
+    let before = runs.load(Ordering::SeqCst);
     let request = common::send_in_background(app, keyed("POST", "/pay", key, "{}"));
     tokio::time::sleep(Duration::from_millis(50)).await;
+    while runs.load(Ordering::SeqCst) == before {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // The client gives up; the handler hangs on, and its lease lapses.
     request.abort();
 }
@@ -101,8 +107,8 @@ async fn the_completer_settles_a_claim_it_can_resolve_and_reports_one_it_cannot(
     let store = store(&d).await;
     let (runs_a, runs_b) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let (app_a, app_b) = (service(&store, &runs_a), service(&store, &runs_b));
-    abandon(&app_a, "known").await;
-    abandon(&app_b, "unknown").await;
+    abandon(&app_a, "known", &runs_a).await;
+    abandon(&app_b, "unknown", &runs_b).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let listed = store.abandoned_claims(Duration::ZERO, 10).await.unwrap();
     let mut hashes: Vec<&str> = listed.iter().map(|claim| claim.key.hash()).collect();
@@ -185,13 +191,27 @@ async fn the_completer_settles_a_consumer_claim_with_its_value() {
     let idem = Idempotent::new(store.clone()).lease(LEASE).keep_alive(None).recover(hook);
     // The worker dies mid-operation: its operation hangs with its claim held, and its
     // caller gives up.
-    let hang = |_| async {
-        std::future::pending::<()>().await;
-        Ok::<i64, std::io::Error>(0)
+    let started = Arc::new(AtomicUsize::new(0));
+    let hang = {
+        let started = started.clone();
+        move |_| async move {
+            started.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
+            Ok::<i64, std::io::Error>(0)
+        }
     };
-    let gave_up =
-        tokio::time::timeout(Duration::from_millis(50), idem.run("payments", "evt_1", b"{}", hang));
-    assert!(gave_up.await.is_err());
+    // The caller gives up once the operation started (however long a cold claim took).
+    let mut run = Box::pin(idem.run("payments", "evt_1", b"{}", hang));
+    let running = async {
+        while started.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    tokio::select! {
+        ended = &mut run => panic!("the operation ended: {ended:?}"),
+        () = running => {}
+    }
+    drop(run);
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let resolve = |_: AbandonedClaim| async { Ok::<_, BoxError>(Resolution::value(&42_i64)?) };
     let pass = Completer::new(store.clone(), resolve).lapsed_for(LAPSED).complete_abandoned().await;
@@ -208,7 +228,7 @@ async fn a_claim_a_retry_settled_first_is_skipped() {
     let store = store(&d).await;
     let runs = Arc::new(AtomicUsize::new(0));
     let app = service(&store, &runs);
-    abandon(&app, "known").await;
+    abandon(&app, "known", &runs).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let retried_app = app.clone();
     // The resolver is slow: the client's retry takes the claim over and settles it meanwhile.
@@ -233,7 +253,7 @@ async fn a_failing_resolver_leaves_the_claim_for_the_next_pass() {
     let d = TestDatabase::create("completer").await;
     let store = store(&d).await;
     let runs = Arc::new(AtomicUsize::new(0));
-    abandon(&service(&store, &runs), "known").await;
+    abandon(&service(&store, &runs), "known", &runs).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let failing =
         |_: AbandonedClaim| async { Err::<Resolution, BoxError>("the outbox is down".into()) };
