@@ -165,13 +165,17 @@ async fn a_holder_whose_lease_was_taken_over_cannot_commit_its_outcome() {
     let first_idem = idem.clone();
     // The first holder goes on only once the second has run, however slow the machine.
     let (go_on, resumed) = tokio::sync::oneshot::channel::<()>();
+    let (running, started) = tokio::sync::oneshot::channel::<()>();
     let first = tokio::spawn(async move {
         let operation = move |context| async move {
+            let _ = running.send(());
             let _ = resumed.await;
             pay(first_pool, first_store, "evt_1", context, Stop::Nowhere, false).await
         };
         first_idem.run("payments", "evt_1", b"{}", operation).await
     });
+    // Past the first holder's lease, counted from when it holds the key.
+    started.await.unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     let second = deliver_payment(&idem, &pool, &store).await;
     let Ok(Outcome::Ran(id)) = second else { panic!("the takeover did not run: {second:?}") };
