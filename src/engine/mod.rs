@@ -173,7 +173,7 @@ pub(crate) struct Engine<St> {
 
 /// What a claim found.
 #[derive(Debug)]
-pub(crate) enum Claimed<St> {
+enum Claimed<St> {
     /// The key is the caller's: run the operation through this holder.
     Run(Holder<St>),
     /// The same request completed: its stored outcome.
@@ -215,7 +215,7 @@ impl<St: Store> Engine<St> {
     /// was released.
     ///
     /// `route` labels the metrics (the matched route, or the consumer's scope): never a key.
-    pub(crate) async fn claim(
+    async fn claim(
         &self,
         key: RecordKey,
         fingerprint: Fingerprint,
