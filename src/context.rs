@@ -26,6 +26,12 @@ pub(crate) trait Encoding: Send + Sync {
 
     /// A value, serialized as `json`, as the door stores it.
     fn json(&self, json: Bytes) -> Result<Bytes, SealError>;
+
+    /// A gRPC response, its `metadata` and its framed `message`, as the door stores it: the
+    /// gRPC door's; every other door refuses it.
+    fn grpc(&self, _metadata: http::HeaderMap, _message: Bytes) -> Result<Bytes, SealError> {
+        Err(SealError::NotStored("this door stores no gRPC responses"))
+    }
 }
 
 /// Who a claimed operation is, for the operation itself and for its recovery: the scope, the

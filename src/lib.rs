@@ -22,6 +22,8 @@ pub mod dedup;
 pub mod encryption;
 mod engine;
 mod fingerprint;
+#[cfg(feature = "tonic")]
+pub mod grpc;
 pub mod http;
 mod key;
 pub mod recovery;

@@ -22,6 +22,9 @@ pub(crate) enum Format {
     Json = b'J',
     /// A consumer result that ran but has no faithful stored form: the reason, as text.
     NotStored = b'U',
+    /// A gRPC response: its headers, its body (the framed message) and its trailers
+    /// (`crate::grpc`).
+    Grpc = b'G',
     /// Any door's record, encrypted at rest (`crate::at_rest`): never opened as a door's own.
     /// Never constructed: the variant reserves the byte, so that no door's format takes it.
     #[allow(dead_code)]
@@ -30,7 +33,7 @@ pub(crate) enum Format {
 
 impl Format {
     /// The formats a door opens: every one but [`Encrypted`](Self::Encrypted).
-    const ALL: [Self; 4] = [Self::Http, Self::HttpMinimal, Self::Json, Self::NotStored];
+    const ALL: [Self; 5] = [Self::Http, Self::HttpMinimal, Self::Json, Self::NotStored, Self::Grpc];
 }
 
 /// A stored outcome, its envelope read.

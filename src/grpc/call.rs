@@ -1,0 +1,229 @@
+//! The path of one call to a unary method the layer handles: the key, the message, the scope
+//! and the fingerprint; then the engine's claim, run and settle ([`Engine::operate`]), and the
+//! answer to what it decided.
+
+use std::{convert::Infallible, future::Ready, marker::PhantomData, sync::Arc};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
+use tonic::{Code, Status, body::Body};
+use tower::ServiceExt as _;
+use tower_service::Service;
+
+use super::{
+    KEY_METADATA,
+    config::Config,
+    door::{GrpcDoor, replay},
+    status::{answer, retry_after},
+};
+use crate::{
+    context::IdempotencyContext,
+    engine::{Claiming, Decided, Ended, Engine, Label, Operated, Start},
+    fingerprint::Fingerprint,
+    http::{MAX_KEY_LEN, parse_key},
+    key::RecordKey,
+    recovery::{BoxError, Recovered},
+    store::Store,
+};
+
+/// The recovery lookup the door never makes.
+type NoLookup = Ready<Result<Recovered<Infallible>, BoxError>>;
+
+/// Handles one call of a listed method.
+pub(super) async fn handle<S, St, ReqBody, ResBody>(
+    inner: S,
+    engine: Engine<St>,
+    config: Arc<Config>,
+    request: Request<ReqBody>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    St: Store,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    let name = http::HeaderName::from_static(KEY_METADATA);
+    let from_metadata = match parse_key(&parts.headers, &name) {
+        Ok(key) => key,
+        Err(error) => {
+            let detail =
+                error.detail().replace("Idempotency-Key header", "idempotency-key metadata entry");
+            return Ok(answer(Status::invalid_argument(detail)));
+        }
+    };
+    if from_metadata.is_none() && config.key_from_message.is_none() {
+        if config.require_key {
+            return Ok(answer(missing_key()));
+        }
+        return inner.oneshot(Request::from_parts(parts, Body::new(body))).await.map(into_body);
+    }
+    let framed = match Limited::new(body, config.message_limit).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return Ok(answer(Status::resource_exhausted(
+                "the request message is over the idempotency layer's limit",
+            )));
+        }
+        Err(_) => return Ok(answer(Status::cancelled("the request's body failed"))),
+    };
+    let message = match unary_message(&parts.headers, &framed) {
+        Ok(message) => message,
+        Err(refused) => return Ok(refused),
+    };
+    let path = parts.uri.path().to_owned();
+    let key = match from_metadata {
+        Some(key) => key,
+        None => match config.key_from_message.as_ref().and_then(|find| find.key(&path, &message)) {
+            Some(key) if key.is_empty() || key.len() > MAX_KEY_LEN => {
+                return Ok(answer(Status::invalid_argument(
+                    "the request's idempotency key must be 1 to 255 bytes",
+                )));
+            }
+            Some(key) => key.into_bytes(),
+            None if config.require_key => return Ok(answer(missing_key())),
+            None => {
+                let request = Request::from_parts(parts, Body::new(Full::new(framed)));
+                return inner.oneshot(request).await.map(into_body);
+            }
+        },
+    };
+    let scope = match config.scope.scope(&parts) {
+        Ok(scope) => scope,
+        Err(status) => return Ok(answer(status)),
+    };
+
+    // Claim, run, settle: the engine's.
+    let record_key = RecordKey::new(&config.prefix, &scope, &key);
+    let hash = record_key.hash().to_owned();
+    let span = tracing::Span::current();
+    span.record("key_hash", hash.as_str());
+    let route = Label::route(path.as_str());
+    let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
+    let door = GrpcDoor { config: config.clone(), route: route.clone(), span, body: PhantomData };
+    let claiming = Claiming { key: record_key, fingerprint, route: route.clone(), scope };
+    let start = |(inner, mut parts, framed): (S, http::request::Parts, Bytes),
+                 context: IdempotencyContext,
+                 _due| {
+        parts.extensions.insert(context);
+        let operation = inner.oneshot(Request::from_parts(parts, Body::new(Full::new(framed))));
+        Start { operation, lookup: None::<NoLookup> }
+    };
+    let decided = match engine.operate(door, claiming, (inner, parts, framed), start).await {
+        Operated::Decided(_, decided) => decided,
+        Operated::Ended(Ended::Answered(response)) => return Ok(response),
+        Operated::Ended(Ended::Failed(error)) => return Err(error),
+        Operated::Ended(Ended::Mismatch) => return Ok(answer(mismatch())),
+        Operated::Ended(Ended::Refused | Ended::Cancelled) => {
+            return Ok(retry_after(Code::Unavailable, "the call did not run; retry", ONE_SECOND));
+        }
+    };
+    Ok(match decided {
+        Decided::Replay(stored) => replay(stored, &route, &hash),
+        Decided::InProgress { retry_after: after } => {
+            tracing::debug!(key_hash = hash, ?after, "idempotency: in progress");
+            let message = "a call with this idempotency key is in progress; retry later";
+            retry_after(Code::Aborted, message, after)
+        }
+        Decided::Failed(error) if error.is_unavailable() => {
+            tracing::error!(key_hash = hash, %error, "idempotency: store unavailable");
+            retry_after(Code::Unavailable, "the idempotency store is unavailable", ONE_SECOND)
+        }
+        Decided::Failed(error) => {
+            tracing::error!(key_hash = hash, %error, "idempotency: record not written by this layer");
+            answer(Status::internal("the idempotency record cannot be read"))
+        }
+    })
+}
+
+const ONE_SECOND: std::time::Duration = std::time::Duration::from_secs(1);
+
+fn into_body<B>(response: Response<B>) -> Response<Body>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    response.map(Body::new)
+}
+
+fn missing_key() -> Status {
+    Status::invalid_argument(
+        "this method needs an idempotency key: the idempotency-key metadata entry, or the request's id",
+    )
+}
+
+/// Another message under a key already used: `FAILED_PRECONDITION`, as for a state the
+/// caller must change (a fresh key) before the call can succeed, not an argument wrong in
+/// itself.
+fn mismatch() -> Status {
+    Status::failed_precondition(
+        "the idempotency key was used with another request message; use a new key for a new request",
+    )
+}
+
+/// The one message of a unary call's body: its payload, after its five-byte prefix. A call
+/// that is not one message is `INVALID_ARGUMENT`; a compressed one `UNIMPLEMENTED` with
+/// `grpc-accept-encoding: identity`, as gRPC answers an encoding the server does not read: its
+/// fingerprint would be the compression's, not the message's.
+fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Response<Body>> {
+    let not_one = || {
+        answer(Status::invalid_argument(
+            "a unary call carries exactly one message: this method's idempotency needs it",
+        ))
+    };
+    let Some((&[flag, a, b, c, d], _)) = framed.split_first_chunk::<5>() else {
+        return Err(not_one());
+    };
+    let len = u32::from_be_bytes([a, b, c, d]) as usize;
+    if framed.len() - 5 != len {
+        return Err(not_one());
+    }
+    match flag {
+        0 => Ok(framed.slice(5..)),
+        1 => {
+            let encoding = headers.get("grpc-encoding").and_then(|v| v.to_str().ok());
+            let mut refused = answer(Status::unimplemented(format!(
+                "the request is compressed ({}); the idempotency layer reads uncompressed messages only",
+                encoding.unwrap_or("no grpc-encoding")
+            )));
+            refused
+                .headers_mut()
+                .insert("grpc-accept-encoding", HeaderValue::from_static("identity"));
+            Err(refused)
+        }
+        _ => Err(not_one()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn code(response: &Response<Body>) -> Code {
+        Status::from_header_map(response.headers()).unwrap().code()
+    }
+
+    #[test]
+    fn one_uncompressed_message_is_read_and_anything_else_refused() {
+        let headers = HeaderMap::new();
+        let one = Bytes::from_static(b"\0\0\0\0\x03abc");
+        assert_eq!(unary_message(&headers, &one).unwrap(), Bytes::from_static(b"abc"));
+        let empty = Bytes::from_static(b"\0\0\0\0\0");
+        assert_eq!(unary_message(&headers, &empty).unwrap(), Bytes::new());
+        for bad in
+            [&b""[..], b"\0\0\0", b"\0\0\0\0\x03ab", b"\0\0\0\0\x01a\0\0\0\0\x01b", b"\x07\0\0\0\0"]
+        {
+            let refused = unary_message(&headers, &Bytes::copy_from_slice(bad)).unwrap_err();
+            assert_eq!(code(&refused), Code::InvalidArgument, "{bad:?}");
+        }
+        let compressed = Bytes::from_static(b"\x01\0\0\0\x03abc");
+        let refused = unary_message(&headers, &compressed).unwrap_err();
+        assert_eq!(code(&refused), Code::Unimplemented);
+        assert_eq!(refused.headers()["grpc-accept-encoding"], "identity");
+    }
+}

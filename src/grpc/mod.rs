@@ -1,0 +1,212 @@
+//! The gRPC front door (feature `tonic`): [`GrpcIdempotencyLayer`], a tower layer for tonic
+//! servers that makes the unary methods it lists run once per key, and replays their
+//! responses to every retry.
+//!
+//! It is the HTTP layer's sibling over the same engine and stores: the same claim, waiting,
+//! lease renewal, takeover of a dead holder's key, encryption at rest
+//! ([`encrypt_at_rest`](GrpcIdempotencyLayer::encrypt_at_rest)), metrics (labelled with the
+//! method's path as their `route`), and the commit of a response in the handler's own
+//! PostgreSQL transaction.
+//!
+//! ```
+//! use std::time::Duration;
+//! use axum_idempotency::{MemoryStore, grpc::{GrpcIdempotencyLayer, MetadataScope}};
+//!
+//! let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
+//!     .unary("/payments.v1.Payments/Charge")
+//!     .scope(MetadataScope::new("x-tenant-id").unwrap())
+//!     .retention(Duration::from_secs(24 * 3600));
+//! // tonic::transport::Server::builder().layer(layer).add_service(PaymentsServer::new(svc))
+//! ```
+//!
+//! - **which methods**: the unary methods listed with [`unary`](GrpcIdempotencyLayer::unary),
+//!   by path. Every other call passes through untouched, streaming methods included: a
+//!   stream has no one message to fingerprint nor one response to replay.
+//! - **the key**: the `idempotency-key` metadata entry (the HTTP header's rules: 1 to 255
+//!   visible ASCII characters), or else the request message's own id, read by
+//!   [`key_from_message`](GrpcIdempotencyLayer::key_from_message) (AIP-155's `request_id`).
+//! - **the scope**: whose key it is ([`GrpcScope`]): a metadata entry, or the principal an
+//!   authentication layer put in the request's extensions.
+//! - **the fingerprint**: the method's full path and the request message's bytes (the
+//!   frame's payload). A compressed request is refused (`UNIMPLEMENTED`, with
+//!   `grpc-accept-encoding: identity`): its bytes would be the compression's. The handler gets
+//!   the same bytes.
+//! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the
+//!   request's extensions (`request.extensions().get::<IdempotencyContext>()`), and may commit
+//!   its `tonic::Response` in the store's transaction with its side effect
+//!   (`PostgresStore::transaction`); a [`TransactionError`](crate::store::TransactionError)
+//!   converts to a `tonic::Status` with `?`.
+//!
+//! | situation | answer |
+//! |---|---|
+//! | first call | the handler's response |
+//! | retry of a completed call | the stored response (metadata, message, trailers) with `idempotency-replayed: true` |
+//! | retry while the call runs | waits for it (up to 10 s by default), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
+//! | the same key with another message | `FAILED_PRECONDITION` |
+//! | no key on a listed method, a malformed key | `INVALID_ARGUMENT` |
+//! | a compressed request | `UNIMPLEMENTED`, `grpc-accept-encoding: identity` |
+//! | the store unavailable | `UNAVAILABLE`, with `RetryInfo` |
+//! | a response over the stored limit, retried | `INTERNAL` (the call ran; it does not run again) |
+//!
+//! Another message under a used key is `FAILED_PRECONDITION`, not `INVALID_ARGUMENT`: the
+//! message is valid in itself, and would succeed under a fresh key; what refuses it is the
+//! state the key is in. So Go's `idemlease` answers too.
+//!
+//! Which statuses are stored is the [`GrpcStorePolicy`]'s call: `OK` by default. Any other
+//! status releases the key, so that a retry runs the handler again; list the business
+//! errors that must be replayed rather than retried (a declined charge).
+
+mod call;
+mod config;
+mod door;
+mod layer;
+mod record;
+mod seal;
+mod status;
+
+use http::{HeaderName, header::InvalidHeaderName, request::Parts};
+use tonic::{Code, Status};
+
+pub use self::layer::{GrpcIdempotency, GrpcIdempotencyLayer, ResponseFuture};
+pub use crate::http::scope::GlobalScope;
+
+/// The metadata entry that carries the key.
+pub const KEY_METADATA: &str = "idempotency-key";
+
+/// The metadata entry that marks a replayed response: `idempotency-replayed: true`.
+pub const REPLAYED_METADATA: &str = "idempotency-replayed";
+
+/// Finds a call's scope: whose keys are whose. A record lives under `hash(scope, key)`, so
+/// one tenant can never be replayed another's response.
+///
+/// Implemented by [`GlobalScope`] (the default), [`MetadataScope`], and closures
+/// `Fn(&http::request::Parts) -> Option<String>` (the HTTP layer's scope closures), whose
+/// `None` is answered `INVALID_ARGUMENT`:
+///
+/// ```
+/// use axum_idempotency::{MemoryStore, grpc::GrpcIdempotencyLayer};
+/// use http::request::Parts;
+///
+/// // The principal an authentication layer put in the request's extensions.
+/// #[derive(Clone)]
+/// struct Principal(String);
+///
+/// let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
+///     .scope(|parts: &Parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()));
+/// ```
+pub trait GrpcScope: Send + Sync + 'static {
+    /// The scope of the call with these parts, or the status to answer instead.
+    ///
+    /// # Errors
+    ///
+    /// The status the call is answered with; nothing runs.
+    fn scope(&self, parts: &Parts) -> Result<Vec<u8>, Status>;
+}
+
+impl GrpcScope for GlobalScope {
+    fn scope(&self, _parts: &Parts) -> Result<Vec<u8>, Status> {
+        Ok(Vec::new())
+    }
+}
+
+impl<F> GrpcScope for F
+where
+    F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+{
+    fn scope(&self, parts: &Parts) -> Result<Vec<u8>, Status> {
+        self(parts)
+            .map(String::into_bytes)
+            .ok_or_else(|| Status::invalid_argument("the call has no idempotency scope"))
+    }
+}
+
+/// The scope is a metadata entry's value, such as `x-tenant-id`; a call without it, or with
+/// it twice, is `INVALID_ARGUMENT`.
+///
+/// Trusts the entry, which any client can set: use it behind a gateway that sets or checks
+/// it. To scope by an authenticated principal, use a closure over the request's extensions.
+#[derive(Debug, Clone)]
+pub struct MetadataScope {
+    name: HeaderName,
+}
+
+impl MetadataScope {
+    /// Scopes by the metadata entry `name`.
+    ///
+    /// # Errors
+    ///
+    /// When `name` is not a valid metadata key.
+    pub fn new(name: &str) -> Result<Self, InvalidHeaderName> {
+        Ok(Self { name: HeaderName::try_from(name)? })
+    }
+}
+
+impl GrpcScope for MetadataScope {
+    fn scope(&self, parts: &Parts) -> Result<Vec<u8>, Status> {
+        let mut values = parts.headers.get_all(&self.name).iter();
+        match (values.next(), values.next()) {
+            (Some(value), None) => Ok(value.as_bytes().to_vec()),
+            _ => Err(Status::invalid_argument(format!(
+                "the call needs exactly one `{}` metadata entry: its idempotency scope",
+                self.name
+            ))),
+        }
+    }
+}
+
+/// Reads the key from a request message: AIP-155's `request_id`.
+///
+/// Implemented for closures `Fn(&str, &[u8]) -> Option<String>`, given the method's path and
+/// the message's bytes; `None` (or an empty id) when the message has no key.
+pub trait KeyFromMessage: Send + Sync + 'static {
+    /// The key of the call of `method` with `message`, if it has one.
+    fn key(&self, method: &str, message: &[u8]) -> Option<String>;
+}
+
+impl<F> KeyFromMessage for F
+where
+    F: Fn(&str, &[u8]) -> Option<String> + Send + Sync + 'static,
+{
+    fn key(&self, method: &str, message: &[u8]) -> Option<String> {
+        self(method, message).filter(|key| !key.is_empty())
+    }
+}
+
+/// Decides whether a call's response is stored for replay (`true`), or its key released so
+/// that a retry runs the handler again (`false`), by its status code.
+///
+/// Implemented for closures `Fn(tonic::Code) -> bool`; [`DefaultGrpcStorePolicy`] (`OK` only)
+/// is the default.
+///
+/// ```
+/// use axum_idempotency::{MemoryStore, grpc::GrpcIdempotencyLayer};
+/// use tonic::Code;
+///
+/// // A declined charge (FAILED_PRECONDITION) is an answer, replayed, not retried.
+/// let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
+///     .store_policy(|code: Code| matches!(code, Code::Ok | Code::FailedPrecondition));
+/// ```
+pub trait GrpcStorePolicy: Send + Sync + 'static {
+    /// Whether a response with this status is stored.
+    fn stores(&self, code: Code) -> bool;
+}
+
+impl<F> GrpcStorePolicy for F
+where
+    F: Fn(Code) -> bool + Send + Sync + 'static,
+{
+    fn stores(&self, code: Code) -> bool {
+        self(code)
+    }
+}
+
+/// The default [`GrpcStorePolicy`]: `OK` alone is stored, as Go's `idemlease` does; every
+/// error releases the key.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DefaultGrpcStorePolicy;
+
+impl GrpcStorePolicy for DefaultGrpcStorePolicy {
+    fn stores(&self, code: Code) -> bool {
+        code == Code::Ok
+    }
+}

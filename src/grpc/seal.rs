@@ -1,0 +1,67 @@
+//! The gRPC door's side of a store's transaction: how it encodes the response a handler
+//! commits ([`Committable`] for `tonic::Response<M>`).
+
+use std::sync::Arc;
+
+use axum::response::Response;
+use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::future::BoxFuture;
+use http::{HeaderMap, HeaderValue, header};
+
+use super::{config::Config, door::OVER_STORED_LIMIT, record};
+use crate::{
+    context::{Encoding, IdempotencyContext},
+    store::{Committable, SealError},
+};
+
+/// The gRPC door's encoding of a committed outcome: a unary OK response, as tonic sends it.
+pub(super) struct GrpcEncoding(pub(super) Arc<Config>);
+
+impl Encoding for GrpcEncoding {
+    fn response(
+        &self,
+        _response: Response,
+    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>> {
+        Box::pin(async {
+            Err(SealError::NotStored(
+                "the gRPC door stores gRPC responses (tonic::Response), not HTTP responses",
+            ))
+        })
+    }
+
+    fn json(&self, _json: Bytes) -> Result<Bytes, SealError> {
+        Err(SealError::NotStored(
+            "the gRPC door stores gRPC responses (tonic::Response), not values",
+        ))
+    }
+
+    fn grpc(&self, mut metadata: HeaderMap, message: Bytes) -> Result<Bytes, SealError> {
+        if !self.0.store_policy.stores(tonic::Code::Ok) {
+            return Err(SealError::NotStored("the store policy does not keep OK"));
+        }
+        metadata.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let stored = record::encode(&metadata, &message, Some(&trailers));
+        if stored.len() > self.0.stored_limit {
+            return Err(SealError::NotStored(OVER_STORED_LIMIT));
+        }
+        Ok(stored)
+    }
+}
+
+/// A gRPC handler's response, committed as the gRPC door stores it: its metadata and its
+/// message (framed, uncompressed), with `OK`. A response committed for another door is
+/// refused ([`TransactionError::NotStored`](crate::store::TransactionError::NotStored)).
+impl<M: prost::Message + Send + 'static> Committable for tonic::Response<M> {
+    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), SealError> {
+        let completion = context.completion().ok_or(SealError::NotClaimed)?;
+        let message = self.get_ref().encode_to_vec();
+        let mut framed = BytesMut::with_capacity(5 + message.len());
+        framed.put_u8(0);
+        framed.put_u32(u32::try_from(message.len()).unwrap_or(u32::MAX));
+        framed.put_slice(&message);
+        let metadata = self.metadata().clone().into_headers();
+        Ok((completion.encoding.grpc(metadata, framed.freeze())?, self))
+    }
+}
