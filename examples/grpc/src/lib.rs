@@ -86,13 +86,18 @@ impl Ledger {
         self.calls.load(Ordering::SeqCst)
     }
 
-    /// Counts the call, prints it (the tests read the server's output), and waits its delay.
-    async fn start(&self, request: &ChargeRequest) -> u64 {
+    /// Counts the call and prints it (the tests read the server's output).
+    fn start(&self) -> u64 {
         let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         println!("handler {call} started");
-        tokio::time::sleep(Duration::from_millis(request.delay_ms)).await;
         call
     }
+}
+
+/// How long the call asks its handler to take: its `x-delay-ms` metadata entry.
+fn delay<T>(request: &Request<T>) -> Duration {
+    let ms = request.metadata().get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok());
+    Duration::from_millis(ms.unwrap_or(0))
 }
 
 /// The reply, with the charge's id in the `x-charge-id` metadata entry too.
@@ -114,8 +119,9 @@ impl Payments for Ledger {
         &self,
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
+        let (call, delay) = (self.start(), delay(&request));
+        tokio::time::sleep(delay).await;
         let request = request.into_inner();
-        let call = self.start(&request).await;
         if request.account == "busy" {
             return Err(Status::unavailable(format!("busy on call {call}")));
         }
@@ -126,7 +132,8 @@ impl Payments for Ledger {
     }
 
     /// Charges in one PostgreSQL transaction with the idempotency record: the `charges` row
-    /// and the stored reply commit together, or neither does.
+    /// and the stored reply commit together, or neither does. The account `fail` rolls back
+    /// after its row was written (`INTERNAL`; the key is released).
     async fn charge_in_transaction(
         &self,
         request: Request<ChargeRequest>,
@@ -134,9 +141,8 @@ impl Payments for Ledger {
         if let Some(store) = &self.postgres {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
             let context = context.ok_or_else(|| Status::internal("no idempotency context"))?;
+            let (call, delay) = (self.start(), delay(&request));
             let request = request.into_inner();
-            let call = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-            println!("handler {call} started");
             let key_hash = context.key_hash().to_owned();
             let answered = store
                 .transaction(&context, move |tx| {
@@ -146,10 +152,14 @@ impl Payments for Ledger {
                             .bind(key_hash)
                             .bind(request.amount)
                             .execute(&mut *tx)
-                            .await?;
+                            .await
+                            .map_err(|error| error.to_string())?;
                         println!("charge {call} written");
-                        tokio::time::sleep(Duration::from_millis(request.delay_ms)).await;
-                        Ok::<_, axum_idempotency::store::sqlx::Error>(reply(&request, call))
+                        tokio::time::sleep(delay).await;
+                        if request.account == "fail" {
+                            return Err(format!("the ledger refused call {call}"));
+                        }
+                        Ok(reply(&request, call))
                     })
                 })
                 .await?;
@@ -165,8 +175,9 @@ impl Payments for Ledger {
         &self,
         request: Request<ChargeRequest>,
     ) -> Result<Response<Self::WatchStream>, Status> {
+        let first = self.start();
+        tokio::time::sleep(delay(&request)).await;
         let request = request.into_inner();
-        let first = self.start(&request).await;
         let second = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
         let replies = [first, second].map(|call| Ok(reply(&request, call).into_inner()));
         Ok(Response::new(Box::pin(tonic::codegen::tokio_stream::iter(replies))))
