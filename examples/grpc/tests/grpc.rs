@@ -18,7 +18,10 @@ use grpc_example::{
 use tonic::{Code, Request, Response, Status, codec::CompressionEncoding, transport::Channel};
 
 /// A server on a free loopback port, and a client of it. The server stops with the test.
-async fn start<St: Store>(layer: GrpcIdempotencyLayer<St>, ledger: Ledger) -> PaymentsClient<Channel> {
+async fn start<St: Store>(
+    layer: GrpcIdempotencyLayer<St>,
+    ledger: Ledger,
+) -> PaymentsClient<Channel> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(serve(listener, layer, ledger));
@@ -59,10 +62,12 @@ fn reply(answer: Result<Response<ChargeReply>, Status>) -> (ChargeReply, bool, S
 async fn a_call_runs_once_and_its_retry_is_replayed<H: Harness>(h: H) {
     let ledger = Ledger::new();
     let mut client = start(layer(h.store()), ledger.clone()).await;
-    let (first, first_replayed, first_id) = reply(client.charge(charge(Some("k1"), "acct", 100)).await);
+    let (first, first_replayed, first_id) =
+        reply(client.charge(charge(Some("k1"), "acct", 100)).await);
     assert_eq!((first.call, first.amount, first_replayed), (1, 100, false));
     assert_eq!(first_id, "ch_acct_1");
-    let (again, again_replayed, again_id) = reply(client.charge(charge(Some("k1"), "acct", 100)).await);
+    let (again, again_replayed, again_id) =
+        reply(client.charge(charge(Some("k1"), "acct", 100)).await);
     assert_eq!(again, first, "the stored message");
     assert!(again_replayed, "marked as replayed");
     assert_eq!(again_id, first_id, "the stored metadata");
@@ -75,7 +80,9 @@ async fn twenty_concurrent_duplicates_run_the_handler_once<H: Harness>(h: H) {
     let calls: Vec<_> = (0..20)
         .map(|_| {
             let mut client = client.clone();
-            tokio::spawn(async move { client.charge(slow(charge(Some("dup"), "acct", 5), 300)).await })
+            tokio::spawn(
+                async move { client.charge(slow(charge(Some("dup"), "acct", 5), 300)).await },
+            )
         })
         .collect();
     let mut replays = 0;
@@ -102,7 +109,8 @@ async fn a_retry_while_the_call_runs_waits_and_gets_its_reply<H: Harness>(h: H) 
     let ledger = Ledger::new();
     let mut client = start(layer(h.store()), ledger.clone()).await;
     let mut first = client.clone();
-    let running = tokio::spawn(async move { first.charge(slow(charge(Some("w"), "a", 7), 800)).await });
+    let running =
+        tokio::spawn(async move { first.charge(slow(charge(Some("w"), "a", 7), 800)).await });
     eventually("the first call runs", async || ledger.calls() == 1).await;
     let (waited, was_replayed, _) = reply(client.charge(charge(Some("w"), "a", 7)).await);
     assert_eq!((waited.call, was_replayed), (1, true));
@@ -115,7 +123,8 @@ async fn a_retry_past_the_wait_is_aborted_with_retry_info<H: Harness>(h: H) {
     let short = layer(h.store()).waiting(Waiting::up_to(Duration::from_millis(200)));
     let mut client = start(short, ledger.clone()).await;
     let mut first = client.clone();
-    let running = tokio::spawn(async move { first.charge(slow(charge(Some("r"), "a", 7), 1500)).await });
+    let running =
+        tokio::spawn(async move { first.charge(slow(charge(Some("r"), "a", 7), 1500)).await });
     eventually("the first call runs", async || ledger.calls() == 1).await;
     let aborted = client.charge(charge(Some("r"), "a", 7)).await.unwrap_err();
     assert_eq!(aborted.code(), Code::Aborted, "{aborted:?}");
@@ -165,7 +174,10 @@ async fn a_declined_charge_is_replayed_and_a_busy_one_runs_again<H: Harness>(h: 
     let mut client = start(layer(h.store()), ledger.clone()).await;
     let declined = client.charge(charge(Some("d"), "a", 0)).await.unwrap_err();
     let again = client.charge(charge(Some("d"), "a", 0)).await.unwrap_err();
-    assert_eq!((declined.code(), again.code()), (Code::FailedPrecondition, Code::FailedPrecondition));
+    assert_eq!(
+        (declined.code(), again.code()),
+        (Code::FailedPrecondition, Code::FailedPrecondition)
+    );
     assert_eq!(again.message(), "declined on call 1", "the stored status");
     assert!(!status_replayed(&declined) && status_replayed(&again));
     let busy = client.charge(charge(Some("b"), "busy", 5)).await.unwrap_err();
@@ -219,3 +231,140 @@ every_store!(
     scopes_keep_tenants_keys_apart,
     streaming_methods_and_compressed_calls,
 );
+
+/// The store unreachable: `UNAVAILABLE`, with a hint to retry, and nothing runs.
+fn assert_unavailable(answer: Result<Response<ChargeReply>, Status>) {
+    let status = answer.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("store is unavailable"), "{status:?}");
+    assert!(status.metadata().get("grpc-retry-pushback-ms").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_is_unavailable() {
+    let mut server = RedisServer::start();
+    let ledger = Ledger::new();
+    let mut client = start(layer(server.store()), ledger.clone()).await;
+    reply(client.charge(charge(Some("before"), "a", 1)).await);
+    server.kill();
+    assert_unavailable(client.charge(charge(Some("after"), "a", 1)).await);
+    assert_eq!(ledger.calls(), 1, "nothing ran without its claim");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_down_is_unavailable() {
+    use axum_idempotency::store::{PostgresStore, sqlx::postgres::PgPoolOptions};
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", free_port());
+    let pool =
+        PgPoolOptions::new().acquire_timeout(Duration::from_secs(2)).connect_lazy(&url).unwrap();
+    let ledger = Ledger::new();
+    let mut client = start(layer(PostgresStore::new(pool)), ledger.clone()).await;
+    assert_unavailable(client.charge(charge(Some("k"), "a", 1)).await);
+    assert_eq!(ledger.calls(), 0);
+}
+
+/// How many charges the ledger's table holds.
+async fn charges(database: &common::postgres::TestDatabase) -> i64 {
+    let client = database.client().await;
+    client.query_one("SELECT count(*) FROM charges", &[]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_commits_with_its_record_in_one_transaction() {
+    let h = PostgresHarness::start().await;
+    let ledger = Ledger::with_postgres(h.store(), &h.pool()).await.unwrap();
+    let mut client = start(layer(h.store()), ledger.clone()).await;
+    let (first, first_replayed, first_id) =
+        reply(client.charge_in_transaction(charge(Some("tx"), "acct", 40)).await);
+    assert_eq!((first.call, first_replayed), (1, false));
+    let key = axum_idempotency::store::RecordKey::new("idempotency-grpc", b"", b"tx");
+    assert_eq!(h.held(&key).await, Some(Held::Completed), "committed with the charge");
+    let (again, again_replayed, again_id) =
+        reply(client.charge_in_transaction(charge(Some("tx"), "acct", 40)).await);
+    assert_eq!((again, again_replayed, again_id), (first, true, first_id));
+    assert_eq!((charges(&h.database).await, ledger.calls()), (1, 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_charge_releases_its_key() {
+    let h = PostgresHarness::start().await;
+    let ledger = Ledger::with_postgres(h.store(), &h.pool()).await.unwrap();
+    let mut client = start(layer(h.store()), ledger.clone()).await;
+    for _ in 0..2 {
+        let failed = client.charge_in_transaction(charge(Some("rb"), "fail", 40)).await;
+        let failed = failed.unwrap_err();
+        assert_eq!(failed.code(), Code::Internal, "{failed:?}");
+        assert!(!status_replayed(&failed));
+    }
+    assert_eq!(ledger.calls(), 2, "released: the retry ran again");
+    assert_eq!(charges(&h.database).await, 0, "each charge rolled back with its record");
+    let key = axum_idempotency::store::RecordKey::new("idempotency-grpc", b"", b"rb");
+    assert_eq!(h.held(&key).await, None);
+}
+
+/// The example's server binary over `database`, run as a child process (a lease of one
+/// second), its stdout read line by line; killed when dropped.
+struct Server {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Server {
+    /// Starts a server, and a client of it once it listens.
+    async fn spawn(database: &common::postgres::TestDatabase) -> (Self, PaymentsClient<Channel>) {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_grpc-example"))
+            .envs([("STORE", "postgres"), ("ADDR", "127.0.0.1:0"), ("LEASE_MS", "1000")])
+            .env("DATABASE_URL", database.uri())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("the example server starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut server = Self { child, lines: tokio::io::BufReader::new(stdout).lines() };
+        let listening = server.line_starting("listening on ").await;
+        let addr = listening.trim_start_matches("listening on ");
+        let client = PaymentsClient::connect(format!("http://{addr}")).await.unwrap();
+        (server, client)
+    }
+
+    /// Waits (at most 30 s) for a line of output that starts with `prefix`.
+    async fn line_starting(&mut self, prefix: &str) -> String {
+        let found = tokio::time::timeout(Duration::from_secs(30), async {
+            while let Some(line) = self.lines.next_line().await.unwrap() {
+                if line.starts_with(prefix) {
+                    return line;
+                }
+            }
+            panic!("the server exited before it printed {prefix:?}");
+        });
+        found.await.unwrap_or_else(|_| panic!("no {prefix:?} within 30 s"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_mid_call_leaves_the_retry_to_another_which_charges_once() {
+    let database = common::postgres::TestDatabase::create("grpc_kill").await;
+    let (mut first, client) = Server::spawn(&database).await;
+    let mut caller = client.clone();
+    let call = tokio::spawn(async move {
+        caller.charge_in_transaction(slow(charge(Some("kill"), "acct", 70), 60_000)).await
+    });
+    // Killed with its charge written in its transaction, before the commit.
+    first.line_starting("charge 1 written").await;
+    first.child.kill().await.unwrap();
+    let lost = call.await.unwrap().unwrap_err();
+    assert!(matches!(lost.code(), Code::Unavailable | Code::Unknown | Code::Cancelled), "{lost:?}");
+    assert_eq!(charges(&database).await, 0, "the killed server's charge rolled back");
+
+    // The retry, on a second server: it waits for the dead holder's lease, takes the key
+    // over, and charges once.
+    let (_second, mut client) = Server::spawn(&database).await;
+    let (retried, retried_replayed, _) =
+        reply(client.charge_in_transaction(charge(Some("kill"), "acct", 70)).await);
+    assert_eq!((retried.call, retried_replayed), (1, false), "the second server's first call");
+    let (again, again_replayed, _) =
+        reply(client.charge_in_transaction(charge(Some("kill"), "acct", 70)).await);
+    assert_eq!((again, again_replayed), (retried, true));
+    assert_eq!(charges(&database).await, 1, "charged once");
+}
