@@ -5,9 +5,9 @@
 use std::{convert::Infallible, future::Ready, marker::PhantomData, sync::Arc};
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, Request, Response};
+use http::{HeaderMap, Request, Response};
 use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
-use tonic::{Code, Status, body::Body};
+use tonic::{Code, Status, body::Body, metadata::MetadataValue};
 use tower::ServiceExt as _;
 use tower_service::Service;
 
@@ -74,7 +74,7 @@ where
     };
     let message = match unary_message(&parts.headers, &framed) {
         Ok(message) => message,
-        Err(refused) => return Ok(refused),
+        Err(refused) => return Ok(answer(refused)),
     };
     let path = parts.uri.path().to_owned();
     let key = match from_metadata {
@@ -170,11 +170,11 @@ fn mismatch() -> Status {
 /// that is not one message is `INVALID_ARGUMENT`; a compressed one `UNIMPLEMENTED` with
 /// `grpc-accept-encoding: identity`, as gRPC answers an encoding the server does not read: its
 /// fingerprint would be the compression's, not the message's.
-fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Response<Body>> {
+fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Status> {
     let not_one = || {
-        answer(Status::invalid_argument(
+        Status::invalid_argument(
             "a unary call carries exactly one message: this method's idempotency needs it",
-        ))
+        )
     };
     let Some((&[flag, a, b, c, d], _)) = framed.split_first_chunk::<5>() else {
         return Err(not_one());
@@ -187,13 +187,12 @@ fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Response<
         0 => Ok(framed.slice(5..)),
         1 => {
             let encoding = headers.get("grpc-encoding").and_then(|v| v.to_str().ok());
-            let mut refused = answer(Status::unimplemented(format!(
+            let mut refused = Status::unimplemented(format!(
                 "the request is compressed ({}); the idempotency layer reads uncompressed messages only",
                 encoding.unwrap_or("no grpc-encoding")
-            )));
-            refused
-                .headers_mut()
-                .insert("grpc-accept-encoding", HeaderValue::from_static("identity"));
+            ));
+            let identity = MetadataValue::from_static("identity");
+            refused.metadata_mut().insert("grpc-accept-encoding", identity);
             Err(refused)
         }
         _ => Err(not_one()),
@@ -203,10 +202,6 @@ fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Response<
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn code(response: &Response<Body>) -> Code {
-        Status::from_header_map(response.headers()).unwrap().code()
-    }
 
     #[test]
     fn one_uncompressed_message_is_read_and_anything_else_refused() {
@@ -219,11 +214,11 @@ mod tests {
             [&b""[..], b"\0\0\0", b"\0\0\0\0\x03ab", b"\0\0\0\0\x01a\0\0\0\0\x01b", b"\x07\0\0\0\0"]
         {
             let refused = unary_message(&headers, &Bytes::copy_from_slice(bad)).unwrap_err();
-            assert_eq!(code(&refused), Code::InvalidArgument, "{bad:?}");
+            assert_eq!(refused.code(), Code::InvalidArgument, "{bad:?}");
         }
         let compressed = Bytes::from_static(b"\x01\0\0\0\x03abc");
-        let refused = unary_message(&headers, &compressed).unwrap_err();
-        assert_eq!(code(&refused), Code::Unimplemented);
+        let refused = answer(unary_message(&headers, &compressed).unwrap_err());
+        assert_eq!(refused.headers()["grpc-status"], "12", "UNIMPLEMENTED");
         assert_eq!(refused.headers()["grpc-accept-encoding"], "identity");
     }
 }

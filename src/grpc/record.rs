@@ -124,7 +124,7 @@ fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
 #[derive(Debug)]
 pub(super) enum Stored {
     /// A response, to replay.
-    Response(Collected),
+    Response(Box<Collected>),
     /// A call that completed without a replayable response: why.
     NotReplayable(String),
 }
@@ -153,7 +153,7 @@ pub(super) fn decode(record: Bytes, route: &Label) -> Option<Stored> {
             let mut response = Response::new(());
             *response.headers_mut() = headers;
             let (head, ()) = response.into_parts();
-            Some(Stored::Response(Collected { head, body, trailers }))
+            Some(Stored::Response(Box::new(Collected { head, body, trailers })))
         }
         _ => None,
     }
@@ -182,7 +182,7 @@ fn get_headers(payload: &mut Bytes) -> Option<HeaderMap> {
 }
 
 /// A stored response, replayed: marked with `idempotency-replayed: true`.
-pub(super) fn replayed(mut stored: Collected) -> Response<Body> {
+pub(super) fn replayed(mut stored: Box<Collected>) -> Response<Body> {
     let marker = HeaderValue::from_static("true");
     stored.head.headers.insert(HeaderName::from_static(REPLAYED_METADATA), marker);
     stored.into_response()
