@@ -2,7 +2,7 @@
 //! and the fingerprint; then the engine's claim, run and settle ([`Engine::operate`]), and the
 //! answer to what it decided.
 
-use std::{convert::Infallible, future::Ready, marker::PhantomData, sync::Arc};
+use std::{marker::PhantomData, sync::Arc};
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
@@ -23,12 +23,9 @@ use crate::{
     fingerprint::Fingerprint,
     http::{MAX_KEY_LEN, parse_key},
     key::RecordKey,
-    recovery::{BoxError, Recovered},
+    recovery::{BoxError, Lookup},
     store::Store,
 };
-
-/// The recovery lookup the door never makes.
-type NoLookup = Ready<Result<Recovered<Infallible>, BoxError>>;
 
 /// Handles one call of a listed method.
 pub(super) async fn handle<S, St, ReqBody, ResBody>(
@@ -107,12 +104,17 @@ where
     let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
     let door = GrpcDoor { config: config.clone(), route: route.clone(), span, body: PhantomData };
     let claiming = Claiming { key: record_key, fingerprint, route: route.clone(), scope };
+    let recover = config.recover.clone();
     let start = |(inner, mut parts, framed): (S, http::request::Parts, Bytes),
                  context: IdempotencyContext,
-                 _due| {
+                 due| {
+        // The recovery hook's question, with the message, when it is due.
+        let lookup = recover
+            .filter(|_| due)
+            .map(|hook| hook(Lookup::new(context.clone(), framed.slice(5..))));
         parts.extensions.insert(context);
         let operation = inner.oneshot(Request::from_parts(parts, Body::new(Full::new(framed))));
-        Start { operation, lookup: None::<NoLookup> }
+        Start { operation, lookup }
     };
     let decided = match engine.operate(door, claiming, (inner, parts, framed), start).await {
         Operated::Decided(_, decided) => decided,

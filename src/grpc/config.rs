@@ -2,8 +2,29 @@
 
 use std::{collections::HashSet, fmt, sync::Arc};
 
-use super::{DefaultGrpcStorePolicy, GrpcScope, GrpcStorePolicy, KeyFromMessage};
-use crate::http::scope::GlobalScope;
+use bytes::Bytes;
+use futures_util::future::BoxFuture;
+
+use super::{DefaultGrpcStorePolicy, GrpcScope, GrpcStorePolicy, KeyFromMessage, Reply};
+use crate::{
+    http::scope::GlobalScope,
+    recovery::{BoxError, Lookup, Recover, Recovered},
+};
+
+/// The lookup of one call by the recovery hook, not yet started.
+pub(super) type HookFuture = BoxFuture<'static, Result<Recovered<Reply>, BoxError>>;
+
+/// The layer's recovery hook, its type erased.
+pub(super) type Hook = Arc<dyn Fn(Lookup<Bytes>) -> HookFuture + Send + Sync>;
+
+/// `hook`, its type erased.
+pub(super) fn hook(hook: impl Recover<Bytes, Reply>) -> Hook {
+    let hook = Arc::new(hook);
+    Arc::new(move |lookup| {
+        let hook = hook.clone();
+        Box::pin(async move { hook.recover(lookup).await })
+    })
+}
 
 #[derive(Clone)]
 pub(super) struct Config {
@@ -14,6 +35,7 @@ pub(super) struct Config {
     pub(super) require_key: bool,
     pub(super) scope: Arc<dyn GrpcScope>,
     pub(super) store_policy: Arc<dyn GrpcStorePolicy>,
+    pub(super) recover: Option<Hook>,
     pub(super) message_limit: usize,
     pub(super) stored_limit: usize,
 }
@@ -27,6 +49,7 @@ impl Default for Config {
             require_key: true,
             scope: Arc::new(GlobalScope),
             store_policy: Arc::new(DefaultGrpcStorePolicy),
+            recover: None,
             message_limit: 4 * 1024 * 1024,
             stored_limit: 1024 * 1024,
         }
@@ -40,6 +63,7 @@ impl fmt::Debug for Config {
             .field("methods", &self.methods)
             .field("key_from_message", &self.key_from_message.is_some())
             .field("require_key", &self.require_key)
+            .field("recovers", &self.recover.is_some())
             .field("message_limit", &self.message_limit)
             .field("stored_limit", &self.stored_limit)
             .finish_non_exhaustive()

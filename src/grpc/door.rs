@@ -1,7 +1,7 @@
 //! The gRPC door's side of a claimed call ([`Door`]): what the engine stores of a handler's
 //! response (whole, with its trailers), and what the client is answered.
 
-use std::{convert::Infallible, marker::PhantomData, sync::Arc};
+use std::{marker::PhantomData, sync::Arc};
 
 use bytes::Bytes;
 use http::Response;
@@ -10,7 +10,7 @@ use tonic::{Code, Status, body::Body};
 use super::{
     config::Config,
     record::{self, Stored, collect},
-    seal::GrpcEncoding,
+    seal::{GrpcEncoding, Reply, ok_record},
     status::answer,
 };
 use crate::{
@@ -35,9 +35,8 @@ where
     ResBody::Error: Into<BoxError>,
 {
     type Output = Response<ResBody>;
-    /// The door has no recovery hook: a takeover runs the call again (its side effect kept
-    /// once by the handler's own transaction).
-    type Recovered = Infallible;
+    /// The reply the recovery hook found.
+    type Recovered = Reply;
     type Answer = Response<Body>;
 
     fn encoding(&self) -> Arc<dyn Encoding> {
@@ -75,8 +74,11 @@ where
         Settlement::Store(stored, collected.into_response())
     }
 
-    async fn recovered(&self, outcome: Infallible, _held: &Held) -> Settlement<Response<Body>> {
-        match outcome {}
+    /// Stored whatever its size and the store policy (the call must not run again), and
+    /// answered as a replay.
+    async fn recovered(&self, reply: Reply, held: &Held) -> Settlement<Response<Body>> {
+        let stored = ok_record(reply.metadata, &reply.framed);
+        Settlement::Store(stored.clone(), replay(stored, &self.route, held.key.hash()))
     }
 
     /// The returned response when it encodes to the committed record; the committed one

@@ -16,12 +16,15 @@ use tower_layer::Layer;
 use tower_service::Service;
 use tracing::Instrument as _;
 
-use super::{GrpcScope, GrpcStorePolicy, KeyFromMessage, call, config::Config};
+use super::{
+    GrpcScope, GrpcStorePolicy, KeyFromMessage, Reply, call,
+    config::{self, Config},
+};
 use crate::{
     engine::{
         DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
     },
-    recovery::BoxError,
+    recovery::{BoxError, Recover},
     store::Store,
 };
 
@@ -137,6 +140,24 @@ impl<St> GrpcIdempotencyLayer<St> {
     /// alone.
     pub fn store_policy(mut self, policy: impl GrpcStorePolicy) -> Self {
         self.config().store_policy = Arc::new(policy);
+        self
+    }
+
+    /// Asks `hook` before a call runs again after a takeover (the holder's lease lapsed: its
+    /// process died, perhaps after its side effect committed), or before every new call with
+    /// [`recover_every_claim`](Self::recover_every_claim): the hook gets the
+    /// [`IdempotencyContext`](crate::IdempotencyContext) and the request message's bytes, and
+    /// looks the call up in the system of record. [`Recovered::Happened`] with the handler's
+    /// reply (`Reply::from(tonic::Response::new(reply))`) is stored and answered as a replay,
+    /// and the handler does not run; [`Recovered::Unknown`] runs it; a failed hook is
+    /// `UNAVAILABLE`, and nothing runs
+    /// ([`run_when_recovery_fails`](Self::run_when_recovery_fails) runs it instead).
+    ///
+    /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
+    /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
+    pub fn recover(mut self, hook: impl Recover<Bytes, Reply>) -> Self {
+        self.config().recover = Some(config::hook(hook));
+        self.settings().recovering = true;
         self
     }
 

@@ -31,6 +31,8 @@
 //!   frame's payload). A compressed request is refused (`UNIMPLEMENTED`, with
 //!   `grpc-accept-encoding: identity`): its bytes would be the compression's. The handler gets
 //!   the same bytes.
+//! - **a takeover** (the holder's process died) runs the call again, or asks the recovery
+//!   hook first ([`recover`](GrpcIdempotencyLayer::recover)) whether it happened.
 //! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the
 //!   request's extensions (`request.extensions().get::<IdempotencyContext>()`), and may commit
 //!   its `tonic::Response` in the store's transaction with its side effect
@@ -67,7 +69,10 @@ mod status;
 use http::{HeaderName, header::InvalidHeaderName, request::Parts};
 use tonic::{Code, Status};
 
-pub use self::layer::{GrpcIdempotency, GrpcIdempotencyLayer, ResponseFuture};
+pub use self::{
+    layer::{GrpcIdempotency, GrpcIdempotencyLayer, ResponseFuture},
+    seal::Reply,
+};
 pub use crate::http::scope::GlobalScope;
 
 /// The metadata entry that carries the key.

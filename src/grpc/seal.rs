@@ -35,18 +35,49 @@ impl Encoding for GrpcEncoding {
         ))
     }
 
-    fn grpc(&self, mut metadata: HeaderMap, message: Bytes) -> Result<Bytes, SealError> {
+    fn grpc(&self, metadata: HeaderMap, message: Bytes) -> Result<Bytes, SealError> {
         if !self.0.store_policy.stores(tonic::Code::Ok) {
             return Err(SealError::NotStored("the store policy does not keep OK"));
         }
-        metadata.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        let mut trailers = HeaderMap::new();
-        trailers.insert("grpc-status", HeaderValue::from_static("0"));
-        let stored = record::encode(&metadata, &message, Some(&trailers));
+        let stored = ok_record(metadata, &message);
         if stored.len() > self.0.stored_limit {
             return Err(SealError::NotStored(OVER_STORED_LIMIT));
         }
         Ok(stored)
+    }
+}
+
+/// The record of an `OK` response with `metadata` and the `framed` message, as tonic sends it.
+pub(super) fn ok_record(mut metadata: HeaderMap, framed: &[u8]) -> Bytes {
+    metadata.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let mut trailers = HeaderMap::new();
+    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+    record::encode(&metadata, framed, Some(&trailers))
+}
+
+/// `message`, framed as a gRPC body carries it: uncompressed, after its five-byte prefix.
+fn framed(message: &impl prost::Message) -> Bytes {
+    let message = message.encode_to_vec();
+    let mut framed = BytesMut::with_capacity(5 + message.len());
+    framed.put_u8(0);
+    framed.put_u32(u32::try_from(message.len()).unwrap_or(u32::MAX));
+    framed.put_slice(&message);
+    framed.freeze()
+}
+
+/// A reply a recovery hook found in the system of record
+/// ([`GrpcIdempotencyLayer::recover`](super::GrpcIdempotencyLayer::recover)): its metadata and
+/// its message, made from the handler's own `tonic::Response`.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub(super) metadata: HeaderMap,
+    pub(super) framed: Bytes,
+}
+
+impl<M: prost::Message> From<tonic::Response<M>> for Reply {
+    fn from(response: tonic::Response<M>) -> Self {
+        let framed = framed(response.get_ref());
+        Self { metadata: response.into_parts().0.into_headers(), framed }
     }
 }
 
@@ -56,12 +87,7 @@ impl Encoding for GrpcEncoding {
 impl<M: prost::Message + Send + 'static> Committable for tonic::Response<M> {
     async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), SealError> {
         let completion = context.completion().ok_or(SealError::NotClaimed)?;
-        let message = self.get_ref().encode_to_vec();
-        let mut framed = BytesMut::with_capacity(5 + message.len());
-        framed.put_u8(0);
-        framed.put_u32(u32::try_from(message.len()).unwrap_or(u32::MAX));
-        framed.put_slice(&message);
         let metadata = self.metadata().clone().into_headers();
-        Ok((completion.encoding.grpc(metadata, framed.freeze())?, self))
+        Ok((completion.encoding.grpc(metadata, framed(self.get_ref()))?, self))
     }
 }

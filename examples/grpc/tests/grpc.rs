@@ -219,7 +219,40 @@ async fn streaming_methods_and_compressed_calls<H: Harness>(h: H) {
     assert_eq!(ledger.calls(), 4);
 }
 
+async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: Harness>(h: H) {
+    use axum_idempotency::{
+        grpc::Reply,
+        recovery::{Lookup, Recovered},
+    };
+    use prost::Message as _;
+    let ledger = Ledger::new();
+    let hooked = layer(h.store()).recover_every_claim(true).recover(
+        |lookup: Lookup<bytes::Bytes>| async move {
+            let request = ChargeRequest::decode(lookup.request)?;
+            let reply =
+                ChargeReply { charge_id: "ch_recovered".into(), amount: request.amount, call: 0 };
+            match request.account.as_str() {
+                "known" => Ok(Recovered::Happened(Reply::from(Response::new(reply)))),
+                "hook-down" => Err("the system of record is down".into()),
+                _ => Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Recovered::Unknown),
+            }
+        },
+    );
+    let mut client = start(hooked, ledger.clone()).await;
+    for _ in 0..2 {
+        let known = client.charge(charge(Some("known"), "known", 5)).await.unwrap();
+        assert!(replayed(&known), "answered as a replay");
+        assert_eq!(known.into_inner().charge_id, "ch_recovered");
+    }
+    let (new, new_replayed, _) = reply(client.charge(charge(Some("new"), "acct", 5)).await);
+    assert_eq!((new.call, new_replayed), (1, false));
+    let refused = client.charge(charge(Some("down"), "hook-down", 5)).await.unwrap_err();
+    assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+    assert_eq!(ledger.calls(), 1, "the handler ran for the unknown call alone");
+}
+
 every_store!(
+    a_recovery_hook_answers_what_happened_and_the_handler_does_not_run,
     a_call_runs_once_and_its_retry_is_replayed,
     twenty_concurrent_duplicates_run_the_handler_once,
     another_message_under_the_key_is_failed_precondition,
