@@ -251,7 +251,19 @@ async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: H
     assert_eq!(ledger.calls(), 1, "the handler ran for the unknown call alone");
 }
 
+async fn a_reply_over_the_stored_limit_is_not_run_again<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let mut client = start(layer(h.store()).stored_limit(64), ledger.clone()).await;
+    let (first, first_replayed, _) = reply(client.charge(charge(Some("big"), "acct", 5)).await);
+    assert_eq!((first.call, first_replayed), (1, false), "the caller gets its reply");
+    let retried = client.charge(charge(Some("big"), "acct", 5)).await.unwrap_err();
+    assert_eq!(retried.code(), Code::Internal, "{retried:?}");
+    assert!(retried.message().contains("cannot be replayed"), "{retried:?}");
+    assert_eq!(ledger.calls(), 1, "completed, not replayable: never run again");
+}
+
 every_store!(
+    a_reply_over_the_stored_limit_is_not_run_again,
     a_recovery_hook_answers_what_happened_and_the_handler_does_not_run,
     a_call_runs_once_and_its_retry_is_replayed,
     twenty_concurrent_duplicates_run_the_handler_once,
