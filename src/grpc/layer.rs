@@ -32,23 +32,13 @@ use crate::{
 ///
 /// See the [module](super) for what it answers and how to apply it.
 #[must_use]
+#[derive(Clone)]
 pub struct GrpcIdempotencyLayer<St> {
     store: St,
     settings: Arc<Settings>,
     config: Arc<Config>,
     /// Where the leases of this layer's running calls are renewed.
     renewals: RenewalsCell<St>,
-}
-
-impl<St: Clone> Clone for GrpcIdempotencyLayer<St> {
-    fn clone(&self) -> Self {
-        Self {
-            store: self.store.clone(),
-            settings: self.settings.clone(),
-            config: self.config.clone(),
-            renewals: self.renewals.clone(),
-        }
-    }
 }
 
 impl<St: fmt::Debug> fmt::Debug for GrpcIdempotencyLayer<St> {
