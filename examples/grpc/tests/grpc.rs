@@ -153,6 +153,12 @@ async fn a_missing_or_malformed_key_is_invalid_argument<H: Harness>(h: H) {
     let refused = client.charge(long_id).await.unwrap_err();
     assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
     assert_eq!(ledger.calls(), 0, "nothing ran");
+    // A key made optional: a call without one runs, every time, without idempotency.
+    let mut optional = start(layer(h.store()).require_key(false), ledger.clone()).await;
+    for call in 1..=2 {
+        let (ran, was_replayed, _) = reply(optional.charge(charge(None, "a", 1)).await);
+        assert_eq!((ran.call, was_replayed), (call, false));
+    }
 }
 
 async fn the_request_id_in_the_message_is_the_key<H: Harness>(h: H) {
