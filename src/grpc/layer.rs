@@ -148,7 +148,21 @@ impl<St> GrpcIdempotencyLayer<St> {
     pub fn recover(mut self, hook: impl Recover<Bytes, Reply>) -> Self {
         self.config().recover = Some(config::hook(hook));
         self.settings().recovering = true;
+        self.settings().durable = false;
         self
+    }
+
+    /// Answers from `outcomes` what the record store cannot: the durable half beside a fast
+    /// record store (Redis), for handlers that commit their responses to it in their
+    /// transactions (`DurableOutcomes::transaction`). Every new claim and every takeover asks
+    /// the table first, so that a holder that died after its commit, or a record Redis lost,
+    /// is replayed from PostgreSQL, and the handler does not run again. It is the recovery
+    /// hook ([`recover`](Self::recover)) and `recover_every_claim(true)` in one.
+    #[cfg(feature = "postgres")]
+    pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
+        let mut layer = self.recover(super::seal::Durable(outcomes)).recover_every_claim(true);
+        layer.settings().durable = true;
+        layer
     }
 
     /// Sets the prefix of every record key in the store. Defaults to `idempotency-grpc`.

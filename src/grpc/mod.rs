@@ -36,7 +36,8 @@
 //! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the
 //!   request's extensions (`request.extensions().get::<IdempotencyContext>()`), and may commit
 //!   its `tonic::Response` in the store's transaction with its side effect
-//!   (`PostgresStore::transaction`); a [`TransactionError`](crate::store::TransactionError)
+//!   (`PostgresStore::transaction`, or `DurableOutcomes::transaction` with Redis in front and
+//!   [`durable`](GrpcIdempotencyLayer::durable)); a [`TransactionError`](crate::store::TransactionError)
 //!   converts to a `tonic::Status` with `?`.
 //!
 //! | situation | answer |

@@ -81,6 +81,36 @@ impl<M: prost::Message> From<tonic::Response<M>> for Reply {
     }
 }
 
+/// The recovery hook of [`GrpcIdempotencyLayer::durable`](super::GrpcIdempotencyLayer::durable):
+/// the reply a handler committed to `DurableOutcomes` in its transaction.
+#[cfg(feature = "postgres")]
+pub(super) struct Durable(pub(super) crate::store::DurableOutcomes);
+
+#[cfg(feature = "postgres")]
+impl crate::recovery::Recover<Bytes, Reply> for Durable {
+    async fn recover(
+        &self,
+        lookup: crate::recovery::Lookup<Bytes>,
+    ) -> Result<crate::recovery::Recovered<Reply>, crate::recovery::BoxError> {
+        use crate::recovery::Recovered;
+        let Some((fingerprint, outcome)) = self.0.read(lookup.context.key()).await? else {
+            return Ok(Recovered::Unknown);
+        };
+        if &fingerprint != lookup.context.fingerprint() {
+            return Ok(Recovered::Mismatch);
+        }
+        let outcome = lookup.context.open_stored(outcome)?;
+        let route = crate::engine::Label::route("durable-outcomes");
+        match record::decode(outcome, &route) {
+            Some(record::Stored::Response(stored)) => Ok(Recovered::Happened(Reply {
+                metadata: stored.head.headers,
+                framed: stored.body,
+            })),
+            _ => Err("the committed outcome is unreadable".into()),
+        }
+    }
+}
+
 /// A gRPC handler's response, committed as the gRPC door stores it: its metadata and its
 /// message (framed, uncompressed), with `OK`. A response committed for another door is
 /// refused ([`TransactionError::NotStored`](crate::store::TransactionError::NotStored)).

@@ -4,6 +4,8 @@
 //! (`tests/`) both serve it with [`serve`].
 
 use std::{
+    future::Future,
+    pin::Pin,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -11,7 +13,14 @@ use std::{
     time::Duration,
 };
 
-use axum_idempotency::{IdempotencyContext, grpc::GrpcIdempotencyLayer, store::Store};
+use axum_idempotency::{
+    IdempotencyContext,
+    grpc::GrpcIdempotencyLayer,
+    store::{
+        DurableOutcomes, PostgresStore, Store,
+        sqlx::{self, PgConnection, PgPool},
+    },
+};
 use prost::Message as _;
 use tonic::{Code, Request, Response, Status, metadata::MetadataValue};
 
@@ -56,7 +65,15 @@ pub fn layer<St: Store>(store: St) -> GrpcIdempotencyLayer<St> {
 #[derive(Clone, Default)]
 pub struct Ledger {
     calls: Arc<AtomicU64>,
-    postgres: Option<axum_idempotency::store::PostgresStore>,
+    postgres: Option<Committer>,
+}
+
+/// Where a charge's reply commits with it: the record store's own table (`PostgresStore`), or
+/// the durable table beside a Redis record store (`DurableOutcomes`).
+#[derive(Clone)]
+enum Committer {
+    Records(PostgresStore),
+    Beside(DurableOutcomes),
 }
 
 impl Ledger {
@@ -71,14 +88,28 @@ impl Ledger {
     /// # Errors
     ///
     /// When the table cannot be created.
-    pub async fn with_postgres(
-        store: axum_idempotency::store::PostgresStore,
-        pool: &axum_idempotency::store::sqlx::PgPool,
-    ) -> Result<Self, axum_idempotency::store::sqlx::Error> {
+    pub async fn with_postgres(store: PostgresStore, pool: &PgPool) -> Result<Self, sqlx::Error> {
+        Self::with(Committer::Records(store), pool).await
+    }
+
+    /// A ledger whose `ChargeInTransaction` commits its reply to `outcomes` (Redis the record
+    /// store in front, PostgreSQL the authority: the layer's `durable`).
+    ///
+    /// # Errors
+    ///
+    /// When the table cannot be created.
+    pub async fn with_durable(
+        outcomes: DurableOutcomes,
+        pool: &PgPool,
+    ) -> Result<Self, sqlx::Error> {
+        Self::with(Committer::Beside(outcomes), pool).await
+    }
+
+    async fn with(committer: Committer, pool: &PgPool) -> Result<Self, sqlx::Error> {
         let sql = "CREATE TABLE IF NOT EXISTS charges \
                    (id BIGSERIAL PRIMARY KEY, key_hash TEXT NOT NULL, amount BIGINT NOT NULL)";
-        axum_idempotency::store::sqlx::query(sql).execute(pool).await?;
-        Ok(Self { calls: Arc::default(), postgres: Some(store) })
+        sqlx::query(sql).execute(pool).await?;
+        Ok(Self { calls: Arc::default(), postgres: Some(committer) })
     }
 
     /// How many times the handlers ran.
@@ -98,6 +129,32 @@ impl Ledger {
 fn delay<T>(request: &Request<T>) -> Duration {
     let ms = request.metadata().get("x-delay-ms").and_then(|v| v.to_str().ok()?.parse().ok());
     Duration::from_millis(ms.unwrap_or(0))
+}
+
+/// A charge's work in its transaction.
+type Charged<'c> = Pin<Box<dyn Future<Output = Result<Response<ChargeReply>, String>> + Send + 'c>>;
+
+/// The charge, in the transaction it is given: its row, then (after `delay`) its reply; the
+/// account `fail` rolls back.
+fn charge(
+    key_hash: String,
+    request: ChargeRequest,
+    call: u64,
+    delay: Duration,
+) -> impl for<'c> FnOnce(&'c mut PgConnection) -> Charged<'c> + Send {
+    move |tx| {
+        Box::pin(async move {
+            let sql = "INSERT INTO charges (key_hash, amount) VALUES ($1, $2)";
+            let insert = sqlx::query(sql).bind(key_hash).bind(request.amount);
+            insert.execute(&mut *tx).await.map_err(|error| error.to_string())?;
+            println!("charge {call} written");
+            tokio::time::sleep(delay).await;
+            if request.account == "fail" {
+                return Err(format!("the ledger refused call {call}"));
+            }
+            Ok(reply(&request, call))
+        })
+    }
 }
 
 /// The reply, with the charge's id in the `x-charge-id` metadata entry too.
@@ -138,32 +195,15 @@ impl Payments for Ledger {
         &self,
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
-        if let Some(store) = &self.postgres {
+        if let Some(committer) = &self.postgres {
             let context = request.extensions().get::<IdempotencyContext>().cloned();
             let context = context.ok_or_else(|| Status::internal("no idempotency context"))?;
             let (call, delay) = (self.start(), delay(&request));
-            let request = request.into_inner();
-            let key_hash = context.key_hash().to_owned();
-            let answered = store
-                .transaction(&context, move |tx| {
-                    Box::pin(async move {
-                        let sql = "INSERT INTO charges (key_hash, amount) VALUES ($1, $2)";
-                        axum_idempotency::store::sqlx::query(sql)
-                            .bind(key_hash)
-                            .bind(request.amount)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(|error| error.to_string())?;
-                        println!("charge {call} written");
-                        tokio::time::sleep(delay).await;
-                        if request.account == "fail" {
-                            return Err(format!("the ledger refused call {call}"));
-                        }
-                        Ok(reply(&request, call))
-                    })
-                })
-                .await?;
-            return Ok(answered);
+            let charge = charge(context.key_hash().to_owned(), request.into_inner(), call, delay);
+            return Ok(match committer {
+                Committer::Records(store) => store.transaction(&context, charge).await?,
+                Committer::Beside(outcomes) => outcomes.transaction(&context, charge).await?,
+            });
         }
         Err(Status::unimplemented("this ledger has no database"))
     }

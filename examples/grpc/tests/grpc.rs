@@ -419,3 +419,27 @@ async fn a_server_killed_mid_call_leaves_the_retry_to_another_which_charges_once
     assert_eq!((again, again_replayed), (retried, true));
     assert_eq!(charges(&database).await, 1, "charged once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_losing_its_records_is_answered_from_the_durable_outcomes() {
+    use axum_idempotency::store::DurableOutcomes;
+    let server = RedisServer::start();
+    let database = common::postgres::TestDatabase::create("grpc_durable").await;
+    let pool = common::postgres::pool_for(&database);
+    let outcomes = DurableOutcomes::new(pool.clone());
+    outcomes.migrate().await.unwrap();
+    let ledger = Ledger::with_durable(outcomes.clone(), &pool).await.unwrap();
+    let mut client = start(layer(server.store()).durable(outcomes), ledger.clone()).await;
+    let (first, first_replayed, first_id) =
+        reply(client.charge_in_transaction(charge(Some("d"), "acct", 12)).await);
+    assert_eq!((first.call, first_replayed), (1, false));
+    let mut redis = server.connection().await;
+    let () = axum_idempotency::store::deadpool_redis::redis::cmd("FLUSHALL")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let (again, again_replayed, again_id) =
+        reply(client.charge_in_transaction(charge(Some("d"), "acct", 12)).await);
+    assert_eq!((again, again_replayed, again_id), (first, true, first_id), "from PostgreSQL");
+    assert_eq!((charges(&database).await, ledger.calls()), (1, 1), "charged once");
+}
