@@ -238,6 +238,16 @@ impl<St: Store, H> Idempotent<St, H> {
         self
     }
 
+    /// Releases the key of a result over the [`stored_limit`](Self::stored_limit), so that a
+    /// redelivery runs the operation again. **The risk:** a worker whose answer was lost
+    /// redelivers, and the side effect happens twice. Defaults to `false`: the key keeps a
+    /// record that the operation ran, and every redelivery gets [`Error::ResultNotStored`],
+    /// never a second run.
+    pub fn release_when_too_large(mut self, release: bool) -> Self {
+        self.settings().release_too_large = release;
+        self
+    }
+
     /// Runs `operation` once for `key` in `scope`, or answers with what holds the key.
     ///
     /// `payload` is fingerprinted: a redelivery must carry the same bytes.

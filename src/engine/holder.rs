@@ -150,7 +150,7 @@ impl<St: Store> Holder<St> {
         self,
         lookup: impl Future<Output = Result<Recovered<T>, BoxError>>,
     ) -> Recovery<St, T> {
-        let policy = self.settings.recovery.clone();
+        let policy = self.settings.recovery;
         let hash = self.key.hash();
         let lookup = AssertUnwindSafe(lookup).catch_unwind();
         let failure = match tokio::time::timeout(policy.timeout, lookup).await {

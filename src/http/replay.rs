@@ -79,7 +79,7 @@ impl Replay<'_> {
             };
         tracing::debug!(key_hash = hash, "idempotency: replayed");
         response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-        let expiry = self.config.advertise_expiry.then_some(self.retention);
+        let expiry = self.config.answers.advertise_expiry.then_some(self.retention);
         record::advertise_expiry(response.headers_mut(), completed_at, expiry);
         response
     }

@@ -44,7 +44,7 @@ impl Encoding for HttpEncoding {
             // A minimal record stores nothing of the body: no stored limit applies to it.
             let limit = match head.extensions.get::<Minimal>() {
                 Some(_) => usize::MAX,
-                None => config.stored_body_limit,
+                None => config.limits.stored_body,
             };
             let body = match collect_response(body, limit).await {
                 CollectedBody::Whole(body) => body,
@@ -53,7 +53,7 @@ impl Encoding for HttpEncoding {
                     return Err(SealError::NotStored("the response body failed"));
                 }
             };
-            let outcome = record::encode_response(&head, &config.header_filter, &body);
+            let outcome = record::encode_response(&head, &config.answers.replayed_headers, &body);
             Ok((outcome, Response::from_parts(head, Body::from(body))))
         })
     }
@@ -68,7 +68,7 @@ impl Encoding for HttpEncoding {
         if let Some(why) = not_stored(&self.0, &head, &body) {
             return Err(SealError::NotStored(why.reason()));
         }
-        Ok(record::encode_response(&head, &self.0.header_filter, &json))
+        Ok(record::encode_response(&head, &self.0.answers.replayed_headers, &json))
     }
 }
 
@@ -152,12 +152,12 @@ pub(super) fn not_stored<B: HttpBody>(
     } else if head.status == StatusCode::METHOD_NOT_ALLOWED {
         // The route exists, the method does not: the request was never handled.
         Some(NotStored::Policy("a 405 is never stored"))
-    } else if record::stored_headers_len(&head.headers, &config.header_filter)
-        > config.stored_headers_limit
+    } else if record::stored_headers_len(&head.headers, &config.answers.replayed_headers)
+        > config.limits.stored_headers
     {
         Some(NotStored::TooLarge("the response headers are over the stored limit"))
     } else if head.extensions.get::<super::Minimal>().is_none()
-        && body.size_hint().lower() > config.stored_body_limit as u64
+        && body.size_hint().lower() > config.limits.stored_body as u64
     {
         Some(NotStored::TooLarge(OVER_BODY_LIMIT))
     } else {
