@@ -52,6 +52,7 @@
 //!
 //! [`IdempotencyContext`]: crate::IdempotencyContext
 
+mod commit;
 mod door;
 #[cfg(feature = "postgres")]
 mod durable;
@@ -59,21 +60,20 @@ mod finite;
 mod operate;
 mod outcome;
 mod record;
-mod seal;
 
 use std::{fmt, future::Future, marker::PhantomData, sync::Arc};
 
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
+#[cfg(feature = "postgres")]
+pub(crate) use self::commit::stored_form;
 use self::door::ConsumerDoor;
 #[cfg(feature = "postgres")]
 pub use self::durable::DurableRecovery;
 pub use self::operate::Operator;
 pub use self::outcome::{Error, Outcome};
 use self::record::decode;
-#[cfg(feature = "postgres")]
-pub(crate) use self::seal::stored_form;
 use crate::{
     context::IdempotencyContext,
     engine::{

@@ -6,7 +6,7 @@ use std::{fmt, time::Duration};
 use crate::{
     engine::{
         Engine,
-        envelope::{Format, Opened},
+        envelope::{Format, Parsed},
     },
     key::RecordKey,
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
@@ -56,7 +56,7 @@ impl<St: Admin> Operator<St> {
         key: impl AsRef<[u8]>,
         with_result: bool,
     ) -> Result<Option<KeyReport<serde_json::Value>>, StoreError> {
-        let reader = |opened: Opened| match opened.format {
+        let reader = |opened: Parsed| match opened.format {
             Format::Json => serde_json::from_slice(&opened.payload)
                 .map_err(|error| StoreError::CorruptRecord(error.to_string())),
             Format::NotStored => Ok(serde_json::json!({

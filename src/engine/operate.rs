@@ -5,7 +5,7 @@ use std::time::SystemTime;
 
 use super::{
     Engine,
-    envelope::{self, Opened},
+    envelope::{self, Parsed},
 };
 use crate::{
     key::RecordKey,
@@ -21,7 +21,7 @@ impl<St: Admin> Engine<St> {
         &self,
         key: &RecordKey,
         with_outcome: bool,
-        reader: impl FnOnce(Opened) -> Result<T, StoreError>,
+        reader: impl FnOnce(Parsed) -> Result<T, StoreError>,
     ) -> Result<Option<KeyReport<T>>, StoreError> {
         let Some(mut record) = self.store().inspect(key, true).await? else { return Ok(None) };
         let stored = record.outcome.take();

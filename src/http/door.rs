@@ -17,11 +17,11 @@ use http_body::Body as HttpBody;
 use super::{
     BoxError, Minimal,
     body::{CollectedBody, Streamed, Teed, collect_response, forward, tee},
+    commit::{HttpEncoding, NotStored, OVER_BODY_LIMIT, not_stored},
     config::Config,
     problem::{KeyReused, ProblemType, problem},
     record,
     replay::{self, Replay},
-    seal::{HttpEncoding, NotStored, OVER_BODY_LIMIT, not_stored},
 };
 use crate::{
     context::Encoding,

@@ -13,10 +13,11 @@
 // - `fingerprinting.rs`: what the fingerprint covers; `key_header.rs`: the key header;
 //   `scope.rs`: whose key it is; `record.rs`: the stored response; `problem.rs`: the layer's
 //   own answers; `recover.rs`: the recovery hook and the `IdempotencyContext` extractor;
-//   `seal.rs`: a response committed in the handler's own transaction; `minimal.rs`: a
+//   `commit.rs`: a response committed in the handler's own transaction; `minimal.rs`: a
 //   response stored as its status, headers and a small value, rebuilt by a hook.
 
 mod body;
+mod commit;
 mod config;
 mod door;
 mod fingerprinting;
@@ -32,7 +33,6 @@ pub(crate) mod record;
 mod recover;
 mod replay;
 pub mod scope;
-mod seal;
 mod service;
 mod settings;
 mod store_policy;

@@ -54,7 +54,7 @@ impl<St: Admin> Operator<St> {
         with_response: bool,
     ) -> Result<Option<KeyReport<http::Response<bytes::Bytes>>>, StoreError> {
         let reader = |opened| {
-            let stored = record::decode_opened(opened)
+            let stored = record::decode_parsed(opened)
                 .map_err(|error| StoreError::CorruptRecord(error.0.to_owned()))?;
             let mut response = http::Response::new(stored.body);
             *response.status_mut() = stored.status;
