@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
 pub(crate) use self::holder::{Holder, Panic, Recovery};
 pub(crate) use self::observe::Label;
+pub(crate) use self::operate::Operations;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::engine_setters;
