@@ -47,7 +47,6 @@ impl<St: Store, H> Idempotent<St, H> {
     /// is [`Outcome::Mismatch`](super::Outcome::Mismatch), never run.
     pub fn durable(self, outcomes: DurableOutcomes) -> Idempotent<St, DurableRecovery> {
         let mut door = self.recover(DurableRecovery(outcomes));
-        door.settings().recovery.every_claim = true;
         door.settings().durable = true;
         door
     }

@@ -215,7 +215,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     #[cfg(feature = "postgres")]
     pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
         let mut layer = self.recover(super::recover::Durable(outcomes));
-        layer.settings().recovery.every_claim = true;
         layer.settings().durable = true;
         layer
     }
