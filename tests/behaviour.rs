@@ -503,13 +503,18 @@ async fn extractor_scope_per_route_answers_its_rejection<H: Harness>(h: H) {
     assert_eq!(calls.get(), 1);
 }
 
-/// Sends `/first-slow` with a 1200 ms first call, retries at about 450 ms and 1000 ms, and
-/// returns (the first answer, the retries).
-async fn outlive_the_lease<H: Harness>(h: &H, app: &Router) -> (Seen, Vec<Seen>) {
-    let request = || delayed("/first-slow", "k1", 1200, "{}");
+/// Sends `/first-slow` with a first call of `first_ms`, retries after each of `pauses` (from
+/// when the claim is seen), and returns (the first answer, the retries).
+async fn outlive_the_lease<H: Harness>(
+    h: &H,
+    app: &Router,
+    first_ms: u64,
+    pauses: [u64; 2],
+) -> (Seen, Vec<Seen>) {
+    let request = || delayed("/first-slow", "k1", first_ms, "{}");
     let first = send_until_claimed(h, app, request(), "k1").await;
     let mut retries = Vec::new();
-    for pause in [450, 550] {
+    for pause in pauses {
         tokio::time::sleep(Duration::from_millis(pause)).await;
         retries.push(send(app, request()).await);
     }
@@ -523,7 +528,8 @@ async fn keep_alive_holds_the_key_for_a_handler_four_times_its_lease<H: Harness>
         .lease(Duration::from_millis(300))
         .keep_alive(Some(Duration::from_secs(10)));
     let app = app(&calls).layer(layer);
-    let (first, retries) = outlive_the_lease(&h, &app).await;
+    // Retries at about 450 ms and 1000 ms, while a 1200 ms first call runs.
+    let (first, retries) = outlive_the_lease(&h, &app, 1200, [450, 550]).await;
     for retry in &retries {
         retry.assert_problem(202, "in-progress");
     }
@@ -538,12 +544,14 @@ async fn keep_alive_stops_at_its_ceiling<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
         .waiting(Waiting::off())
-        .lease(Duration::from_millis(300))
-        .keep_alive(Some(Duration::from_millis(400)));
+        .lease(Duration::from_millis(600))
+        .keep_alive(Some(Duration::from_millis(800)));
     let app = app(&calls).layer(layer);
-    let (first, retries) = outlive_the_lease(&h, &app).await;
-    // Renewed until 300 ms (the lease then runs to 600 ms), not after the 400 ms ceiling: the
-    // retry at 450 ms still waits, the one at 1000 ms takes the key over.
+    // A 2500 ms first call, renewed every 200 ms until the 800 ms ceiling (the lease then runs
+    // to about 1400 ms), not after: the retry at about 450 ms still waits, the one at about
+    // 1750 ms takes the key over while the first still runs. Wide margins: a loaded machine
+    // runs each step late.
+    let (first, retries) = outlive_the_lease(&h, &app, 2500, [450, 1300]).await;
     retries[0].assert_problem(202, "in-progress");
     assert_eq!(retries[1].status, 201);
     assert_eq!(retries[1].header("x-payment"), Some("pay_2"));
