@@ -44,6 +44,7 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, MemoryStore, RedisStore,
     consumer::Outcome,
     recovery::{BoxError, Lookup, Recovered},
+    settings::Recovery,
 };
 use bytes::Bytes;
 use deadpool_postgres::{Manager, Pool};
@@ -284,8 +285,11 @@ async fn serve(records: Records, port: u16) -> Result<(), BoxError> {
             let layer = IdempotencyLayer::new($store)
                 .lease(settings.lease)
                 .recover(move |lookup| recover_from_outbox(db.clone(), lookup))
-                .recover_every_claim(settings.every_claim)
-                .recovery_timeout(settings.recovery_timeout);
+                .recovery(
+                    Recovery::default()
+                        .every_claim(settings.every_claim)
+                        .timeout(settings.recovery_timeout),
+                );
             // Outside the idempotency layer: the response has been stored when it gets here.
             let after_complete = axum::middleware::from_fn(move |request, next: Next| {
                 let settings = settings.clone();
@@ -339,7 +343,7 @@ async fn consume(records: Records, event: String, amount: i64) -> Result<(), Box
             Idempotent::new($store)
                 .lease(settings.lease)
                 .recover(hook)
-                .recover_every_claim(settings.every_claim)
+                .recovery(Recovery::default().every_claim(settings.every_claim))
                 .run("payments-consumer", &event, &payload, operation)
                 .await
         };

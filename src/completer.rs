@@ -27,7 +27,7 @@ use crate::{
     engine::observe,
     http::record::{self, HeaderFilter},
     recovery::BoxError,
-    store::{AbandonedClaim, Claim, Fenced, Lease, OwnerToken, PostgresStore, SealError, Store},
+    store::{AbandonedClaim, Claim, EncodeError, Fenced, Lease, OwnerToken, PostgresStore, Store},
 };
 
 /// What the system of record says became of an abandoned claim's operation.
@@ -59,9 +59,9 @@ impl Resolution {
     ///
     /// # Errors
     ///
-    /// [`SealError::Unencodable`] when serde cannot encode `value`, or it holds NaN or an
+    /// [`EncodeError::Unencodable`] when serde cannot encode `value`, or it holds NaN or an
     /// infinity.
-    pub fn value<T: Serialize>(value: &T) -> Result<Self, SealError> {
+    pub fn value<T: Serialize>(value: &T) -> Result<Self, EncodeError> {
         Ok(Self { outcome: Some(consumer::stored_form(value)?) })
     }
 }

@@ -11,7 +11,7 @@ use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{CommitSlot, OwnerToken, SealError, SealedOutcome},
+    store::{CommitSlot, EncodeError, EncodedOutcome, OwnerToken},
 };
 
 /// How a front door stores an outcome an operation commits in a store's transaction
@@ -22,15 +22,15 @@ pub(crate) trait Encoding: Send + Sync {
     fn response(
         &self,
         response: Response,
-    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>>;
+    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>>;
 
     /// A value, serialized as `json`, as the door stores it.
-    fn json(&self, json: Bytes) -> Result<Bytes, SealError>;
+    fn json(&self, json: Bytes) -> Result<Bytes, EncodeError>;
 
     /// A gRPC response, its `metadata` and its framed `message`, as the door stores it: the
     /// gRPC door's; every other door refuses it.
-    fn grpc(&self, _metadata: http::HeaderMap, _message: Bytes) -> Result<Bytes, SealError> {
-        Err(SealError::NotStored("this door stores no gRPC responses"))
+    fn grpc(&self, _metadata: http::HeaderMap, _message: Bytes) -> Result<Bytes, EncodeError> {
+        Err(EncodeError::NotStored("this door stores no gRPC responses"))
     }
 }
 
@@ -115,9 +115,9 @@ impl IdempotencyContext {
     /// `outcome`, encoded by the operation's front door, for a store to commit in the
     /// operation's transaction: the claim's key, owner token, fingerprint and retention with it.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) fn sealed(&self, outcome: Bytes) -> Result<SealedOutcome, SealError> {
-        let completion = self.completion().ok_or(SealError::NotClaimed)?;
-        Ok(SealedOutcome {
+    pub(crate) fn encoded(&self, outcome: Bytes) -> Result<EncodedOutcome, EncodeError> {
+        let completion = self.completion().ok_or(EncodeError::NotClaimed)?;
+        Ok(EncodedOutcome {
             key: self.key().clone(),
             owner: completion.owner.clone(),
             fingerprint: self.fingerprint().clone(),

@@ -1,9 +1,11 @@
 //! Settings both front doors take, grouped by the job they do: [`Waiting`], how a duplicate of
-//! a request still running waits for it.
+//! a request still running waits for it; [`Recovery`], when and how a door asks its recovery
+//! hook.
 
 use std::time::Duration;
 
-use crate::engine::DEFAULT_MAX_WAITERS;
+/// The default for the number of waiters at once.
+pub(crate) const DEFAULT_MAX_WAITERS: usize = 1024;
 
 /// How a duplicate whose original is still running waits for it
 /// ([`IdempotencyLayer::waiting`](crate::IdempotencyLayer::waiting),
@@ -64,6 +66,77 @@ impl Waiting {
     #[must_use]
     pub fn retry_after(mut self, hint: Duration) -> Self {
         self.retry_after = hint;
+        self
+    }
+}
+
+/// When and how a door asks its recovery hook ([`Recover`](crate::recovery::Recover), set with
+/// `recover`): [`IdempotencyLayer::recovery`](crate::IdempotencyLayer::recovery),
+/// [`Idempotent::recovery`](crate::Idempotent::recovery). Without a hook, only the
+/// [`window`](Self::window) applies.
+///
+/// ```
+/// use std::time::Duration;
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, settings::Recovery};
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).recovery(
+///     Recovery::default().window(Duration::from_secs(3600)).timeout(Duration::from_secs(2)),
+/// );
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recovery {
+    /// How long a lapsed claim is remembered; the retention when `None`.
+    pub(crate) window: Option<Duration>,
+    pub(crate) every_claim: bool,
+    pub(crate) timeout: Duration,
+    pub(crate) run_on_failure: bool,
+}
+
+impl Default for Recovery {
+    fn default() -> Self {
+        Self {
+            window: None,
+            every_claim: false,
+            timeout: Duration::from_secs(5),
+            run_on_failure: false,
+        }
+    }
+}
+
+impl Recovery {
+    /// Sets how long after its lease a lapsed claim is remembered, so that a duplicate in
+    /// that window is a takeover (counted and traced as one) and asks the recovery hook. After
+    /// it the record is gone and a duplicate runs as new. Defaults to the door's retention.
+    #[must_use]
+    pub fn window(mut self, window: Duration) -> Self {
+        self.window = Some(window);
+        self
+    }
+
+    /// Asks the recovery hook on every claim, not only on a takeover: for a store that may
+    /// lose records (Redis restarted without persistence, a failover that lost writes, a
+    /// `MemoryStore` across a restart). Costs one hook lookup per new operation. Off by
+    /// default.
+    #[must_use]
+    pub fn every_claim(mut self, every: bool) -> Self {
+        self.every_claim = every;
+        self
+    }
+
+    /// Sets the longest the recovery hook may take; past it, recovery has failed. Defaults to
+    /// 5 seconds.
+    #[must_use]
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// When the recovery hook fails, runs the operation anyway (logged at error level and
+    /// counted) instead of refusing it (HTTP: 503 `recovery-failed`; consumer:
+    /// `Error::Recovery`). Defaults to `false`: a payment is better refused than run twice.
+    #[must_use]
+    pub fn run_when_failed(mut self, run: bool) -> Self {
+        self.run_on_failure = run;
         self
     }
 }

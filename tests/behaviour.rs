@@ -181,7 +181,9 @@ async fn retry_is_replayed_with_status_headers_and_body<H: Harness>(h: H) {
 
 async fn body_over_the_limit_is_413<H: Harness>(h: H) {
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).body_limit(8));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(h.store()).limits(axum_idempotency::http::Limits::default().body(8)),
+    );
     // Declared too large: refused before the body is read.
     let request = Request::post("/payments")
         .header("idempotency-key", "k1")
@@ -299,7 +301,10 @@ async fn the_default_policy_stores_what_the_handler_acted_on<H: Harness>(h: H) {
 /// handler again.
 async fn response_over_the_stored_limit_is_sent_and_never_run_again<H: Harness>(h: H) {
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(1024));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(h.store())
+            .limits(axum_idempotency::http::Limits::default().stored_body(1024)),
+    );
     let seen = send(&app, keyed("POST", "/big", "k1", "")).await;
     assert_eq!((seen.status.as_u16(), seen.body.len(), seen.replayed()), (200, 4096, false));
     assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
@@ -313,8 +318,9 @@ async fn response_over_the_stored_limit_is_sent_and_never_run_again<H: Harness>(
 
 async fn response_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
     let calls = Calls::default();
-    let layer =
-        IdempotencyLayer::new(h.store()).stored_body_limit(1024).release_when_too_large(true);
+    let layer = IdempotencyLayer::new(h.store()).limits(
+        axum_idempotency::http::Limits::default().stored_body(1024).release_when_too_large(true),
+    );
     let app = app(&calls).layer(layer);
     for _ in 0..2 {
         let seen = send(&app, keyed("POST", "/big", "k1", "")).await;
@@ -399,7 +405,7 @@ async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
 async fn ietf_preset_answers_409_and_422<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).waiting(Waiting::off());
-    let app = app(&calls).layer(layer.ietf_draft());
+    let app = app(&calls).layer(layer.answers(axum_idempotency::http::Answers::ietf_draft()));
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 300, "a"), "k1").await;
     let busy = send(&app, keyed("POST", "/slow", "k1", "a")).await;
     busy.assert_problem(409, "in-progress");
@@ -497,13 +503,18 @@ async fn extractor_scope_per_route_answers_its_rejection<H: Harness>(h: H) {
     assert_eq!(calls.get(), 1);
 }
 
-/// Sends `/first-slow` with a 1200 ms first call, retries at about 450 ms and 1000 ms, and
-/// returns (the first answer, the retries).
-async fn outlive_the_lease<H: Harness>(h: &H, app: &Router) -> (Seen, Vec<Seen>) {
-    let request = || delayed("/first-slow", "k1", 1200, "{}");
+/// Sends `/first-slow` with a first call of `first_ms`, retries after each of `pauses` (from
+/// when the claim is seen), and returns (the first answer, the retries).
+async fn outlive_the_lease<H: Harness>(
+    h: &H,
+    app: &Router,
+    first_ms: u64,
+    pauses: [u64; 2],
+) -> (Seen, Vec<Seen>) {
+    let request = || delayed("/first-slow", "k1", first_ms, "{}");
     let first = send_until_claimed(h, app, request(), "k1").await;
     let mut retries = Vec::new();
-    for pause in [450, 550] {
+    for pause in pauses {
         tokio::time::sleep(Duration::from_millis(pause)).await;
         retries.push(send(app, request()).await);
     }
@@ -517,7 +528,8 @@ async fn keep_alive_holds_the_key_for_a_handler_four_times_its_lease<H: Harness>
         .lease(Duration::from_millis(300))
         .keep_alive(Some(Duration::from_secs(10)));
     let app = app(&calls).layer(layer);
-    let (first, retries) = outlive_the_lease(&h, &app).await;
+    // Retries at about 450 ms and 1000 ms, while a 1200 ms first call runs.
+    let (first, retries) = outlive_the_lease(&h, &app, 1200, [450, 550]).await;
     for retry in &retries {
         retry.assert_problem(202, "in-progress");
     }
@@ -532,12 +544,14 @@ async fn keep_alive_stops_at_its_ceiling<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
         .waiting(Waiting::off())
-        .lease(Duration::from_millis(300))
-        .keep_alive(Some(Duration::from_millis(400)));
+        .lease(Duration::from_millis(600))
+        .keep_alive(Some(Duration::from_millis(800)));
     let app = app(&calls).layer(layer);
-    let (first, retries) = outlive_the_lease(&h, &app).await;
-    // Renewed until 300 ms (the lease then runs to 600 ms), not after the 400 ms ceiling: the
-    // retry at 450 ms still waits, the one at 1000 ms takes the key over.
+    // A 2500 ms first call, renewed every 200 ms until the 800 ms ceiling (the lease then runs
+    // to about 1400 ms), not after: the retry at about 450 ms still waits, the one at about
+    // 1750 ms takes the key over while the first still runs. Wide margins: a loaded machine
+    // runs each step late.
+    let (first, retries) = outlive_the_lease(&h, &app, 2500, [450, 1300]).await;
     retries[0].assert_problem(202, "in-progress");
     assert_eq!(retries[1].status, 201);
     assert_eq!(retries[1].header("x-payment"), Some("pay_2"));
@@ -549,7 +563,10 @@ async fn streamed_response_over_the_stored_limit_is_sent_whole_and_never_run_aga
     h: H,
 ) {
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(1500));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(h.store())
+            .limits(axum_idempotency::http::Limits::default().stored_body(1500)),
+    );
     let seen = send(&app, keyed("POST", "/streamed", "k1", "")).await;
     assert_eq!(seen.status, 200);
     // What the layer read before it saw the limit, then the rest: nothing lost, in order.
@@ -564,8 +581,9 @@ async fn streamed_response_over_the_stored_limit_is_sent_whole_and_never_run_aga
 
 async fn streamed_response_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
     let calls = Calls::default();
-    let layer =
-        IdempotencyLayer::new(h.store()).stored_body_limit(1500).release_when_too_large(true);
+    let layer = IdempotencyLayer::new(h.store()).limits(
+        axum_idempotency::http::Limits::default().stored_body(1500).release_when_too_large(true),
+    );
     let app = app(&calls).layer(layer);
     for _ in 0..2 {
         let seen = send(&app, keyed("POST", "/streamed", "k1", "")).await;
@@ -600,8 +618,11 @@ async fn configuration_setters_take_effect<H: Harness>(h: H) {
         .methods([axum::http::Method::PUT])
         .header_name(HeaderName::from_static("x-idem"))
         .key_prefix("pay")
-        .include_replayed_header(axum::http::header::SET_COOKIE)
-        .exclude_replayed_header(HeaderName::from_static("x-payment"))
+        .answers(
+            axum_idempotency::http::Answers::default()
+                .include_replayed_header(axum::http::header::SET_COOKIE)
+                .exclude_replayed_header(HeaderName::from_static("x-payment")),
+        )
         .store_policy(|response: &http::response::Parts| response.status.is_server_error());
     let app = app(&calls).layer(layer);
     let request = |method: &str, uri: &str, header: &str, key: &str| {

@@ -138,6 +138,20 @@ async fn another_payload_under_a_key_only_the_table_holds_is_a_mismatch_and_neve
     assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
 }
 
+/// A `Recovery` set after `durable` (its timeout, say) keeps the table asked on every claim:
+/// a record Redis lost is replayed from the table, never run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_settings_after_durable_still_replay_what_redis_lost() {
+    let (d, redis) = (TestDatabase::create("durable").await, RedisServer::start());
+    let recovery = axum_idempotency::settings::Recovery::default().timeout(Duration::from_secs(2));
+    let (app, router) = setup(&d, &redis, |layer| layer.recovery(recovery)).await;
+    assert_eq!(send(&router, keyed("POST", "/pay", "k1", "a")).await.body, "run 1: a");
+    flushall(&redis).await;
+    let retry = send(&router, keyed("POST", "/pay", "k1", "a")).await;
+    assert_eq!((retry.body.as_str(), retry.replayed()), ("run 1: a", true));
+    assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_outcome_answers_nothing_and_is_taken_over_by_a_new_run() {
     let (d, redis) = (TestDatabase::create("durable").await, RedisServer::start());

@@ -1,4 +1,4 @@
-//! `advertise_expiry`: stored and replayed responses say when the key's record expires
+//! `Answers::advertise_expiry`: stored and replayed responses say when the key's record expires
 //! (`Idempotency-Key-Expires`, an HTTP date: the completion plus the retention); responses that
 //! are not stored, and every response without the option, do not. Run against every store.
 
@@ -28,7 +28,9 @@ fn apart(a: SystemTime, b: SystemTime) -> Duration {
 
 async fn stored_and_replayed_responses_say_when_the_key_expires<H: Harness>(h: H) {
     let calls = Calls::default();
-    let layer = IdempotencyLayer::new(h.store()).retention(RETENTION).advertise_expiry(true);
+    let layer = IdempotencyLayer::new(h.store())
+        .retention(RETENTION)
+        .answers(axum_idempotency::http::Answers::default().advertise_expiry(true));
     let app = app(&calls).layer(layer);
     let first = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!(first.status, 201);
@@ -47,7 +49,10 @@ async fn stored_and_replayed_responses_say_when_the_key_expires<H: Harness>(h: H
 
 async fn responses_not_stored_and_layers_without_the_option_say_nothing<H: Harness>(h: H) {
     let calls = Calls::default();
-    let advertising = app(&calls).layer(IdempotencyLayer::new(h.store()).advertise_expiry(true));
+    let advertising = app(&calls).layer(
+        IdempotencyLayer::new(h.store())
+            .answers(axum_idempotency::http::Answers::default().advertise_expiry(true)),
+    );
     let failed = send(&advertising, keyed("POST", "/status/500", "k1", "{}")).await;
     assert_eq!((failed.status.as_u16(), failed.header(EXPIRES_HEADER)), (500, None));
     let stored = send(&advertising, keyed("POST", "/payments", "k2", "{}")).await;

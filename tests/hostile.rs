@@ -101,7 +101,10 @@ async fn a_body_that_fails_midway_is_400_and_claims_nothing() {
 async fn bodies_at_and_one_byte_over_the_limit() {
     let store = MemoryStore::new();
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).body_limit(1024));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(store.clone())
+            .limits(axum_idempotency::http::Limits::default().body(1024)),
+    );
     let at: &'static str = "a".repeat(1024).leak();
     let over: &'static str = "a".repeat(1025).leak();
     assert_eq!(send(&app, keyed("POST", "/payments", "at", at)).await.status, 201);
@@ -170,7 +173,7 @@ proptest! {
         RUNTIME.block_on(async {
             let store = MemoryStore::new();
             let calls = Calls::default();
-            let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).body_limit(64));
+            let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).limits(axum_idempotency::http::Limits::default().body(64)));
             let build = || {
                 let mut request = Request::builder().method(method.clone()).uri("/payments")
                     .body(Body::from(body.clone())).unwrap();

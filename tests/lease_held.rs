@@ -19,7 +19,7 @@ use std::{
 };
 
 use axum::{Router, body::Body, routing::post};
-use axum_idempotency::settings::Waiting;
+use axum_idempotency::settings::{Recovery, Waiting};
 use axum_idempotency::{
     Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent,
     consumer::Outcome,
@@ -198,8 +198,7 @@ async fn durations_as_long_as_duration_max_never_panic_a_request<H: Harness>(h: 
         .recover(|_lookup: Lookup<Request<Bytes>>| async {
             Ok::<_, std::io::Error>(Recovered::<Response<Bytes>>::Unknown)
         })
-        .recovery_window(Duration::MAX)
-        .recovery_timeout(Duration::MAX);
+        .recovery(Recovery::default().window(Duration::MAX).timeout(Duration::MAX));
     let app = app(&calls).layer(layer);
     let first = send_in_background(&app, delayed("/slow", "k1", 300, "{}"));
     tokio::time::sleep(Duration::from_millis(100)).await;

@@ -71,7 +71,8 @@ async fn rebuild(orders: Orders, stored: Rebuild) -> Result<Response<Bytes>, Box
 }
 
 fn service<H: Harness>(h: &H, orders: &Orders, with_hook: bool) -> Router {
-    let mut layer = IdempotencyLayer::new(h.store()).stored_body_limit(4096);
+    let mut layer = IdempotencyLayer::new(h.store())
+        .limits(axum_idempotency::http::Limits::default().stored_body(4096));
     if with_hook {
         let hooked = orders.clone();
         layer = layer.rebuild(move |stored| rebuild(hooked.clone(), stored));

@@ -271,7 +271,9 @@ async fn a_slow_worker_taken_over_on_the_consumer_door_leaves_the_event_done() {
     slow.signal("-STOP");
     tokio::time::sleep(PAST_LEASE).await;
     let mut redelivery = Process::spawn(&consume, &db, &redis, &[]);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The redelivery has taken over and waits on the slow worker's row (however long its
+    // start took): only then may the slow worker go on.
+    waits_on_a_row_lock(&db).await;
     slow.signal("-CONT");
     let key_hash =
         RecordKey::new("idempotency-consumer", b"payments-consumer", b"evt_1").hash().to_owned();
@@ -289,6 +291,27 @@ async fn a_slow_worker_taken_over_on_the_consumer_door_leaves_the_event_done() {
         assert_eq!((&line["outcome"], &line["receipt"]), (&Value::from("replayed"), &original));
     }
     assert_eq!(db.payments(&key_hash).await, 1);
+}
+
+/// Returns once a session of `db` waits on a lock (a row another transaction wrote); panics
+/// after 30 seconds.
+async fn waits_on_a_row_lock(db: &Database) {
+    let client = db.client().await;
+    for _ in 0..600 {
+        let row = client
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                &[],
+            )
+            .await
+            .unwrap();
+        if row.get::<_, i64>(0) > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no session waited on a lock within 30 s");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -188,8 +188,9 @@ async fn a_hook_that_does_not_answer_in_time_answers_503<H: Harness>(h: H) {
         tokio::time::sleep(Duration::from_secs(30)).await;
         Ok::<_, std::io::Error>(Recovered::<Response<Bytes>>::Unknown)
     };
-    let layer =
-        IdempotencyLayer::new(h.store()).recover(hook).recovery_timeout(Duration::from_millis(200));
+    let layer = IdempotencyLayer::new(h.store()).recover(hook).recovery(
+        axum_idempotency::settings::Recovery::default().timeout(Duration::from_millis(200)),
+    );
     let app = app(&calls).layer(layer);
     dead_holder(&h.store(), "k1").await;
     let started = std::time::Instant::now();
@@ -215,8 +216,9 @@ async fn a_hook_that_panics_answers_503<H: Harness>(h: H) {
 
 async fn run_when_recovery_fails_runs_the_handler<H: Harness>(h: H) {
     let (calls, asked) = (Calls::default(), Asked::default());
-    let layer =
-        IdempotencyLayer::new(h.store()).recover(fails(&asked)).run_when_recovery_fails(true);
+    let layer = IdempotencyLayer::new(h.store())
+        .recover(fails(&asked))
+        .recovery(axum_idempotency::settings::Recovery::default().run_when_failed(true));
     let app = app(&calls).layer(layer);
     dead_holder(&h.store(), "k1").await;
     let ran = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
@@ -234,7 +236,9 @@ async fn a_fresh_claim_asks_the_hook_only_when_every_claim_is_on<H: Harness>(h: 
 
     // A store that lost its records (a restart, a failover): every claim asks first.
     let (calls, asked) = (Calls::default(), Asked::default());
-    let layer = IdempotencyLayer::new(h.store()).recover(knows(&asked)).recover_every_claim(true);
+    let layer = IdempotencyLayer::new(h.store())
+        .recover(knows(&asked))
+        .recovery(axum_idempotency::settings::Recovery::default().every_claim(true));
     let app = app(&calls).layer(layer);
     let answered = send(&app, keyed("POST", "/payments", "k2", "{}")).await;
     assert_eq!((answered.status.as_u16(), answered.body.as_str()), (201, r#"{"from":"outbox"}"#));

@@ -15,6 +15,7 @@ use axum::{
 use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer,
+    http::Fingerprinting,
     store::{OwnerToken, Store},
 };
 use common::*;
@@ -93,7 +94,9 @@ async fn the_query_string_is_part_of_the_request<H: Harness>(h: H) {
 
 async fn a_declared_length_within_the_limit_is_read<H: Harness>(h: H) {
     let calls = Calls::default();
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).body_limit(8));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(h.store()).limits(axum_idempotency::http::Limits::default().body(8)),
+    );
     for (key, body) in [("k1", "1234567"), ("k2", "12345678")] {
         let request = Request::post("/payments")
             .header("idempotency-key", key)
@@ -110,13 +113,19 @@ async fn a_declared_length_within_the_limit_is_read<H: Harness>(h: H) {
 async fn a_response_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
     let calls = Calls::default();
     // `/big` answers 4096 bytes; a limit of 4096 stores it, 4095 does not.
-    let at_limit = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(4096));
+    let at_limit = app(&calls).layer(
+        IdempotencyLayer::new(h.store())
+            .limits(axum_idempotency::http::Limits::default().stored_body(4096)),
+    );
     let first = send(&at_limit, keyed("POST", "/big", "k1", "")).await;
     assert_eq!(first.body.len(), 4096);
     let retry = send(&at_limit, keyed("POST", "/big", "k1", "")).await;
     assert!(retry.replayed());
     assert_eq!(retry.body.len(), 4096);
-    let under = app(&calls).layer(IdempotencyLayer::new(h.store()).stored_body_limit(4095));
+    let under = app(&calls).layer(
+        IdempotencyLayer::new(h.store())
+            .limits(axum_idempotency::http::Limits::default().stored_body(4095)),
+    );
     assert_eq!(send(&under, keyed("POST", "/big", "k2", "")).await.body.len(), 4096);
     // Too large to keep: the key is held as completed, not replayable.
     assert_eq!(h.held(&global("k2")).await, Some(Held::Completed));
@@ -327,7 +336,8 @@ async fn compression_inside_never_replays_an_encoding_the_retry_refuses<H: Harne
 
 async fn canonical_json_replays_a_reserialized_body_and_ignores_volatile_members<H: Harness>(h: H) {
     let calls = Calls::default();
-    let layer = IdempotencyLayer::new(h.store()).ignore_json_member("/client_sent_at");
+    let layer = IdempotencyLayer::new(h.store())
+        .fingerprinting(Fingerprinting::default().ignore_json_member("/client_sent_at"));
     let app = app(&calls).layer(layer);
     let first = send(
         &app,
@@ -364,7 +374,9 @@ async fn canonical_json_replays_a_reserialized_body_and_ignores_volatile_members
 async fn a_selected_header_that_changes_is_409<H: Harness>(h: H) {
     let calls = Calls::default();
     let version = axum::http::HeaderName::from_static("x-api-version");
-    let app = app(&calls).layer(IdempotencyLayer::new(h.store()).fingerprint_header(version));
+    let app = app(&calls).layer(
+        IdempotencyLayer::new(h.store()).fingerprinting(Fingerprinting::default().header(version)),
+    );
     let request = |v: &str| {
         Request::post("/payments")
             .header("idempotency-key", "k1")
@@ -381,11 +393,11 @@ async fn a_selected_header_that_changes_is_409<H: Harness>(h: H) {
 async fn a_custom_fingerprint_decides_what_a_retry_is<H: Harness>(h: H) {
     let calls = Calls::default();
     // The app's own rule: the path alone.
-    let layer = IdempotencyLayer::new(h.store()).fingerprint_with(
+    let layer = IdempotencyLayer::new(h.store()).fingerprinting(Fingerprinting::custom(
         |parts: &axum::http::request::Parts, _body: &[u8]| {
             axum_idempotency::Fingerprint::new("", parts.uri.path(), "", b"")
         },
-    );
+    ));
     let app = app(&calls).layer(layer);
     assert_eq!(send(&app, keyed("POST", "/payments", "k1", "one body")).await.status, 201);
     assert!(send(&app, keyed("POST", "/payments", "k1", "another body")).await.replayed());

@@ -12,7 +12,7 @@
 //!
 //! In a `--lossy` run, a rerun with a restart without AOF or a failover between its executions
 //! is counted apart too: GUARANTEES.md says such a loss costs a rerun without
-//! `recover_every_claim`.
+//! `Recovery::every_claim`.
 
 use std::{
     collections::{BTreeMap, BTreeSet},

@@ -394,7 +394,7 @@ impl Summary {
             verdict.lease_reruns.len()
         );
         println!(
-            "| (not a violation) reruns after Redis lost records (a restart without AOF, a failover), which GUARANTEES.md allows without `recover_every_claim` | {} |",
+            "| (not a violation) reruns after Redis lost records (a restart without AOF, a failover), which GUARANTEES.md allows without `Recovery::every_claim` | {} |",
             verdict.loss_reruns.len()
         );
         for (check, found) in &verdict.violations {

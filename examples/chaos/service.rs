@@ -19,6 +19,7 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
     consumer::{Error, Outcome},
     recovery::{BoxError, Lookup, Recovered},
+    settings::Recovery,
     store::{
         Committable, PostgresStore, Store,
         sqlx::{self, postgres::PgPoolOptions},
@@ -221,7 +222,7 @@ async fn serve_over<St: Store>(
                         })
                     }
                 })
-                .recover_every_claim(every_claim);
+                .recovery(Recovery::default().every_claim(every_claim));
             Router::new().route("/payments", post(create_payment)).with_state(app).layer(layer)
         }
         "consumer" => {
@@ -238,7 +239,7 @@ async fn serve_over<St: Store>(
                         })
                     }
                 })
-                .recover_every_claim(every_claim);
+                .recovery(Recovery::default().every_claim(every_claim));
             Router::new().route("/deliver", post(deliver)).with_state((app, idempotent))
         }
         other => return Err(format!("unknown door {other:?}: http or consumer").into()),

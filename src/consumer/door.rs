@@ -9,8 +9,8 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use super::{
     Outcome,
+    commit::ConsumerEncoding,
     record::{Unstorable, decode, encode, not_stored},
-    seal::ConsumerEncoding,
 };
 use crate::{
     context::Encoding,
@@ -76,7 +76,7 @@ where
             key_hash = hash,
             "idempotency: the operation returned another value than it committed; the committed one is answered"
         );
-        // A value of another type (sealed from one, returned as another) cannot be read back:
+        // A value of another type (stored as one, returned as another) cannot be read back:
         // the operation's own is answered, and the committed one replayed.
         Outcome::Ran(decode::<T, ()>(committed, hash, &self.label).unwrap_or(value))
     }

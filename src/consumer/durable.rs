@@ -41,12 +41,12 @@ impl<St: Store, H> Idempotent<St, H> {
     /// every takeover asks the table first (one primary-key read), so that a lapsed lease, a
     /// worker that died after its commit, or a record Redis lost is replayed from PostgreSQL,
     /// and the operation does not run again. It is the recovery hook
-    /// ([`recover`](Self::recover)) and `recover_every_claim(true)` in one.
+    /// ([`recover`](Self::recover)) and [`Recovery::every_claim`](crate::settings::Recovery::every_claim) in one.
     ///
     /// A delivery with another payload under a key whose result only the table still holds
     /// is [`Outcome::Mismatch`](super::Outcome::Mismatch), never run.
     pub fn durable(self, outcomes: DurableOutcomes) -> Idempotent<St, DurableRecovery> {
-        let mut door = self.recover(DurableRecovery(outcomes)).recover_every_claim(true);
+        let mut door = self.recover(DurableRecovery(outcomes));
         door.settings().durable = true;
         door
     }

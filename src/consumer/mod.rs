@@ -52,6 +52,7 @@
 //!
 //! [`IdempotencyContext`]: crate::IdempotencyContext
 
+mod commit;
 mod door;
 #[cfg(feature = "postgres")]
 mod durable;
@@ -59,21 +60,20 @@ mod finite;
 mod operate;
 mod outcome;
 mod record;
-mod seal;
 
 use std::{fmt, future::Future, marker::PhantomData, sync::Arc};
 
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
+#[cfg(feature = "postgres")]
+pub(crate) use self::commit::stored_form;
 use self::door::ConsumerDoor;
 #[cfg(feature = "postgres")]
 pub use self::durable::DurableRecovery;
 pub use self::operate::Operator;
 pub use self::outcome::{Error, Outcome};
 use self::record::decode;
-#[cfg(feature = "postgres")]
-pub(crate) use self::seal::stored_form;
 use crate::{
     context::IdempotencyContext,
     engine::{
@@ -235,6 +235,16 @@ impl<St: Store, H> Idempotent<St, H> {
     /// Defaults to 1 MiB.
     pub fn stored_limit(mut self, bytes: usize) -> Self {
         self.stored_limit = bytes;
+        self
+    }
+
+    /// Releases the key of a result over the [`stored_limit`](Self::stored_limit), so that a
+    /// redelivery runs the operation again. **The risk:** a worker whose answer was lost
+    /// redelivers, and the side effect happens twice. Defaults to `false`: the key keeps a
+    /// record that the operation ran, and every redelivery gets [`Error::ResultNotStored`],
+    /// never a second run.
+    pub fn release_when_too_large(mut self, release: bool) -> Self {
+        self.settings().release_too_large = release;
         self
     }
 

@@ -1,12 +1,12 @@
 //! [`Operator`]: the operator's calls on the consumer door (see [`Admin`]), by a consumer's
 //! scope and an event's key.
 
-use std::{fmt, time::Duration};
+use std::time::Duration;
 
 use crate::{
     engine::{
-        Engine,
-        envelope::{Format, Opened},
+        Engine, Operations,
+        envelope::{Format, Parsed},
     },
     key::RecordKey,
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
@@ -20,7 +20,7 @@ impl<St: Admin, H> Idempotent<St, H> {
     /// the finished door.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        Operator { engine, prefix: self.prefix.clone() }
+        Operator(Operations::new(engine, self.prefix.clone()))
     }
 }
 
@@ -28,17 +28,8 @@ impl<St: Admin, H> Idempotent<St, H> {
 /// event's key ([`Idempotent::operator`]).
 ///
 /// Cloning is cheap.
-#[derive(Clone)]
-pub struct Operator<St> {
-    engine: Engine<St>,
-    prefix: String,
-}
-
-impl<St> fmt::Debug for Operator<St> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Operator").field("prefix", &self.prefix).finish_non_exhaustive()
-    }
-}
+#[derive(Debug, Clone)]
+pub struct Operator<St>(Operations<St>);
 
 impl<St: Admin> Operator<St> {
     /// What the store holds for `key` in `scope` (as [`Idempotent::run`] was given them): its
@@ -56,7 +47,7 @@ impl<St: Admin> Operator<St> {
         key: impl AsRef<[u8]>,
         with_result: bool,
     ) -> Result<Option<KeyReport<serde_json::Value>>, StoreError> {
-        let reader = |opened: Opened| match opened.format {
+        let reader = |opened: Parsed| match opened.format {
             Format::Json => serde_json::from_slice(&opened.payload)
                 .map_err(|error| StoreError::CorruptRecord(error.to_string())),
             Format::NotStored => Ok(serde_json::json!({
@@ -64,7 +55,7 @@ impl<St: Admin> Operator<St> {
             })),
             _ => Err(StoreError::CorruptRecord("not a result the consumer door stored".into())),
         };
-        self.engine.report(&self.record_key(scope, key.as_ref()), with_result, reader).await
+        self.0.report(&self.record_key(scope, key.as_ref()), with_result, reader).await
     }
 
     /// Deletes the record of `key` in `scope`, so that its next delivery runs the operation
@@ -79,7 +70,7 @@ impl<St: Admin> Operator<St> {
         key: impl AsRef<[u8]>,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.engine.store().forget(&self.record_key(scope, key.as_ref()), force).await
+        self.0.forget(&self.record_key(scope, key.as_ref()), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over,
@@ -94,7 +85,7 @@ impl<St: Admin> Operator<St> {
         lapsed_for: Duration,
         limit: u32,
     ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        self.engine.store().abandoned(lapsed_for, limit).await
+        self.0.abandoned(lapsed_for, limit).await
     }
 }
 
@@ -108,6 +99,6 @@ impl<St, H> Idempotent<St, H> {
 impl<St> Operator<St> {
     /// The record key of `key` in `scope`, as the door names it.
     fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
-        RecordKey::new(&self.prefix, scope.as_bytes(), key)
+        self.0.record_key(scope.as_bytes(), key)
     }
 }

@@ -26,9 +26,9 @@ pub(super) enum Unstorable {
 /// [`Error::Corrupt`], never another value read from the same bytes.
 pub(super) fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, Unstorable> {
     finite::check(value).map_err(|error| Unstorable::Unencodable(error.to_string()))?;
-    let sealed = envelope::seal(Format::Json, 64);
-    let header = sealed.len();
-    let mut out = sealed.writer();
+    let started = envelope::begin(Format::Json, 64);
+    let header = started.len();
+    let mut out = started.writer();
     serde_json::to_writer(&mut out, value)
         .map_err(|error| Unstorable::Unencodable(error.to_string()))?;
     let out = out.into_inner();
@@ -40,7 +40,7 @@ pub(super) fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, Uns
 
 /// A value already serialized as `json`, in the stored form [`encode`] gives it.
 pub(super) fn encode_json(json: &[u8]) -> Bytes {
-    let mut out = envelope::seal(Format::Json, json.len());
+    let mut out = envelope::begin(Format::Json, json.len());
     out.put_slice(json);
     out.freeze()
 }
@@ -48,7 +48,7 @@ pub(super) fn encode_json(json: &[u8]) -> Bytes {
 /// The record of a result that ran but could not be encoded: every redelivery is answered
 /// [`Error::ResultNotStored`] with `reason`, and the operation does not run again.
 pub(super) fn not_stored(reason: &str) -> Bytes {
-    let mut out = envelope::seal(Format::NotStored, reason.len());
+    let mut out = envelope::begin(Format::NotStored, reason.len());
     out.put_slice(reason.as_bytes());
     out.freeze()
 }
@@ -63,7 +63,7 @@ pub(super) fn decode<T: DeserializeOwned, E>(
         tracing::error!(key_hash = hash, reason, "idempotency: stored result is unreadable");
         Error::Corrupt { key_hash: hash.to_owned(), reason }
     };
-    let opened = envelope::open(stored, label);
+    let opened = envelope::parse(stored, label);
     let json = match opened {
         Some(opened) if opened.format == Format::Json => opened.payload,
         Some(opened) if opened.format == Format::NotStored => {

@@ -25,20 +25,20 @@ pub(crate) enum Format {
     /// A gRPC response: its headers, its body (the framed message) and its trailers
     /// (`crate::grpc`).
     Grpc = b'G',
-    /// Any door's record, encrypted at rest (`crate::at_rest`): never opened as a door's own.
+    /// Any door's record, encrypted at rest (`crate::at_rest`): never parsed as a door's own.
     /// Never constructed: the variant reserves the byte, so that no door's format takes it.
     #[allow(dead_code)]
     Encrypted = crate::at_rest::ENCRYPTED,
 }
 
 impl Format {
-    /// The formats a door opens: every one but [`Encrypted`](Self::Encrypted).
+    /// The formats a door parses: every one but [`Encrypted`](Self::Encrypted).
     const ALL: [Self; 5] = [Self::Http, Self::HttpMinimal, Self::Json, Self::NotStored, Self::Grpc];
 }
 
 /// A stored outcome, its envelope read.
 #[derive(Debug)]
-pub(crate) struct Opened {
+pub(crate) struct Parsed {
     pub(crate) format: Format,
     /// When it was stored, by the clock of the instance that stored it.
     pub(crate) completed_at: SystemTime,
@@ -48,7 +48,7 @@ pub(crate) struct Opened {
 
 /// A new record of `format`, stamped with the time now, with room for `capacity` bytes of
 /// payload.
-pub(crate) fn seal(format: Format, capacity: usize) -> BytesMut {
+pub(crate) fn begin(format: Format, capacity: usize) -> BytesMut {
     let mut out = BytesMut::with_capacity(9 + capacity);
     out.put_u8(format as u8);
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
@@ -59,16 +59,16 @@ pub(crate) fn seal(format: Format, capacity: usize) -> BytesMut {
 /// Reads the envelope of a stored record and observes its age for `route`'s replayed-age
 /// histogram. `None` when the first byte is no door's format, or the record is too short to
 /// hold its time. Never panics.
-pub(crate) fn open(record: Bytes, route: &Label) -> Option<Opened> {
+pub(crate) fn parse(record: Bytes, route: &Label) -> Option<Parsed> {
     let opened = read(record)?;
     let age = SystemTime::now().duration_since(opened.completed_at).unwrap_or_default();
     observe::replayed_age(route, age);
     Some(opened)
 }
 
-/// Reads the envelope of a stored record, as [`open`] does, without observing its age: for
+/// Reads the envelope of a stored record, as [`parse`] does, without observing its age: for
 /// an operator's look at it.
-pub(crate) fn read(mut record: Bytes) -> Option<Opened> {
+pub(crate) fn read(mut record: Bytes) -> Option<Parsed> {
     let first = *record.first()?;
     let format = Format::ALL.into_iter().find(|format| *format as u8 == first)?;
     record.advance(1);
@@ -76,7 +76,7 @@ pub(crate) fn read(mut record: Bytes) -> Option<Opened> {
         return None;
     }
     let completed_at = UNIX_EPOCH + Duration::from_millis(record.get_u64());
-    Some(Opened { format, completed_at, payload: record })
+    Some(Parsed { format, completed_at, payload: record })
 }
 
 /// Whether two stored records carry the same payload after their envelopes (whenever each
@@ -103,9 +103,9 @@ mod tests {
     #[test]
     fn a_timed_record_carries_when_it_was_stored() {
         let before = SystemTime::now() - Duration::from_millis(1);
-        let mut record = seal(Format::Json, 4);
+        let mut record = begin(Format::Json, 4);
         record.put_slice(b"{}");
-        let opened = open(record.freeze(), &r()).unwrap();
+        let opened = parse(record.freeze(), &r()).unwrap();
         assert_eq!(opened.format, Format::Json);
         let at = opened.completed_at;
         assert!(at >= before && at <= SystemTime::now() + Duration::from_millis(1), "{at:?}");
@@ -115,7 +115,7 @@ mod tests {
     #[test]
     fn payloads_compare_whatever_the_time_and_never_across_formats() {
         let record = |format, payload: &[u8]| {
-            let mut record = seal(format, payload.len());
+            let mut record = begin(format, payload.len());
             record.put_slice(payload);
             record.freeze()
         };
@@ -131,19 +131,19 @@ mod tests {
     #[test]
     fn every_format_byte_is_its_own_and_nothing_else_opens() {
         for format in Format::ALL {
-            let record = seal(format, 0).freeze();
+            let record = begin(format, 0).freeze();
             assert_eq!(record[0], format as u8);
             assert_eq!(record.len(), 9);
-            assert_eq!(open(record, &r()).unwrap().format, format);
+            assert_eq!(parse(record, &r()).unwrap().format, format);
         }
         for byte in (0..=u8::MAX).filter(|b| !Format::ALL.iter().any(|f| *f as u8 == *b)) {
-            assert!(open(Bytes::from(vec![byte; 16]), &r()).is_none(), "{byte}");
+            assert!(parse(Bytes::from(vec![byte; 16]), &r()).is_none(), "{byte}");
         }
         // A record too short for its time, the formats earlier versions wrote (1, `j`: no
         // time), and an empty record.
-        assert!(open(Bytes::from_static(&[2, 0, 0]), &r()).is_none());
-        assert!(open(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), &r()).is_none());
-        assert!(open(Bytes::from_static(b"j{\"a\":1}"), &r()).is_none());
-        assert!(open(Bytes::new(), &r()).is_none());
+        assert!(parse(Bytes::from_static(&[2, 0, 0]), &r()).is_none());
+        assert!(parse(Bytes::from_static(&[1, 0, 201, 0, 0, b'o', b'k']), &r()).is_none());
+        assert!(parse(Bytes::from_static(b"j{\"a\":1}"), &r()).is_none());
+        assert!(parse(Bytes::new(), &r()).is_none());
     }
 }

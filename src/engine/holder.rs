@@ -142,7 +142,10 @@ impl<St: Store> Holder<St> {
     /// Whether the front door must ask its recovery hook before it runs the operation: on a
     /// takeover, or on every claim when so configured.
     pub(crate) fn needs_recovery(&self) -> bool {
-        self.settings.recovering && (self.taken_over || self.settings.recovery.every_claim)
+        // A door over `DurableOutcomes` asks on every claim, whatever `Recovery` says: the
+        // table is where a record the store lost is found.
+        let every_claim = self.settings.recovery.every_claim || self.settings.durable;
+        self.settings.recovering && (self.taken_over || every_claim)
     }
 
     /// Waits (within the recovery timeout) for the hook's `lookup`, and says what to do.
@@ -150,7 +153,7 @@ impl<St: Store> Holder<St> {
         self,
         lookup: impl Future<Output = Result<Recovered<T>, BoxError>>,
     ) -> Recovery<St, T> {
-        let policy = self.settings.recovery.clone();
+        let policy = self.settings.recovery;
         let hash = self.key.hash();
         let lookup = AssertUnwindSafe(lookup).catch_unwind();
         let failure = match tokio::time::timeout(policy.timeout, lookup).await {

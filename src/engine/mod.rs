@@ -37,6 +37,7 @@ use tokio_util::task::TaskTracker;
 pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
 pub(crate) use self::holder::{Holder, Panic, Recovery};
 pub(crate) use self::observe::Label;
+pub(crate) use self::operate::Operations;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::engine_setters;
@@ -45,6 +46,7 @@ use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
     key::RecordKey,
+    settings::DEFAULT_MAX_WAITERS,
     store::{Claim, Lease, OwnerToken, Store, StoreError, later},
 };
 
@@ -67,7 +69,7 @@ pub(crate) struct Settings {
     /// The longest `Retry-After` hint given to a duplicate that is not waited for.
     pub(crate) retry_after: Duration,
     /// When and how a claim asks the front door's recovery hook.
-    pub(crate) recovery: RecoveryPolicy,
+    pub(crate) recovery: crate::settings::Recovery,
     /// Whether the front door has a recovery hook: only then is a lapsed claim remembered
     /// for a window, and the hook asked.
     pub(crate) recovering: bool,
@@ -78,31 +80,6 @@ pub(crate) struct Settings {
     pub(crate) release_too_large: bool,
     /// The door's recovery hook reads `DurableOutcomes` (`.durable(…)`).
     pub(crate) durable: bool,
-}
-
-/// How the engine uses a front door's recovery hook.
-#[derive(Debug, Clone)]
-pub(crate) struct RecoveryPolicy {
-    /// How long a lapsed claim is remembered, so that the next claim is a takeover; the
-    /// retention when `None`.
-    pub(crate) window: Option<Duration>,
-    /// Ask on every claim, not only on a takeover (for stores that may lose records).
-    pub(crate) every_claim: bool,
-    /// The longest the hook may take.
-    pub(crate) timeout: Duration,
-    /// Run the operation when the hook fails, rather than refuse it.
-    pub(crate) run_on_failure: bool,
-}
-
-impl Default for RecoveryPolicy {
-    fn default() -> Self {
-        Self {
-            window: None,
-            every_claim: false,
-            timeout: Duration::from_secs(5),
-            run_on_failure: false,
-        }
-    }
 }
 
 impl Settings {
@@ -140,9 +117,6 @@ pub(crate) const DEFAULT_HTTP_WAIT: Duration = Duration::from_secs(10);
 /// runs, so a handler may run longer).
 pub(crate) const DEFAULT_HTTP_LEASE: Duration = DEFAULT_HTTP_WAIT;
 
-/// The default for the number of waiters at once.
-pub(crate) const DEFAULT_MAX_WAITERS: usize = 1024;
-
 impl Default for Settings {
     fn default() -> Self {
         Self {
@@ -153,7 +127,7 @@ impl Default for Settings {
             wait: None,
             waiters: Arc::new(Semaphore::new(DEFAULT_MAX_WAITERS)),
             retry_after: Duration::from_secs(1),
-            recovery: RecoveryPolicy::default(),
+            recovery: crate::settings::Recovery::default(),
             recovering: false,
             at_rest: AtRest::default(),
             release_too_large: false,

@@ -20,19 +20,6 @@ macro_rules! engine_setters {
             self
         }
 
-        /// Releases the key of an outcome too large to keep (an HTTP response whose headers
-        /// or body are over the stored limits, a stream whose copy went past them; a consumer
-        /// result over its stored limit), as earlier versions did, so that a retry runs the
-        /// operation again. **The risk:** a client whose answer was lost on the way retries,
-        /// and the side effect happens twice. Defaults to `false`: the key keeps a small
-        /// "completed, not replayable" record (the status and the reason, no body), and every
-        /// retry is answered 500 problem+json `response-not-replayable` (the consumer door:
-        /// `Error::ResultNotStored`), never by running the operation again.
-        pub fn release_when_too_large(mut self, release: bool) -> Self {
-            self.settings().release_too_large = release;
-            self
-        }
-
         /// Sets how long a completed outcome is kept for replay. Defaults to 24 hours; set it
         /// to at least how long your clients retry, or your broker redelivers.
         pub fn retention(mut self, retention: std::time::Duration) -> Self {
@@ -72,36 +59,11 @@ macro_rules! engine_setters {
             self
         }
 
-        /// Sets how long after its lease a lapsed claim is remembered, so that a duplicate in
-        /// that window is a takeover and asks the recovery hook. After it the record is gone
-        /// and a duplicate runs as new. Defaults to the [`retention`](Self::retention). Only
-        /// used with a hook.
-        pub fn recovery_window(mut self, window: std::time::Duration) -> Self {
-            self.settings().recovery.window = Some(window);
-            self
-        }
-
-        /// Asks the recovery hook on every claim, not only on a takeover: for a store that may
-        /// lose records (Redis restarted without persistence, a failover that lost writes, a
-        /// `MemoryStore` across a restart). Costs one hook lookup per new operation. Off by
-        /// default.
-        pub fn recover_every_claim(mut self, every: bool) -> Self {
-            self.settings().recovery.every_claim = every;
-            self
-        }
-
-        /// Sets the longest the recovery hook may take; past it, recovery has failed.
-        /// Defaults to 5 seconds.
-        pub fn recovery_timeout(mut self, timeout: std::time::Duration) -> Self {
-            self.settings().recovery.timeout = timeout;
-            self
-        }
-
-        /// When the recovery hook fails, runs the operation anyway (logged at error level and
-        /// counted) instead of refusing it (HTTP: 503; consumer: `Error::Recovery`). Defaults
-        /// to `false`: a payment is better refused than run twice.
-        pub fn run_when_recovery_fails(mut self, run: bool) -> Self {
-            self.settings().recovery.run_on_failure = run;
+        /// Sets when and how the recovery hook is asked: its window, on every claim or only
+        /// on a takeover, its timeout, what a failure does. See
+        /// [`Recovery`](crate::settings::Recovery).
+        pub fn recovery(mut self, recovery: crate::settings::Recovery) -> Self {
+            self.settings().recovery = recovery;
             self
         }
 

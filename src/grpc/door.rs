@@ -8,9 +8,9 @@ use http::Response;
 use tonic::{Code, Status, body::Body};
 
 use super::{
+    commit::{GrpcEncoding, Reply, ok_record},
     config::Config,
     record::{self, Stored, collect},
-    seal::{GrpcEncoding, Reply, ok_record},
     status::answer,
 };
 use crate::{

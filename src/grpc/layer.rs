@@ -135,13 +135,14 @@ impl<St> GrpcIdempotencyLayer<St> {
 
     /// Asks `hook` before a call runs again after a takeover (the holder's lease lapsed: its
     /// process died, perhaps after its side effect committed), or before every new call with
-    /// [`recover_every_claim`](Self::recover_every_claim): the hook gets the
+    /// [`Recovery::every_claim`](crate::settings::Recovery::every_claim): the hook gets the
     /// [`IdempotencyContext`](crate::IdempotencyContext) and the request message's bytes, and
     /// looks the call up in the system of record. [`Recovered::Happened`] with the handler's
     /// reply (`Reply::from(tonic::Response::new(reply))`) is stored and answered as a replay,
     /// and the handler does not run; [`Recovered::Unknown`] runs it; a failed hook is
     /// `UNAVAILABLE`, and nothing runs
-    /// ([`run_when_recovery_fails`](Self::run_when_recovery_fails) runs it instead).
+    /// ([`Recovery::run_when_failed`](crate::settings::Recovery::run_when_failed) runs it
+    /// instead).
     ///
     /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
     /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
@@ -157,12 +158,21 @@ impl<St> GrpcIdempotencyLayer<St> {
     /// transactions (`DurableOutcomes::transaction`). Every new claim and every takeover asks
     /// the table first, so that a holder that died after its commit, or a record Redis lost,
     /// is replayed from PostgreSQL, and the handler does not run again. It is the recovery
-    /// hook ([`recover`](Self::recover)) and `recover_every_claim(true)` in one.
+    /// hook ([`recover`](Self::recover)), asked on every claim, in one.
     #[cfg(feature = "postgres")]
     pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
-        let mut layer = self.recover(super::seal::Durable(outcomes)).recover_every_claim(true);
+        let mut layer = self.recover(super::commit::Durable(outcomes));
         layer.settings().durable = true;
         layer
+    }
+
+    /// Releases the key of a response over the stored limit, so that a retry runs the
+    /// handler again. **The risk:** a client whose answer was lost retries, and the side
+    /// effect happens twice. Defaults to `false`: the key keeps a "completed, not replayable"
+    /// record, and every retry is `INTERNAL`, never a second run.
+    pub fn release_when_too_large(mut self, release: bool) -> Self {
+        self.settings().release_too_large = release;
+        self
     }
 
     /// Sets the prefix of every record key in the store. Defaults to `idempotency-grpc`.

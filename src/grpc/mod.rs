@@ -60,19 +60,19 @@
 //! errors that must be replayed rather than retried (a declined charge).
 
 mod call;
+mod commit;
 mod config;
 mod door;
 mod layer;
 mod record;
-mod seal;
 mod status;
 
 use http::{HeaderName, header::InvalidHeaderName, request::Parts};
 use tonic::{Code, Status};
 
 pub use self::{
+    commit::Reply,
     layer::{GrpcIdempotency, GrpcIdempotencyLayer, ResponseFuture},
-    seal::Reply,
 };
 pub use crate::http::scope::GlobalScope;
 

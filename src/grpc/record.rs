@@ -83,7 +83,7 @@ fn kept(name: &HeaderName) -> bool {
 
 /// The record of a response with these headers, body and trailers.
 pub(super) fn encode(headers: &HeaderMap, body: &[u8], trailers: Option<&HeaderMap>) -> Bytes {
-    let mut out = envelope::seal(envelope::Format::Grpc, body.len() + 256);
+    let mut out = envelope::begin(envelope::Format::Grpc, body.len() + 256);
     out.put_u8(RESPONSE);
     put_headers(&mut out, headers);
     put_bytes(&mut out, body);
@@ -100,7 +100,7 @@ pub(super) fn encode(headers: &HeaderMap, body: &[u8], trailers: Option<&HeaderM
 /// The record of a call that completed, whose response is not kept (`why`): a retry is told
 /// so, and the call does not run again.
 pub(super) fn not_replayable(why: &str) -> Bytes {
-    let mut out = envelope::seal(envelope::Format::Grpc, why.len() + 1);
+    let mut out = envelope::begin(envelope::Format::Grpc, why.len() + 1);
     out.put_u8(NOT_REPLAYABLE);
     out.put_slice(why.as_bytes());
     out.freeze()
@@ -131,7 +131,7 @@ pub(super) enum Stored {
 
 /// Reads a record this door wrote; `None` for anything else.
 pub(super) fn decode(record: Bytes, route: &Label) -> Option<Stored> {
-    let opened = envelope::open(record, route)?;
+    let opened = envelope::parse(record, route)?;
     if opened.format != envelope::Format::Grpc {
         return None;
     }

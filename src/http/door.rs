@@ -17,11 +17,11 @@ use http_body::Body as HttpBody;
 use super::{
     BoxError, Minimal,
     body::{CollectedBody, Streamed, Teed, collect_response, forward, tee},
+    commit::{HttpEncoding, NotStored, OVER_BODY_LIMIT, not_stored},
     config::Config,
     problem::{KeyReused, ProblemType, problem},
     record,
     replay::{self, Replay},
-    seal::{HttpEncoding, NotStored, OVER_BODY_LIMIT, not_stored},
 };
 use crate::{
     context::Encoding,
@@ -53,7 +53,7 @@ impl<ResBody> HttpDoor<ResBody> {
 
     /// `head`, with the record's expiry when the layer advertises it.
     fn advertised(&self, mut head: http::response::Parts, held: &Held) -> http::response::Parts {
-        let expiry = self.config.advertise_expiry.then_some(held.retention);
+        let expiry = self.config.answers.advertise_expiry.then_some(held.retention);
         record::advertise_expiry(&mut head.headers, SystemTime::now(), expiry);
         head
     }
@@ -84,7 +84,8 @@ where
     /// or when the handler found its key reused.
     async fn settle(&self, response: Response<ResBody>, held: &Held) -> Settlement<Response> {
         if response.extensions().get::<KeyReused>().is_some() {
-            let mismatch = problem(self.config.mismatch_status, ProblemType::Mismatch, None);
+            let mismatch =
+                problem(self.config.answers.mismatch_status, ProblemType::Mismatch, None);
             return Settlement::Release(
                 "the handler found the key reused with another request",
                 mismatch,
@@ -106,7 +107,7 @@ where
         // Stored minimally: the record needs nothing of the body, which streams to the client
         // whatever its size.
         if head.extensions.get::<Minimal>().is_some() {
-            let record = record::encode_response(&head, &self.config.header_filter, &[]);
+            let record = record::encode_response(&head, &self.config.answers.replayed_headers, &[]);
             return Settlement::Store(
                 record,
                 Response::from_parts(self.advertised(head, held), body),
@@ -115,7 +116,7 @@ where
         if body.size_hint().exact().is_none() {
             return self.streamed(head, body, held);
         }
-        let body = match collect_response(body, self.config.stored_body_limit).await {
+        let body = match collect_response(body, self.config.limits.stored_body).await {
             CollectedBody::Whole(body) => body,
             CollectedBody::TooLarge(body) => {
                 let record = record::not_replayable(head.status, OVER_BODY_LIMIT);
@@ -129,7 +130,12 @@ where
                 return Settlement::Release("the response body failed", failed);
             }
         };
-        let record = record::encode(head.status, &head.headers, &self.config.header_filter, &body);
+        let record = record::encode(
+            head.status,
+            &head.headers,
+            &self.config.answers.replayed_headers,
+            &body,
+        );
         Settlement::Store(
             record,
             Response::from_parts(self.advertised(head, held), Body::from(body)),
@@ -144,7 +150,7 @@ where
         held: &Held,
     ) -> Settlement<Response> {
         let (head, body) = response.into_parts();
-        let record = record::encode_response(&head, &self.config.header_filter, &body);
+        let record = record::encode_response(&head, &self.config.answers.replayed_headers, &body);
         let replayed = self.replay(&request, held).replay(record.clone(), held.key.hash()).await;
         Settlement::Store(record, replayed)
     }
@@ -165,13 +171,13 @@ where
         let returned = match head.extensions.get::<Minimal>() {
             Some(_) => Some((Body::new(body), Bytes::new())),
             None if body.size_hint().exact().is_none() => None,
-            None => match collect_response(body, config.stored_body_limit).await {
+            None => match collect_response(body, config.limits.stored_body).await {
                 CollectedBody::Whole(body) => Some((Body::from(body.clone()), body)),
                 CollectedBody::TooLarge(_) | CollectedBody::Failed(_) => None,
             },
         };
         let same = returned.as_ref().is_some_and(|(_, stored)| {
-            let own = record::encode_response(&head, &config.header_filter, stored);
+            let own = record::encode_response(&head, &config.answers.replayed_headers, stored);
             envelope::same_payload(&own, &committed)
         });
         let mut response = match returned {
@@ -196,7 +202,7 @@ where
                 }
             }
         };
-        let expiry = config.advertise_expiry.then_some(held.retention);
+        let expiry = config.answers.advertise_expiry.then_some(held.retention);
         record::advertise_expiry(response.headers_mut(), SystemTime::now(), expiry);
         response
     }
@@ -204,7 +210,7 @@ where
     /// The handler's response as it returned it; a mismatch when it found its key reused.
     fn uncommitted(&self, response: Response<ResBody>) -> Response {
         match response.extensions().get::<KeyReused>() {
-            Some(_) => problem(self.config.mismatch_status, ProblemType::Mismatch, None),
+            Some(_) => problem(self.config.answers.mismatch_status, ProblemType::Mismatch, None),
             None => response.map(Body::new),
         }
     }
@@ -225,7 +231,7 @@ impl<ResBody> HttpDoor<ResBody> {
         let (client, streamed) = Streamed::channel();
         let config = self.config.clone();
         let rest = async move {
-            let limit = config.stored_body_limit;
+            let limit = config.limits.stored_body;
             // A body that panics is caught here, so that the client gets an error where its
             // body broke off (not a body that looks whole), and its stream ends only once the
             // key is released.
@@ -233,7 +239,7 @@ impl<ResBody> HttpDoor<ResBody> {
             let teed = teed.unwrap_or_else(|_panic| Teed::Panicked);
             let ended = match teed {
                 Teed::Whole(copy) => {
-                    let filter = &config.header_filter;
+                    let filter = &config.answers.replayed_headers;
                     Streaming::Stored(record::encode(status, &headers, filter, &copy))
                 }
                 Teed::OverLimit(rest) => {

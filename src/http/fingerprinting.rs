@@ -5,7 +5,7 @@ use std::{fmt, sync::Arc};
 
 use http::{HeaderName, request::Parts};
 
-use crate::fingerprint::{Fingerprint, PayloadRules};
+use crate::fingerprint::{Fingerprint, PayloadRules, payload_rule_setters};
 
 /// A fingerprint function of the app's own: given the request parts and body, the fingerprint
 /// that decides whether a retry is the same request.
@@ -13,15 +13,15 @@ use crate::fingerprint::{Fingerprint, PayloadRules};
 /// Implemented for closures `Fn(&Parts, &[u8]) -> Fingerprint`:
 ///
 /// ```
-/// use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore};
+/// use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, http::Fingerprinting};
 ///
 /// // Only the path and the `amount` member: everything else may change between retries.
-/// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprint_with(
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprinting(Fingerprinting::custom(
 ///     |parts: &http::request::Parts, body: &[u8]| {
 ///         let json: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
 ///         Fingerprint::new("", parts.uri.path(), "", json["amount"].to_string().as_bytes())
 ///     },
-/// );
+/// ));
 /// ```
 pub trait MakeFingerprint: Send + Sync + 'static {
     /// The fingerprint of one request.
@@ -37,9 +37,24 @@ where
     }
 }
 
-/// The fingerprint options of a layer.
+/// What a request's fingerprint covers
+/// ([`IdempotencyLayer::fingerprinting`](super::IdempotencyLayer::fingerprinting)): by
+/// default its method, path, query and body as sent; the body as canonical JSON, some of its
+/// members left out, some request headers, or the app's own function instead.
+///
+/// ```
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::Fingerprinting};
+/// use http::HeaderName;
+///
+/// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprinting(
+///     Fingerprinting::default()
+///         .ignore_json_member("/client_sent_at")
+///         .header(HeaderName::from_static("x-api-version")),
+/// );
+/// ```
 #[derive(Clone, Default)]
-pub(super) struct Intent {
+#[must_use]
+pub struct Fingerprinting {
     /// Canonical JSON and the members left out of it.
     pub(super) payload: PayloadRules,
     /// Request headers whose values are part of the fingerprint.
@@ -47,9 +62,30 @@ pub(super) struct Intent {
     pub(super) custom: Option<Arc<dyn MakeFingerprint>>,
 }
 
-impl fmt::Debug for Intent {
+impl Fingerprinting {
+    /// Fingerprints requests with the app's own function (see [`MakeFingerprint`]); the other
+    /// options do not apply.
+    pub fn custom(make: impl MakeFingerprint) -> Self {
+        Self { custom: Some(Arc::new(make)), ..Self::default() }
+    }
+
+    fn payload_rules(&mut self) -> &mut PayloadRules {
+        &mut self.payload
+    }
+
+    payload_rule_setters!();
+
+    /// Makes a request header part of the fingerprint (an API version, `Content-Type`): a
+    /// retry with another value, or without the header, is another request.
+    pub fn header(mut self, name: HeaderName) -> Self {
+        self.headers.push(name);
+        self
+    }
+}
+
+impl fmt::Debug for Fingerprinting {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Intent")
+        f.debug_struct("Fingerprinting")
             .field("payload", &self.payload)
             .field("headers", &self.headers)
             .field("custom", &self.custom.is_some())
@@ -57,7 +93,7 @@ impl fmt::Debug for Intent {
     }
 }
 
-impl Intent {
+impl Fingerprinting {
     /// The fingerprint of a request whose full original path and query are `path`, `query`.
     pub(super) fn fingerprint(
         &self,
@@ -109,12 +145,12 @@ mod tests {
         request.body(()).unwrap().into_parts().0
     }
 
-    fn json_intent(ignored: &[&str]) -> Intent {
+    fn json_intent(ignored: &[&str]) -> Fingerprinting {
         let payload = PayloadRules {
             canonical_json: true,
             ignored_members: ignored.iter().map(|p| (*p).to_owned()).collect(),
         };
-        Intent { payload, ..Intent::default() }
+        Fingerprinting { payload, ..Fingerprinting::default() }
     }
 
     #[test]
@@ -175,7 +211,7 @@ mod tests {
             intent.fingerprint(&p, "/p", "", b"not  json")
         );
         // Without the option, JSON is bytes too.
-        let plain = Intent::default();
+        let plain = Fingerprinting::default();
         assert_ne!(
             plain.fingerprint(&p, "/p", "", br#"{"a":1}"#),
             plain.fingerprint(&p, "/p", "", br#"{ "a":1}"#)
@@ -184,8 +220,10 @@ mod tests {
 
     #[test]
     fn selected_headers_are_part_of_the_request() {
-        let intent =
-            Intent { headers: vec![HeaderName::from_static("x-api-version")], ..Intent::default() };
+        let intent = Fingerprinting {
+            headers: vec![HeaderName::from_static("x-api-version")],
+            ..Fingerprinting::default()
+        };
         let v1 = intent.fingerprint(&parts(&[("x-api-version", "1")]), "/p", "", b"");
         assert_eq!(
             v1,
@@ -195,7 +233,7 @@ mod tests {
         assert_ne!(v1, intent.fingerprint(&parts(&[]), "/p", "", b""));
         // With no header selected, the default is the method, path, query and body alone.
         assert_eq!(
-            Intent::default().fingerprint(&parts(&[]), "/p", "q", b"b"),
+            Fingerprinting::default().fingerprint(&parts(&[]), "/p", "q", b"b"),
             Fingerprint::new("POST", "/p", "q", b"b")
         );
     }

@@ -72,7 +72,7 @@ where
         let record_key = RecordKey::new(&self.config.prefix, &scope, &key);
 
         // 4. body + fingerprint
-        let body = match read_body(&parts, body, self.config.body_limit).await {
+        let body = match read_body(&parts, body, self.config.limits.body).await {
             Ok(body) => body,
             Err(response) => return Ok(response),
         };
@@ -81,7 +81,7 @@ where
         // stripped its prefix, so the fingerprint does not depend on where the layer sits.
         let uri = parts.extensions.get::<OriginalUri>().map_or(&parts.uri, |original| &original.0);
         let query = uri.query().unwrap_or("");
-        let fingerprint = self.config.intent.fingerprint(&parts, uri.path(), query, &body);
+        let fingerprint = self.config.fingerprinting.fingerprint(&parts, uri.path(), query, &body);
 
         // 5. claim, run, settle: the engine's.
         let config = &self.config;
@@ -140,7 +140,7 @@ where
                 // Whole seconds, rounded up, never 0 ("retry now").
                 let seconds = retry_after.as_millis().div_ceil(1000).max(1);
                 Ok(problem_retry_after(
-                    config.in_progress_status,
+                    config.answers.in_progress_status,
                     ProblemType::InProgress,
                     None,
                     u64::try_from(seconds).unwrap_or(u64::MAX),
@@ -169,7 +169,7 @@ fn ended_response<E>(ended: Ended<Response, E>, config: &Config) -> Result<Respo
             None,
             1,
         )),
-        Ended::Mismatch => Ok(problem(config.mismatch_status, ProblemType::Mismatch, None)),
+        Ended::Mismatch => Ok(problem(config.answers.mismatch_status, ProblemType::Mismatch, None)),
         Ended::Cancelled => {
             Ok(problem(StatusCode::SERVICE_UNAVAILABLE, ProblemType::HandlerFailed, None))
         }

@@ -2,22 +2,23 @@
 
 use std::sync::Arc;
 
-use http::{HeaderName, Method, StatusCode};
+use http::{HeaderName, Method};
 use tower_layer::Layer;
 
 use super::{
     config::Config,
+    fingerprinting::Fingerprinting,
     operator::Operator,
     recover::Hook,
     scope::{GlobalScope, ScopeExtractor},
     service::Idempotency,
+    settings::{Answers, Limits},
     store_policy::Policy,
 };
 use crate::{
     engine::{
         DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
     },
-    fingerprint::{PayloadRules, payload_rule_setters},
     store::{Admin, Store},
 };
 
@@ -87,10 +88,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         Arc::make_mut(&mut self.config)
     }
 
-    fn payload_rules(&mut self) -> &mut PayloadRules {
-        &mut self.config().intent.payload
-    }
-
     fn settings(&mut self) -> &mut Settings {
         // New settings, new renewals: a lease changed after a claim is renewed as set.
         self.renewals = RenewalsCell::default();
@@ -131,73 +128,27 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Sets the largest request body buffered, in bytes; a larger one gets 413. Defaults to
-    /// 1 MiB.
-    pub fn body_limit(mut self, bytes: usize) -> Self {
-        self.config().body_limit = bytes;
+    /// Sets what the layer buffers and stores: the request body, the stored response, and
+    /// what becomes of a response too large to keep. See [`Limits`].
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.settings().release_too_large = limits.release_when_too_large;
+        self.config().limits = limits;
         self
     }
 
-    /// Sets the largest response body stored for replay, in bytes. A larger response is sent
-    /// to the client and its key released, so a retry runs the handler again. Defaults to
-    /// 1 MiB.
-    pub fn stored_body_limit(mut self, bytes: usize) -> Self {
-        self.config().stored_body_limit = bytes;
+    /// Sets what a request's fingerprint covers (canonical JSON, members left out, request
+    /// headers, or the app's own function). See [`Fingerprinting`].
+    pub fn fingerprinting(mut self, fingerprinting: Fingerprinting) -> Self {
+        self.config().fingerprinting = fingerprinting;
         self
     }
 
-    /// Sets the largest response header section stored for replay, in bytes (names and
-    /// values of the headers kept, plus 6 bytes each). A response with more is sent to the
-    /// client and its key released, like one over the
-    /// [`stored_body_limit`](Self::stored_body_limit): a stored record is at most the sum of
-    /// the two. Defaults to 64 KiB.
-    pub fn stored_headers_limit(mut self, bytes: usize) -> Self {
-        self.config().stored_headers_limit = bytes;
+    /// Sets what a retry that does not run is answered with: the in-progress and mismatch
+    /// statuses ([`Answers::ietf_draft`] for the IETF draft's), the expiry header, the headers
+    /// a replay carries. See [`Answers`].
+    pub fn answers(mut self, answers: Answers) -> Self {
+        self.config().answers = answers;
         self
-    }
-
-    payload_rule_setters!();
-
-    /// Makes a request header part of the fingerprint (an API version, `Content-Type`): a
-    /// retry with another value, or without the header, is another request.
-    pub fn fingerprint_header(mut self, name: HeaderName) -> Self {
-        self.config().intent.headers.push(name);
-        self
-    }
-
-    /// Fingerprints requests with the app's own function instead (see [`MakeFingerprint`]);
-    /// the other fingerprint options no longer apply.
-    ///
-    /// [`MakeFingerprint`]: crate::http::MakeFingerprint
-    pub fn fingerprint_with(mut self, make: impl super::fingerprinting::MakeFingerprint) -> Self {
-        self.config().intent.custom = Some(Arc::new(make));
-        self
-    }
-
-    /// Sets the status of the answer to a retry whose original is still running. Defaults to
-    /// 202 Accepted.
-    pub fn in_progress_status(mut self, status: StatusCode) -> Self {
-        self.config().in_progress_status = status;
-        self
-    }
-
-    /// Sets the status of the answer to a key reused with a different request. Defaults to
-    /// 409 Conflict.
-    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
-        self.config().mismatch_status = status;
-        self
-    }
-
-    /// The IETF draft's statuses (draft-ietf-httpapi-idempotency-key-header): 409 while the
-    /// original request runs (past the wait), 422 for a key reused with a different request.
-    /// It sets these two statuses and nothing else: every other setting, before or after it
-    /// in the chain, is kept.
-    ///
-    /// Prefer it behind clients that take any 2xx as final, as Stripe's SDKs do: past the wait
-    /// they retry on 409, but would take a 202 as the answer.
-    pub fn ietf_draft(self) -> Self {
-        self.in_progress_status(StatusCode::CONFLICT)
-            .mismatch_status(StatusCode::UNPROCESSABLE_ENTITY)
     }
 
     /// Sets which responses are stored for replay: a [`StorePolicy`](crate::http::StorePolicy),
@@ -209,31 +160,18 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Leaves a response header out of stored responses. By default `Set-Cookie`, `Date`,
-    /// `Content-Length` and the hop-by-hop headers are left out.
-    pub fn exclude_replayed_header(mut self, name: HeaderName) -> Self {
-        self.config().header_filter.exclude(name);
-        self
-    }
-
-    /// Stores a response header that is left out by default, such as `Set-Cookie`.
-    pub fn include_replayed_header(mut self, name: HeaderName) -> Self {
-        self.config().header_filter.include(&name);
-        self
-    }
-
     /// Asks `hook` before a request runs again after a takeover: when a claim finds the same
     /// request's lease lapsed (its holder died, perhaps after its side effect committed), the
     /// hook looks the request up in the system of record. [`Recovered::Happened`] is stored and
     /// answered as a replay (`Idempotency-Replayed: true`) without running the handler;
     /// [`Recovered::Unknown`] runs it. A hook that fails, panics or times out
-    /// ([`recovery_timeout`](Self::recovery_timeout)) is answered 503 problem+json
+    /// ([`Recovery::timeout`](crate::settings::Recovery::timeout)) is answered 503 problem+json
     /// (`recovery-failed`) and the handler does not run (see
-    /// [`run_when_recovery_fails`](Self::run_when_recovery_fails)).
+    /// [`Recovery::run_when_failed`](crate::settings::Recovery::run_when_failed)).
     ///
     /// The handler finds the [`IdempotencyContext`] in its request (an extractor): write its
     /// key hash with the outcome, in the transaction of the side effect, for the hook to find.
-    /// A takeover is recognised within the [`recovery_window`](Self::recovery_window).
+    /// A takeover is recognised within the [`Recovery::window`](crate::settings::Recovery::window).
     ///
     /// ```
     /// use axum_idempotency::{IdempotencyContext, IdempotencyLayer, MemoryStore, recovery::{Lookup, Recovered}};
@@ -269,14 +207,14 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// takeover asks the table first (one primary-key read), so that a lapsed lease, a holder
     /// that died after its commit, or a record Redis lost is replayed from PostgreSQL, and the
     /// handler does not run again. It is the recovery hook ([`recover`](Self::recover)) and
-    /// `recover_every_claim(true)` in one.
+    /// [`Recovery::every_claim`](crate::settings::Recovery::every_claim) in one.
     ///
     /// A request with another payload under a key whose outcome only the table still holds
     /// is answered as a key reused with a different request (409, or the configured
     /// mismatch status), never run.
     #[cfg(feature = "postgres")]
     pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
-        let mut layer = self.recover(super::recover::Durable(outcomes)).recover_every_claim(true);
+        let mut layer = self.recover(super::recover::Durable(outcomes));
         layer.settings().durable = true;
         layer
     }
@@ -285,7 +223,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// status, the kept headers and a small value): `hook` gets them as a [`Rebuild`], reads
     /// the system of record, and returns the whole response, which the retry gets with
     /// `Idempotency-Replayed: true`. Bounded by the recovery timeout
-    /// ([`recovery_timeout`](Self::recovery_timeout), 5 seconds by default). A hook that fails,
+    /// ([`Recovery::timeout`](crate::settings::Recovery::timeout), 5 seconds by default). A hook that fails,
     /// panics or times out is answered 503 problem+json (`rebuild-failed`) with `Retry-After`,
     /// and never runs the handler again; a minimal record without a hook, 500.
     ///
@@ -321,17 +259,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// run twice.
     pub fn fail_open(mut self, fail_open: bool) -> Self {
         self.config().fail_open = fail_open;
-        self
-    }
-
-    /// Tells clients how long their key is kept: stored and replayed responses carry
-    /// [`EXPIRES_HEADER`](super::EXPIRES_HEADER) (`Idempotency-Key-Expires`), the HTTP date at
-    /// which the key's record expires (its completion, by the clock of the instance that
-    /// stored it, plus the [`retention`](Self::retention)); a retry after it runs as new.
-    /// Not a standard header (the IETF draft discusses advertising the key's lifetime, and
-    /// names none). Off by default; a response that is not stored never carries it.
-    pub fn advertise_expiry(mut self, advertise: bool) -> Self {
-        self.config().advertise_expiry = advertise;
         self
     }
 }

@@ -6,16 +6,18 @@
 //! `Idempotency-Key`, a fingerprint of the request, the response encoded for the store) and the
 //! engine's answers back into HTTP (the handler's response, a replay, a problem+json answer).
 
-// - `layer.rs`: the builder; `config.rs`: what it configures.
+// - `layer.rs`: the builder; `settings.rs`: its groups of settings; `config.rs`: what it
+//   configures.
 // - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
 //   `future.rs`: its response future; `body.rs`: request and response bodies.
 // - `fingerprinting.rs`: what the fingerprint covers; `key_header.rs`: the key header;
 //   `scope.rs`: whose key it is; `record.rs`: the stored response; `problem.rs`: the layer's
 //   own answers; `recover.rs`: the recovery hook and the `IdempotencyContext` extractor;
-//   `seal.rs`: a response committed in the handler's own transaction; `minimal.rs`: a
+//   `commit.rs`: a response committed in the handler's own transaction; `minimal.rs`: a
 //   response stored as its status, headers and a small value, rebuilt by a hook.
 
 mod body;
+mod commit;
 mod config;
 mod door;
 mod fingerprinting;
@@ -31,12 +33,12 @@ pub(crate) mod record;
 mod recover;
 mod replay;
 pub mod scope;
-mod seal;
 mod service;
+mod settings;
 mod store_policy;
 
 pub use self::{
-    fingerprinting::MakeFingerprint,
+    fingerprinting::{Fingerprinting, MakeFingerprint},
     future::ResponseFuture,
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
     layer::IdempotencyLayer,
@@ -44,6 +46,7 @@ pub use self::{
     operator::Operator,
     problem::KeyReused,
     service::Idempotency,
+    settings::{Answers, Limits},
     store_policy::{DefaultStorePolicy, ReleaseKey, StorePolicy},
 };
 
@@ -53,5 +56,5 @@ use crate::recovery::BoxError;
 pub const REPLAYED_HEADER: &str = "idempotency-replayed";
 
 /// The header that says when the key's record expires, on stored and replayed responses, when
-/// [`IdempotencyLayer::advertise_expiry`] is on: an HTTP date. Not a standard header.
+/// [`Answers::advertise_expiry`] is on: an HTTP date. Not a standard header.
 pub const EXPIRES_HEADER: &str = "idempotency-key-expires";

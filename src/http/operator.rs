@@ -1,7 +1,5 @@
 //! [`Operator`]: the operator's calls on the records an [`IdempotencyLayer`] writes.
 
-use std::fmt;
-
 use super::record;
 #[cfg(doc)]
 use super::{
@@ -9,7 +7,7 @@ use super::{
     scope::{GlobalScope, ScopeExtractor},
 };
 use crate::{
-    engine::Engine,
+    engine::{Engine, Operations},
     key::RecordKey,
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
@@ -19,21 +17,12 @@ use crate::{
 /// writes (its key prefix), and decrypts what it encrypts.
 ///
 /// Cloning is cheap.
-#[derive(Clone)]
-pub struct Operator<St> {
-    engine: Engine<St>,
-    prefix: String,
-}
+#[derive(Debug, Clone)]
+pub struct Operator<St>(Operations<St>);
 
 impl<St> Operator<St> {
     pub(super) fn new(engine: Engine<St>, prefix: String) -> Self {
-        Self { engine, prefix }
-    }
-}
-
-impl<St> fmt::Debug for Operator<St> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Operator").field("prefix", &self.prefix).finish_non_exhaustive()
+        Self(Operations::new(engine, prefix))
     }
 }
 
@@ -54,14 +43,14 @@ impl<St: Admin> Operator<St> {
         with_response: bool,
     ) -> Result<Option<KeyReport<http::Response<bytes::Bytes>>>, StoreError> {
         let reader = |opened| {
-            let stored = record::decode_opened(opened)
+            let stored = record::decode_parsed(opened)
                 .map_err(|error| StoreError::CorruptRecord(error.0.to_owned()))?;
             let mut response = http::Response::new(stored.body);
             *response.status_mut() = stored.status;
             *response.headers_mut() = stored.headers;
             Ok(response)
         };
-        self.engine.report(&self.record_key(scope, key), with_response, reader).await
+        self.0.report(&self.record_key(scope, key), with_response, reader).await
     }
 
     /// Deletes the record of `key` in `scope`, so that the client's next retry runs its
@@ -77,7 +66,7 @@ impl<St: Admin> Operator<St> {
         key: &str,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.engine.store().forget(&self.record_key(scope, key), force).await
+        self.0.forget(&self.record_key(scope, key), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over, oldest
@@ -93,10 +82,10 @@ impl<St: Admin> Operator<St> {
         lapsed_for: std::time::Duration,
         limit: u32,
     ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        self.engine.store().abandoned(lapsed_for, limit).await
+        self.0.abandoned(lapsed_for, limit).await
     }
 
     fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        RecordKey::new(&self.prefix, scope, key.as_bytes())
+        self.0.record_key(scope, key.as_bytes())
     }
 }

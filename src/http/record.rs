@@ -19,7 +19,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 pub(crate) use super::header_filter::HeaderFilter;
 use crate::engine::{
     Label,
-    envelope::{self, Format, Opened},
+    envelope::{self, Format, Parsed},
 };
 
 /// A response as stored for replay.
@@ -74,7 +74,7 @@ fn encode_as(
     let kept: Vec<(&HeaderName, &HeaderValue)> = filter.kept(headers).collect();
     let size =
         4 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
-    let mut out = envelope::seal(format, size);
+    let mut out = envelope::begin(format, size);
     out.extend_from_slice(&status.as_u16().to_be_bytes());
     // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the casts
     // cannot truncate.
@@ -131,7 +131,7 @@ pub(crate) fn encoding_acceptable(stored: &HeaderMap, request: &HeaderMap) -> bo
 /// headers, no body. Every retry is answered that it ran (`response-not-replayable`).
 pub(crate) fn not_replayable(status: StatusCode, why: &str) -> Bytes {
     let reason = format!("the request ran (status {}) but {why}", status.as_u16());
-    let mut out = envelope::seal(Format::NotStored, reason.len());
+    let mut out = envelope::begin(Format::NotStored, reason.len());
     out.put_slice(reason.as_bytes());
     out.freeze()
 }
@@ -139,14 +139,14 @@ pub(crate) fn not_replayable(status: StatusCode, why: &str) -> Bytes {
 /// Decodes a blob written by [`encode`], observing its age for `route`. Never panics; the body
 /// shares `blob`'s memory.
 pub(crate) fn decode(blob: Bytes, route: &Label) -> Result<StoredResponse, DecodeError> {
-    let Some(opened) = envelope::open(blob, route) else {
+    let Some(opened) = envelope::parse(blob, route) else {
         return Err(DecodeError("unknown response format, or a truncated header"));
     };
-    decode_opened(opened)
+    decode_parsed(opened)
 }
 
 /// Decodes a record whose envelope was read.
-pub(crate) fn decode_opened(opened: Opened) -> Result<StoredResponse, DecodeError> {
+pub(crate) fn decode_parsed(opened: Parsed) -> Result<StoredResponse, DecodeError> {
     let (completed_at, mut blob) = match opened.format {
         Format::Http | Format::HttpMinimal => (opened.completed_at, opened.payload),
         _ => return Err(DecodeError("unknown response format")),

@@ -33,7 +33,7 @@ impl Replay<'_> {
     /// The stored response in `blob`, as a replay, with its expiry when the layer advertises
     /// it. Never panics: an unreadable record, or one the hook cannot rebuild, is a problem.
     pub(super) async fn replay(&self, blob: Bytes, hash: &str) -> Response {
-        let opened = envelope::open(blob, self.route);
+        let opened = envelope::parse(blob, self.route);
         if let Some(opened) = opened.as_ref().filter(|opened| opened.format == Format::NotStored) {
             let reason = String::from_utf8_lossy(&opened.payload);
             tracing::warn!(
@@ -46,7 +46,7 @@ impl Replay<'_> {
         }
         let decoded = opened
             .ok_or(record::DecodeError("unknown response format, or a truncated header"))
-            .and_then(record::decode_opened);
+            .and_then(record::decode_parsed);
         let stored = match decoded {
             Ok(stored) => stored,
             Err(error) => {
@@ -79,7 +79,7 @@ impl Replay<'_> {
             };
         tracing::debug!(key_hash = hash, "idempotency: replayed");
         response.headers_mut().insert(REPLAYED_HEADER, HeaderValue::from_static("true"));
-        let expiry = self.config.advertise_expiry.then_some(self.retention);
+        let expiry = self.config.answers.advertise_expiry.then_some(self.retention);
         record::advertise_expiry(response.headers_mut(), completed_at, expiry);
         response
     }

@@ -51,8 +51,8 @@ pub use self::regional::{HashedHome, HomeRegion, RegionalStore};
 pub use self::subscription::{OnLastLeave, Subscription, Waiters};
 #[cfg(feature = "postgres")]
 pub(crate) use self::transaction::Running;
-pub(crate) use self::transaction::{Commit, CommitSlot, SealedOutcome};
-pub use self::transaction::{Committable, SealError, TransactionError};
+pub(crate) use self::transaction::{Commit, CommitSlot, EncodedOutcome};
+pub use self::transaction::{Committable, EncodeError, TransactionError};
 use crate::fingerprint::Fingerprint;
 pub use crate::key::RecordKey;
 /// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.

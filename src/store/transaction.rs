@@ -34,7 +34,7 @@ pub trait Committable: Sized + Send + 'static {
     fn encode(
         self,
         context: &IdempotencyContext,
-    ) -> impl Future<Output = Result<(Bytes, Self), SealError>> + Send;
+    ) -> impl Future<Output = Result<(Bytes, Self), EncodeError>> + Send;
 }
 
 /// Why a store's transaction ([`PostgresStore::transaction`](crate::store::PostgresStore),
@@ -112,7 +112,7 @@ impl<E: fmt::Debug + fmt::Display> std::error::Error for TransactionError<E> {
 /// An operation's outcome, encoded as its front door stores it, with what a store needs to
 /// write it for the operation's own claim: the key, the owner token that fences it, the
 /// fingerprint and the retention. Made by the store's transaction, never by a caller.
-pub(crate) struct SealedOutcome {
+pub(crate) struct EncodedOutcome {
     pub(crate) key: RecordKey,
     pub(crate) owner: OwnerToken,
     pub(crate) fingerprint: Fingerprint,
@@ -123,9 +123,9 @@ pub(crate) struct SealedOutcome {
     pub(crate) retention: Duration,
 }
 
-impl fmt::Debug for SealedOutcome {
+impl fmt::Debug for EncodedOutcome {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SealedOutcome")
+        f.debug_struct("EncodedOutcome")
             .field("key_hash", &self.key.hash())
             .field("outcome_len", &self.outcome.len())
             .field("retention", &self.retention)
@@ -284,7 +284,7 @@ impl fmt::Debug for Running {
 /// Why a front door made no stored outcome of a value.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum SealError {
+pub enum EncodeError {
     /// serde could not encode the value, or it holds NaN or an infinity (which JSON would
     /// store as `null`): the reason.
     Unencodable(String),
@@ -296,7 +296,7 @@ pub enum SealError {
     NotClaimed,
 }
 
-impl fmt::Display for SealError {
+impl fmt::Display for EncodeError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Unencodable(reason) => write!(f, "the result cannot be stored: {reason}"),
@@ -306,7 +306,7 @@ impl fmt::Display for SealError {
     }
 }
 
-impl std::error::Error for SealError {}
+impl std::error::Error for EncodeError {}
 
 #[cfg(test)]
 mod tests {

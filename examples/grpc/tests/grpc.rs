@@ -232,8 +232,9 @@ async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: H
     };
     use prost::Message as _;
     let ledger = Ledger::new();
-    let hooked = layer(h.store()).recover_every_claim(true).recover(
-        |lookup: Lookup<bytes::Bytes>| async move {
+    let every_claim = axum_idempotency::settings::Recovery::default().every_claim(true);
+    let hooked =
+        layer(h.store()).recovery(every_claim).recover(|lookup: Lookup<bytes::Bytes>| async move {
             let request = ChargeRequest::decode(lookup.request)?;
             let reply =
                 ChargeReply { charge_id: "ch_recovered".into(), amount: request.amount, call: 0 };
@@ -242,8 +243,7 @@ async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: H
                 "hook-down" => Err("the system of record is down".into()),
                 _ => Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Recovered::Unknown),
             }
-        },
-    );
+        });
     let mut client = start(hooked, ledger.clone()).await;
     for _ in 0..2 {
         let known = client.charge(charge(Some("known"), "known", 5)).await.unwrap();

@@ -17,7 +17,7 @@ use crate::{
     context::IdempotencyContext,
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Committable, SealedOutcome, StoreError, TransactionError},
+    store::{Committable, EncodedOutcome, StoreError, TransactionError},
 };
 
 /// Writes an outcome, unless the table holds a live one for its key: an expired row is the
@@ -32,18 +32,18 @@ const INSERT: &str = "WITH idle AS (
     WHERE t.expires_at <= clock_timestamp()
     RETURNING 1";
 
-/// Writes `sealed` in the transaction: `Ok(false)` when the table holds another live outcome.
+/// Writes `encoded` in the transaction: `Ok(false)` when the table holds another live outcome.
 async fn write(
     tx: &mut PgConnection,
-    sealed: &SealedOutcome,
+    encoded: &EncodedOutcome,
     timeout: Duration,
     statement: &str,
 ) -> Result<bool, StoreError> {
     let query = sqlx::query_scalar::<_, i32>(statement)
-        .bind(sealed.key.as_str())
-        .bind(&sealed.fingerprint.as_bytes()[..])
-        .bind(&sealed.stored[..])
-        .bind(millis(sealed.retention))
+        .bind(encoded.key.as_str())
+        .bind(&encoded.fingerprint.as_bytes()[..])
+        .bind(&encoded.stored[..])
+        .bind(millis(encoded.retention))
         .bind(idle_limit(timeout));
     Ok(bounded(timeout, query.fetch_optional(tx)).await?.is_some())
 }
@@ -120,7 +120,7 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
     {
         let pool = (&self.pool, self.command_timeout);
         let write: Write =
-            |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
+            |tx, encoded, timeout, statement| Box::pin(write(tx, encoded, timeout, statement));
         run(pool, (write, INSERT), Kept::Beside, context, operation).await
     }
 

@@ -12,7 +12,7 @@ use sqlx::{PgConnection, PgPool, Row as _};
 use super::{PostgresStore, bounded, corrupt, millis};
 use crate::{
     context::IdempotencyContext,
-    store::{Commit, Committable, Running, SealedOutcome, StoreError, TransactionError},
+    store::{Commit, Committable, EncodedOutcome, Running, StoreError, TransactionError},
 };
 
 /// Where a transaction's outcome is kept.
@@ -25,11 +25,11 @@ pub(super) enum Kept {
     Beside,
 }
 
-/// Writes a sealed outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
+/// Writes an encoded outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
 /// fence refused it.
 pub(super) type Write = for<'t> fn(
     &'t mut PgConnection,
-    &'t SealedOutcome,
+    &'t EncodedOutcome,
     Duration,
     &'t str,
 ) -> BoxFuture<'t, Result<bool, StoreError>>;
@@ -67,9 +67,9 @@ where
     let value = operation(&mut tx).await.map_err(TransactionError::Operation)?;
     let (outcome, value) =
         value.encode(context).await.map_err(|why| TransactionError::NotStored(why.to_string()))?;
-    let sealed =
-        context.sealed(outcome).map_err(|why| TransactionError::NotStored(why.to_string()))?;
-    match write(&mut tx, &sealed, timeout, statement).await {
+    let encoded =
+        context.encoded(outcome).map_err(|why| TransactionError::NotStored(why.to_string()))?;
+    match write(&mut tx, &encoded, timeout, statement).await {
         Ok(true) => {}
         Ok(false) => return Err(TransactionError::Store(StoreError::FencedOut)),
         Err(error) => return Err(TransactionError::Store(error)),
@@ -78,8 +78,8 @@ where
     match tokio::time::timeout(timeout, tx.commit()).await {
         Ok(Ok(())) => {
             running.end(match where_kept {
-                Kept::InRecord => Commit::Committed(sealed.outcome),
-                Kept::Beside => Commit::CommittedBeside(sealed.outcome),
+                Kept::InRecord => Commit::Committed(encoded.outcome),
+                Kept::Beside => Commit::CommittedBeside(encoded.outcome),
             });
             Ok(value)
         }
@@ -207,7 +207,7 @@ impl PostgresStore {
     {
         let pool = (&self.inner.pool, self.command_timeout);
         let write: Write =
-            |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
+            |tx, encoded, timeout, statement| Box::pin(write(tx, encoded, timeout, statement));
         let statement = &*self.inner.statements.commit;
         run(pool, (write, statement), Kept::InRecord, context, operation).await
     }
@@ -217,16 +217,16 @@ impl PostgresStore {
 /// function).
 async fn write(
     tx: &mut PgConnection,
-    sealed: &SealedOutcome,
+    encoded: &EncodedOutcome,
     timeout: Duration,
     statement: &str,
 ) -> Result<bool, StoreError> {
     let query = sqlx::query(statement)
-        .bind(sealed.key.as_str())
-        .bind(sealed.owner.as_bytes())
-        .bind(sealed.fingerprint.as_bytes())
-        .bind(&sealed.stored[..])
-        .bind(millis(sealed.retention))
+        .bind(encoded.key.as_str())
+        .bind(encoded.owner.as_bytes())
+        .bind(encoded.fingerprint.as_bytes())
+        .bind(&encoded.stored[..])
+        .bind(millis(encoded.retention))
         .bind(millis(timeout).max(1));
     let row = bounded(timeout, query.fetch_one(tx)).await?;
     let outcome: i32 = row.try_get(0).map_err(corrupt)?;

@@ -11,7 +11,7 @@ use http::{HeaderMap, HeaderValue, header};
 use super::{config::Config, door::OVER_STORED_LIMIT, record};
 use crate::{
     context::{Encoding, IdempotencyContext},
-    store::{Committable, SealError},
+    store::{Committable, EncodeError},
 };
 
 /// The gRPC door's encoding of a committed outcome: a unary OK response, as tonic sends it.
@@ -21,27 +21,27 @@ impl Encoding for GrpcEncoding {
     fn response(
         &self,
         _response: Response,
-    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>> {
+    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>> {
         Box::pin(async {
-            Err(SealError::NotStored(
+            Err(EncodeError::NotStored(
                 "the gRPC door stores gRPC responses (tonic::Response), not HTTP responses",
             ))
         })
     }
 
-    fn json(&self, _json: Bytes) -> Result<Bytes, SealError> {
-        Err(SealError::NotStored(
+    fn json(&self, _json: Bytes) -> Result<Bytes, EncodeError> {
+        Err(EncodeError::NotStored(
             "the gRPC door stores gRPC responses (tonic::Response), not values",
         ))
     }
 
-    fn grpc(&self, metadata: HeaderMap, message: Bytes) -> Result<Bytes, SealError> {
+    fn grpc(&self, metadata: HeaderMap, message: Bytes) -> Result<Bytes, EncodeError> {
         if !self.0.store_policy.stores(tonic::Code::Ok) {
-            return Err(SealError::NotStored("the store policy does not keep OK"));
+            return Err(EncodeError::NotStored("the store policy does not keep OK"));
         }
         let stored = ok_record(metadata, &message);
         if stored.len() > self.0.stored_limit {
-            return Err(SealError::NotStored(OVER_STORED_LIMIT));
+            return Err(EncodeError::NotStored(OVER_STORED_LIMIT));
         }
         Ok(stored)
     }
@@ -115,8 +115,8 @@ impl crate::recovery::Recover<Bytes, Reply> for Durable {
 /// message (framed, uncompressed), with `OK`. A response committed for another door is
 /// refused ([`TransactionError::NotStored`](crate::store::TransactionError::NotStored)).
 impl<M: prost::Message + Send + 'static> Committable for tonic::Response<M> {
-    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), SealError> {
-        let completion = context.completion().ok_or(SealError::NotClaimed)?;
+    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), EncodeError> {
+        let completion = context.completion().ok_or(EncodeError::NotClaimed)?;
         let metadata = self.metadata().clone().into_headers();
         Ok((completion.encoding.grpc(metadata, framed(self.get_ref()))?, self))
     }

@@ -23,7 +23,7 @@ use super::{
 };
 use crate::{
     context::{Encoding, IdempotencyContext},
-    store::{Committable, SealError, TransactionError},
+    store::{Committable, EncodeError, TransactionError},
 };
 
 /// The HTTP door's encoding of a committed outcome: the layer's own rules (store policy,
@@ -34,31 +34,31 @@ impl Encoding for HttpEncoding {
     fn response(
         &self,
         response: Response,
-    ) -> BoxFuture<'static, Result<(Bytes, Response), SealError>> {
+    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>> {
         let config = self.0.clone();
         Box::pin(async move {
             let (head, body) = response.into_parts();
             if let Some(why) = not_stored(&config, &head, &body) {
-                return Err(SealError::NotStored(why.reason()));
+                return Err(EncodeError::NotStored(why.reason()));
             }
             // A minimal record stores nothing of the body: no stored limit applies to it.
             let limit = match head.extensions.get::<Minimal>() {
                 Some(_) => usize::MAX,
-                None => config.stored_body_limit,
+                None => config.limits.stored_body,
             };
             let body = match collect_response(body, limit).await {
                 CollectedBody::Whole(body) => body,
-                CollectedBody::TooLarge(_) => return Err(SealError::NotStored(OVER_BODY_LIMIT)),
+                CollectedBody::TooLarge(_) => return Err(EncodeError::NotStored(OVER_BODY_LIMIT)),
                 CollectedBody::Failed(_) => {
-                    return Err(SealError::NotStored("the response body failed"));
+                    return Err(EncodeError::NotStored("the response body failed"));
                 }
             };
-            let outcome = record::encode_response(&head, &config.header_filter, &body);
+            let outcome = record::encode_response(&head, &config.answers.replayed_headers, &body);
             Ok((outcome, Response::from_parts(head, Body::from(body))))
         })
     }
 
-    fn json(&self, json: Bytes) -> Result<Bytes, SealError> {
+    fn json(&self, json: Bytes) -> Result<Bytes, EncodeError> {
         // What `axum::Json` answers: 200, `application/json`.
         let mut response = Response::new(Body::empty());
         let json_type = HeaderValue::from_static("application/json");
@@ -66,16 +66,16 @@ impl Encoding for HttpEncoding {
         let (head, _) = response.into_parts();
         let body = http_body_util::Full::new(json.clone());
         if let Some(why) = not_stored(&self.0, &head, &body) {
-            return Err(SealError::NotStored(why.reason()));
+            return Err(EncodeError::NotStored(why.reason()));
         }
-        Ok(record::encode_response(&head, &self.0.header_filter, &json))
+        Ok(record::encode_response(&head, &self.0.answers.replayed_headers, &json))
     }
 }
 
 /// The handler's response, committed as the layer stores it.
 impl Committable for Response {
-    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), SealError> {
-        let completion = context.completion().ok_or(SealError::NotClaimed)?;
+    async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), EncodeError> {
+        let completion = context.completion().ok_or(EncodeError::NotClaimed)?;
         completion.encoding.response(self).await
     }
 }
@@ -152,12 +152,12 @@ pub(super) fn not_stored<B: HttpBody>(
     } else if head.status == StatusCode::METHOD_NOT_ALLOWED {
         // The route exists, the method does not: the request was never handled.
         Some(NotStored::Policy("a 405 is never stored"))
-    } else if record::stored_headers_len(&head.headers, &config.header_filter)
-        > config.stored_headers_limit
+    } else if record::stored_headers_len(&head.headers, &config.answers.replayed_headers)
+        > config.limits.stored_headers
     {
         Some(NotStored::TooLarge("the response headers are over the stored limit"))
     } else if head.extensions.get::<super::Minimal>().is_none()
-        && body.size_hint().lower() > config.stored_body_limit as u64
+        && body.size_hint().lower() > config.limits.stored_body as u64
     {
         Some(NotStored::TooLarge(OVER_BODY_LIMIT))
     } else {
