@@ -18,6 +18,7 @@ pub mod conformance;
 pub mod consumer;
 mod context;
 pub mod dedup;
+pub mod durable;
 #[cfg(feature = "encryption")]
 pub mod encryption;
 mod engine;

@@ -332,8 +332,7 @@ mod postgres_raw {
     use super::*;
     use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::post};
     use axum_idempotency::{
-        IdempotencyContext, RedisStore,
-        store::{DurableOutcomes, PostgresStore},
+        IdempotencyContext, RedisStore, durable::DurableOutcomes, store::PostgresStore,
     };
     use common::postgres::{TestDatabase, pool_for};
 
@@ -427,7 +426,7 @@ mod postgres_raw {
         let redis = RedisServer::start();
         let layer = IdempotencyLayer::new(RedisStore::from_url(&redis.url()).unwrap())
             .encrypt_at_rest(keys("k1", 1))
-            .durable(outcomes);
+            .recover(outcomes);
         let app = Router::new().route("/pay", post(pay_beside)).with_state(ledger).layer(layer);
         assert_eq!(send(&app, keyed("POST", "/pay", "k2", "{}")).await.status, 201);
         let sql = "SELECT outcome FROM idempotency_outcomes WHERE key = $1";

@@ -22,6 +22,8 @@ use crate::{
 pub(super) struct ConsumerDoor<T> {
     pub(super) stored_limit: usize,
     pub(super) label: Label,
+    /// Whether the door's hook answers from outcomes committed beside the record store.
+    pub(super) durable: bool,
     pub(super) result: PhantomData<fn() -> T>,
 }
 
@@ -34,7 +36,11 @@ where
     type Answer = Outcome<T>;
 
     fn encoding(&self) -> Arc<dyn Encoding> {
-        Arc::new(ConsumerEncoding)
+        Arc::new(ConsumerEncoding(self.label.clone()))
+    }
+
+    fn durable(&self) -> bool {
+        self.durable
     }
 
     /// Stored, or kept as "completed, not replayable" when over the stored limit (or when it

@@ -24,6 +24,13 @@ pub(crate) trait Door: Send + Sync + 'static {
     /// How the door encodes an outcome its operation commits in a store's transaction.
     fn encoding(&self) -> Arc<dyn Encoding>;
 
+    /// Whether the door's recovery hook answers from outcomes committed beside the record store
+    /// ([`Recover::durable`](crate::recovery::Recover::durable)): it is then asked on every
+    /// claim, and the operations may commit there. `false` by default.
+    fn durable(&self) -> bool {
+        false
+    }
+
     /// The claim's outcome, as the span of the door's caller records it: `claimed`,
     /// `taken_over`, `replayed`, `in_progress`, `mismatch`, `store_unavailable` or
     /// `corrupt_record`. Nothing by default.

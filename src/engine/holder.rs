@@ -48,7 +48,7 @@ pub(crate) struct Holder<St> {
 }
 
 /// What a recovery hook's answer leaves the holder to do.
-pub(crate) enum Recovery<St, T> {
+pub(crate) enum Asked<St, T> {
     /// Nothing is known of a first run: run the operation.
     Run(Holder<St>),
     /// The operation happened, with this outcome: store it and answer it as a replay.
@@ -121,6 +121,7 @@ impl<St: Store> Holder<St> {
         &self,
         scope: Vec<u8>,
         encoding: Arc<dyn Encoding>,
+        durable: bool,
     ) -> IdempotencyContext {
         let completion = Completion::new(
             self.owner.clone(),
@@ -128,7 +129,7 @@ impl<St: Store> Holder<St> {
             self.commit.clone(),
             self.settings.at_rest.clone(),
             encoding,
-            self.settings.durable,
+            durable,
         );
         let (key, fingerprint) = (&self.key, self.fingerprint.clone());
         IdempotencyContext::new(scope, key, fingerprint, self.taken_over, Some(completion))
@@ -140,16 +141,17 @@ impl<St: Store> Holder<St> {
     }
 
     /// Whether the front door must ask its recovery hook before it runs the operation: on a
-    /// takeover, or on every claim when so configured.
-    pub(crate) fn needs_recovery(&self) -> bool {
-        self.settings.recovering && (self.taken_over || self.settings.recovery.every_claim)
+    /// takeover, or on every claim when so configured or when the hook is `durable`.
+    pub(crate) fn needs_recovery(&self, durable: bool) -> bool {
+        self.settings.recovering
+            && (self.taken_over || self.settings.recovery.every_claim || durable)
     }
 
     /// Waits (within the recovery timeout) for the hook's `lookup`, and says what to do.
     pub(crate) async fn recover<T>(
         self,
         lookup: impl Future<Output = Result<Recovered<T>, BoxError>>,
-    ) -> Recovery<St, T> {
+    ) -> Asked<St, T> {
         let policy = self.settings.recovery.clone();
         let hash = self.key.hash();
         let lookup = AssertUnwindSafe(lookup).catch_unwind();
@@ -160,7 +162,7 @@ impl<St: Store> Holder<St> {
                     "idempotency: recovered the outcome from the system of record"
                 );
                 observe::recovery(&self.route, "happened");
-                return Recovery::Happened(self, outcome);
+                return Asked::Happened(self, outcome);
             }
             Ok(Ok(Ok(Recovered::Mismatch))) => {
                 tracing::info!(
@@ -169,7 +171,7 @@ impl<St: Store> Holder<St> {
                 );
                 observe::recovery(&self.route, "mismatch");
                 self.release("the key belongs to another request").await;
-                return Recovery::Mismatch;
+                return Asked::Mismatch;
             }
             Ok(Ok(Ok(Recovered::Unknown))) => {
                 tracing::debug!(
@@ -177,7 +179,7 @@ impl<St: Store> Holder<St> {
                     "idempotency: the system of record knows nothing of it"
                 );
                 observe::recovery(&self.route, "unknown");
-                return Recovery::Run(self);
+                return Asked::Run(self);
             }
             Ok(Ok(Err(error))) => error.to_string(),
             Ok(Err(_panic)) => "the recovery hook panicked".to_owned(),
@@ -190,7 +192,7 @@ impl<St: Store> Holder<St> {
                 failure,
                 "idempotency: recovery failed; running the operation as configured"
             );
-            return Recovery::Run(self);
+            return Asked::Run(self);
         }
         tracing::error!(
             key_hash = hash,
@@ -198,7 +200,7 @@ impl<St: Store> Holder<St> {
             "idempotency: recovery failed; the operation does not run"
         );
         self.hand_back().await;
-        Recovery::Refused
+        Asked::Refused
     }
 
     /// Ends the lease now, keeping the record for its recovery window, so that the next

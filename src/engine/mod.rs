@@ -35,7 +35,7 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
-pub(crate) use self::holder::{Holder, Panic, Recovery};
+pub(crate) use self::holder::{Asked, Holder, Panic};
 pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
@@ -76,8 +76,6 @@ pub(crate) struct Settings {
     /// Release the key of an outcome too large to keep, rather than keep a "completed, not
     /// replayable" record of it.
     pub(crate) release_too_large: bool,
-    /// The door's recovery hook reads `DurableOutcomes` (`.durable(…)`).
-    pub(crate) durable: bool,
 }
 
 /// How the engine uses a front door's recovery hook.
@@ -157,7 +155,6 @@ impl Default for Settings {
             recovering: false,
             at_rest: AtRest::default(),
             release_too_large: false,
-            durable: false,
         }
     }
 }

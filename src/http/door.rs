@@ -73,6 +73,10 @@ where
         Arc::new(HttpEncoding(self.config.clone()))
     }
 
+    fn durable(&self) -> bool {
+        self.config.recover.as_ref().is_some_and(super::recover::Hook::durable)
+    }
+
     fn claimed(&self, outcome: &'static str) {
         self.span.record("outcome", outcome);
         self.span.record("replayed", outcome == "replayed");

@@ -109,7 +109,8 @@ where
             // The recovery hook's question, with a copy of the request, when it is due.
             let lookup = recover.as_ref().filter(|_| due).map(|hook| {
                 let headers = parts.headers.clone();
-                let lookup = hook.ask(Lookup::new(context.clone(), lookup_request(&parts, &body)));
+                let lookup =
+                    hook.ask(Lookup::new(context.clone(), Some(lookup_request(&parts, &body))));
                 async move {
                     let found = lookup.await?;
                     Ok(found.map(|response| (response, headers)))

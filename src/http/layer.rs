@@ -258,27 +258,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     {
         self.config().recover = Some(Hook::new(hook));
         self.settings().recovering = true;
-        self.settings().durable = false;
         self
-    }
-
-    /// Answers from `outcomes` what the record store cannot: the durable half beside a fast
-    /// record store (Redis), for handlers that commit their responses to it in its
-    /// transactions (`DurableOutcomes::transaction`, which refuses a door without this). Every
-    /// new claim and every
-    /// takeover asks the table first (one primary-key read), so that a lapsed lease, a holder
-    /// that died after its commit, or a record Redis lost is replayed from PostgreSQL, and the
-    /// handler does not run again. It is the recovery hook ([`recover`](Self::recover)) and
-    /// `recover_every_claim(true)` in one.
-    ///
-    /// A request with another payload under a key whose outcome only the table still holds
-    /// is answered as a key reused with a different request (409, or the configured
-    /// mismatch status), never run.
-    #[cfg(feature = "postgres")]
-    pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
-        let mut layer = self.recover(super::recover::Durable(outcomes)).recover_every_claim(true);
-        layer.settings().durable = true;
-        layer
     }
 
     /// Rebuilds the replay of a response its handler stored minimally ([`Minimal`]: the
