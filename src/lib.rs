@@ -11,7 +11,6 @@ struct ReadmeDoctests;
 // Front doors → engine → store; `key`, `fingerprint` and `at_rest` are the vocabulary all three
 // share.
 mod at_rest;
-#[cfg(feature = "postgres")]
 pub mod completer;
 #[cfg(feature = "conformance")]
 pub mod conformance;

@@ -26,7 +26,8 @@ pub struct Lookup<R> {
     /// Who the request is: look it up by its [`key_hash`](IdempotencyContext::key_hash).
     pub context: IdempotencyContext,
     /// The request: `Some` when a front door asks, before it runs the request again; `None`
-    /// when the asker knows a claim's key and fingerprint, never its request.
+    /// when the [`Completer`](crate::completer::Completer) asks about an abandoned claim,
+    /// which knows its key and its fingerprint, never its request.
     pub request: Option<R>,
 }
 
@@ -64,7 +65,8 @@ impl<T> Recovered<T> {
 
 /// Asks the system of record whether a claimed operation already happened: the one way the
 /// crate asks it, for the front doors' takeovers ([`IdempotencyLayer::recover`],
-/// [`Idempotent::recover`]) and the tables beside the stores.
+/// [`Idempotent::recover`]) and for the [`Completer`](crate::completer::Completer) of
+/// abandoned claims (`Operator::completer`), which take the same hook.
 ///
 /// Implemented for every `Fn(Lookup<R>) -> impl Future<Output = Result<Recovered<T>, E>>`
 /// with `E: Into<BoxError>`. The HTTP door asks with `R = http::Request<Bytes>` for

@@ -59,14 +59,16 @@ where
     /// Stored whatever its size and whatever its form (the operation must not run again), and
     /// answered as a replay.
     async fn recovered(&self, value: T, held: &Held) -> Settlement<Outcome<T>> {
-        match store_form(&value, usize::MAX, held.key.hash()) {
+        match self.recorded(&value, held) {
             Err(panic) => Settlement::Panicked(panic),
-            // Without a limit nothing is over it.
-            Ok(stored) => {
-                let stored = stored.unwrap_or_else(|()| not_stored("over the limit"));
-                Settlement::Store(stored, Outcome::Replayed(value))
-            }
+            Ok(stored) => Settlement::Store(stored, Outcome::Replayed(value)),
         }
+    }
+
+    fn recorded(&self, value: &T, held: &Held) -> Result<Bytes, Panic> {
+        // Without a limit nothing is over it.
+        let stored = store_form(value, usize::MAX, held.key.hash())?;
+        Ok(stored.unwrap_or_else(|()| not_stored("over the limit")))
     }
 
     /// The returned value when it encodes to the committed record; the committed one otherwise.

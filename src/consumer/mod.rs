@@ -68,8 +68,6 @@ use self::door::ConsumerDoor;
 pub use self::operate::Operator;
 pub use self::outcome::{Error, Outcome};
 use self::record::decode;
-#[cfg(feature = "postgres")]
-pub(crate) use self::seal::stored_form;
 use crate::{
     context::IdempotencyContext,
     engine::{

@@ -1,18 +1,23 @@
 //! [`Operator`]: the operator's calls on the consumer door (see [`Admin`]), by a consumer's
 //! scope and an event's key.
 
-use std::{fmt, time::Duration};
+use std::{fmt, marker::PhantomData, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
+    completer::Completer,
     engine::{
-        Engine,
+        Engine, Label,
         envelope::{Format, Opened},
     },
     key::RecordKey,
+    recovery::{Lookup, Recover},
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
 
-use super::Idempotent;
+use super::{Idempotent, door::ConsumerDoor};
 
 impl<St: Admin, H> Idempotent<St, H> {
     /// The operator's calls for the records this door writes (its key prefix, decrypted as it
@@ -20,7 +25,7 @@ impl<St: Admin, H> Idempotent<St, H> {
     /// the finished door.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        Operator { engine, prefix: self.prefix.clone() }
+        Operator { engine, prefix: self.prefix.clone(), stored_limit: self.stored_limit }
     }
 }
 
@@ -32,6 +37,7 @@ impl<St: Admin, H> Idempotent<St, H> {
 pub struct Operator<St> {
     engine: Engine<St>,
     prefix: String,
+    stored_limit: usize,
 }
 
 impl<St> fmt::Debug for Operator<St> {
@@ -95,6 +101,29 @@ impl<St: Admin> Operator<St> {
         limit: u32,
     ) -> Result<Vec<AbandonedClaim>, StoreError> {
         self.engine.store().abandoned(lapsed_for, limit).await
+    }
+
+    /// A [`Completer`] of this door's abandoned claims, asking `hook` (the door's own recovery
+    /// hook, or any [`Recover`] of its results `T`: `DurableOutcomes` too) with each claim's
+    /// context and no payload, and storing the result it knows as the door stores a recovered
+    /// one: its encryption at rest, its retention.
+    pub fn completer<T, H>(&self, hook: H) -> Completer<St>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        H: Recover<Bytes, T>,
+    {
+        let door = ConsumerDoor::<T> {
+            stored_limit: self.stored_limit,
+            label: Label::scope("completer"),
+            durable: hook.durable(),
+            result: PhantomData,
+        };
+        let hook = Arc::new(hook);
+        let ask = move |context| {
+            let hook = hook.clone();
+            async move { hook.recover(Lookup::new(context, None)).await }
+        };
+        Completer::new(self.engine.clone(), &self.prefix, door, ask)
     }
 }
 

@@ -67,16 +67,3 @@ impl<T: Serialize + Send + 'static> Committable for Json<T> {
         Ok((completion.encoding.json(Bytes::from(json))?, self))
     }
 }
-
-/// `value` as the consumer door stores it, whatever its size.
-#[cfg(feature = "postgres")]
-pub(crate) fn stored_form<T: Serialize>(value: &T) -> Result<Bytes, SealError> {
-    match super::record::encode(value, usize::MAX) {
-        Ok(outcome) => Ok(outcome),
-        Err(super::record::Unstorable::Unencodable(reason)) => Err(SealError::Unencodable(reason)),
-        // No result is over a limit of usize::MAX.
-        Err(super::record::Unstorable::OverLimit) => {
-            Err(SealError::Unencodable("too large".into()))
-        }
-    }
-}

@@ -51,6 +51,13 @@ pub(crate) trait Door: Send + Sync + 'static {
         held: &Held,
     ) -> impl Future<Output = Settlement<Self::Answer>> + Send;
 
+    /// What the recovery hook found, as the door stores it (whatever its size: the operation
+    /// must not run again); `Err` when the door's encoding panicked. [`recovered`]'s record,
+    /// and the completer's.
+    ///
+    /// [`recovered`]: Door::recovered
+    fn recorded(&self, outcome: &Self::Recovered, held: &Held) -> Result<Bytes, Panic>;
+
     /// The answer for an operation that committed `committed` (as the door encoded it) in a
     /// store's transaction and returned `output`: the committed outcome, whatever was returned.
     fn committed(

@@ -18,6 +18,7 @@
 //! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
 //! [`Ended`]) back into theirs.
 
+mod complete;
 mod door;
 pub(crate) mod envelope;
 mod holder;
@@ -34,6 +35,7 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
+pub use self::complete::Completed;
 pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
 pub(crate) use self::holder::{Asked, Holder, Panic};
 pub(crate) use self::observe::Label;

@@ -25,7 +25,7 @@ use super::{
 };
 use crate::{
     context::Encoding,
-    engine::{Door, Held, Label, Settlement, StreamEnd, Streaming, envelope},
+    engine::{Door, Held, Label, Panic, Settlement, StreamEnd, Streaming, envelope},
 };
 
 /// One request's side of its claim: the layer's configuration, the matched route, the
@@ -144,13 +144,24 @@ where
     /// replay.
     async fn recovered(
         &self,
-        (response, request): (Response<Bytes>, HeaderMap),
+        recovered: (Response<Bytes>, HeaderMap),
         held: &Held,
     ) -> Settlement<Response> {
-        let (head, body) = response.into_parts();
-        let record = record::encode_response(&head, &self.config.header_filter, &body);
-        let replayed = self.replay(&request, held).replay(record.clone(), held.key.hash()).await;
+        let record = match self.recorded(&recovered, held) {
+            Ok(record) => record,
+            Err(panic) => return Settlement::Panicked(panic),
+        };
+        let replay = self.replay(&recovered.1, held);
+        let replayed = replay.replay(record.clone(), held.key.hash()).await;
         Settlement::Store(record, replayed)
+    }
+
+    fn recorded(
+        &self,
+        (response, _): &(Response<Bytes>, HeaderMap),
+        _: &Held,
+    ) -> Result<Bytes, Panic> {
+        Ok(record::encode_whole(response, &self.config.header_filter))
     }
 
     /// The returned response when it encodes to the committed record: a minimal one by its

@@ -331,6 +331,6 @@ impl<St: Admin, Sc> IdempotencyLayer<St, Sc> {
     /// layer as configured when called: call it on the finished layer.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        Operator::new(engine, self.config.prefix.clone())
+        Operator::new(engine, self.config.clone())
     }
 }

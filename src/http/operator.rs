@@ -1,16 +1,22 @@
 //! [`Operator`]: the operator's calls on the records an [`IdempotencyLayer`] writes.
 
-use std::fmt;
+use std::{fmt, marker::PhantomData, sync::Arc};
 
-use super::record;
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response};
+
 #[cfg(doc)]
 use super::{
     IdempotencyLayer,
     scope::{GlobalScope, ScopeExtractor},
 };
+use super::{config::Config, door::HttpDoor, record};
 use crate::{
-    engine::Engine,
+    completer::Completer,
+    engine::{Engine, Label},
     key::RecordKey,
+    recovery::{Lookup, Recover},
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
 
@@ -22,18 +28,18 @@ use crate::{
 #[derive(Clone)]
 pub struct Operator<St> {
     engine: Engine<St>,
-    prefix: String,
+    config: Arc<Config>,
 }
 
 impl<St> Operator<St> {
-    pub(super) fn new(engine: Engine<St>, prefix: String) -> Self {
-        Self { engine, prefix }
+    pub(super) fn new(engine: Engine<St>, config: Arc<Config>) -> Self {
+        Self { engine, config }
     }
 }
 
 impl<St> fmt::Debug for Operator<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Operator").field("prefix", &self.prefix).finish_non_exhaustive()
+        f.debug_struct("Operator").field("prefix", &self.config.prefix).finish_non_exhaustive()
     }
 }
 
@@ -96,7 +102,33 @@ impl<St: Admin> Operator<St> {
         self.engine.store().abandoned(lapsed_for, limit).await
     }
 
+    /// A [`Completer`] of this layer's abandoned claims, asking `hook` (the layer's own
+    /// recovery hook, or any [`Recover`] of the HTTP door: `DurableOutcomes` too) with each
+    /// claim's context and no request, and storing what it knows as the layer stores a
+    /// recovered response: its header filter, its encryption at rest, its retention.
+    pub fn completer<H>(&self, hook: H) -> Completer<St>
+    where
+        H: Recover<Request<Bytes>, Response<Bytes>>,
+    {
+        let door = HttpDoor::<Body> {
+            config: self.config.clone(),
+            route: Label::route("completer"),
+            span: tracing::Span::none(),
+            rebuild_timeout: self.engine.recovery_timeout(),
+            body: PhantomData,
+        };
+        let hook = Arc::new(hook);
+        let ask = move |context| {
+            let hook = hook.clone();
+            async move {
+                let found = hook.recover(Lookup::new(context, None)).await?;
+                Ok(found.map(|response| (response, HeaderMap::new())))
+            }
+        };
+        Completer::new(self.engine.clone(), &self.config.prefix, door, ask)
+    }
+
     fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        RecordKey::new(&self.prefix, scope, key.as_bytes())
+        RecordKey::new(&self.config.prefix, scope, key.as_bytes())
     }
 }
