@@ -78,12 +78,13 @@ impl<St: Store> Engine<St> {
         let asked = AssertUnwindSafe(ask(context)).catch_unwind();
         let failure = match tokio::time::timeout(settings.recovery.timeout, asked).await {
             Ok(Ok(Ok(Recovered::Happened(outcome)))) => {
-                let held = Held { key: key.clone(), retention: settings.retention };
+                let (retention, fingerprint) = (settings.retention, fingerprint.clone());
+                let held = Held { key: key.clone(), fingerprint, retention };
                 let recorded =
                     std::panic::catch_unwind(AssertUnwindSafe(|| door.recorded(&outcome, &held)));
                 match recorded {
                     Ok(Ok(record)) => {
-                        return self.settle_abandoned(&key, &fingerprint, record).await;
+                        return self.settle_abandoned(&key, &held.fingerprint, record).await;
                     }
                     _ => "the door's encoding of the outcome panicked".to_owned(),
                 }

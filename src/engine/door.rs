@@ -8,7 +8,7 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::Panic;
-use crate::{context::Encoding, key::RecordKey};
+use crate::{context::Encoding, fingerprint::Fingerprint, key::RecordKey};
 
 /// A front door's side of a claimed operation: how its outcomes are stored and answered. The
 /// engine runs the operation from claim to settle and calls these to learn what to write; none
@@ -77,6 +77,8 @@ pub(crate) trait Door: Send + Sync + 'static {
 pub(crate) struct Held {
     /// The claim's record key (its hash names it in logs).
     pub(crate) key: RecordKey,
+    /// The fingerprint of the request that holds it.
+    pub(crate) fingerprint: Fingerprint,
     /// How long a completed outcome is kept.
     pub(crate) retention: Duration,
 }

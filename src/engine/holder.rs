@@ -112,7 +112,8 @@ impl<St: Store> Holder<St> {
 
     /// What the door knows of this claim when it settles it.
     pub(super) fn held(&self) -> Held {
-        Held { key: self.key.clone(), retention: self.settings.retention }
+        let (key, fingerprint) = (self.key.clone(), self.fingerprint.clone());
+        Held { key, fingerprint, retention: self.settings.retention }
     }
 
     /// The operation's context: who it is, for the operation and its recovery hook, and what

@@ -20,7 +20,7 @@ use super::{
     config::Config,
     problem::{KeyReused, ProblemType, problem},
     record,
-    replay::{self, Replay},
+    replay::{self, Replay, Whose},
     seal::{HttpEncoding, NotStored, OVER_BODY_LIMIT, not_stored},
 };
 use crate::{
@@ -36,6 +36,8 @@ pub(super) struct HttpDoor<ResBody> {
     pub(super) span: tracing::Span,
     /// The longest the layer's hook may take to rebuild a minimal record.
     pub(super) rebuild_timeout: Duration,
+    /// The request's scope, for the rebuild hook's context.
+    pub(super) scope: Vec<u8>,
     pub(super) body: PhantomData<fn() -> ResBody>,
 }
 
@@ -49,6 +51,11 @@ impl<ResBody> HttpDoor<ResBody> {
             retention: held.retention,
             rebuild_timeout: self.rebuild_timeout,
         }
+    }
+
+    /// Whose record a replay of `held` answers.
+    fn whose<'a>(&'a self, held: &'a Held) -> Whose<'a> {
+        Whose { key: &held.key, fingerprint: &held.fingerprint, scope: &self.scope }
     }
 
     /// `head`, with the record's expiry when the layer advertises it.
@@ -152,7 +159,7 @@ where
             Err(panic) => return Settlement::Panicked(panic),
         };
         let replay = self.replay(&recovered.1, held);
-        let replayed = replay.replay(record.clone(), held.key.hash()).await;
+        let replayed = replay.replay(record.clone(), self.whose(held)).await;
         Settlement::Store(record, replayed)
     }
 
@@ -199,9 +206,11 @@ where
                 );
                 let timeout = self.rebuild_timeout;
                 match record::decode(committed, &self.route) {
-                    Ok(stored) => replay::response(config, &self.route, timeout, stored, hash)
-                        .await
-                        .unwrap_or_else(|problem| problem),
+                    Ok(stored) => {
+                        replay::response(config, &self.route, timeout, stored, self.whose(held))
+                            .await
+                            .unwrap_or_else(|problem| problem)
+                    }
                     // The layer encoded it a moment ago: unreachable, and answered as any
                     // unreadable record would be.
                     Err(_) => {

@@ -21,7 +21,7 @@ use super::{
     door::HttpDoor,
     problem::{ProblemType, problem, problem_retry_after},
     recover::lookup_request,
-    replay::Replay,
+    replay::{Replay, Whose},
     scope::ScopeExtractor,
 };
 use crate::{
@@ -96,8 +96,11 @@ where
             route: route.clone(),
             span,
             rebuild_timeout,
+            scope: scope.clone(),
             body: PhantomData,
         };
+        // Whose record a replay answers, should the claim find one.
+        let (replay_fingerprint, replay_scope) = (fingerprint.clone(), scope.clone());
         // A clone shares the key's text: the logs below name its hash.
         let logged = record_key.clone();
         let hash = logged.hash();
@@ -134,7 +137,9 @@ where
                     retention: self.engine.retention(),
                     rebuild_timeout,
                 };
-                Ok(answer.replay(blob, hash).await)
+                let whose =
+                    Whose { key: &logged, fingerprint: &replay_fingerprint, scope: &replay_scope };
+                Ok(answer.replay(blob, whose).await)
             }
             (_, Decided::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");

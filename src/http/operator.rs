@@ -115,6 +115,7 @@ impl<St: Admin> Operator<St> {
             route: Label::route("completer"),
             span: tracing::Span::none(),
             rebuild_timeout: self.engine.recovery_timeout(),
+            scope: Vec::new(),
             body: PhantomData,
         };
         let hook = Arc::new(hook);
