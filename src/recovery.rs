@@ -8,6 +8,11 @@
 //! in the same transaction as the side effect), it is stored and answered as a replay, and the
 //! operation does not run. When the hook answers [`Recovered::Unknown`], it runs.
 //!
+//! The same trait is every question the crate puts to the system of record: the outcomes
+//! committed beside the record store (`durable::DurableOutcomes` is a [`Recover`] for both
+//! doors), the [`Completer`](crate::completer::Completer) of abandoned claims (which asks the
+//! door's hook with no request), and the rebuild of a minimal record's replay.
+//!
 //! [`Claim::TakenOver`]: crate::store::Claim::TakenOver
 
 use std::future::Future;
@@ -25,9 +30,10 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct Lookup<R> {
     /// Who the request is: look it up by its [`key_hash`](IdempotencyContext::key_hash).
     pub context: IdempotencyContext,
-    /// The request: `Some` when a front door asks, before it runs the request again; `None`
-    /// when the [`Completer`](crate::completer::Completer) asks about an abandoned claim,
-    /// which knows its key and its fingerprint, never its request.
+    /// The request: `Some` when a front door asks, before it runs the request again (and,
+    /// for the rebuild of a minimal record, what the record kept); `None` when the
+    /// [`Completer`](crate::completer::Completer) asks about an abandoned claim, which knows
+    /// its key and its fingerprint, never its request.
     pub request: Option<R>,
 }
 
@@ -65,8 +71,9 @@ impl<T> Recovered<T> {
 
 /// Asks the system of record whether a claimed operation already happened: the one way the
 /// crate asks it, for the front doors' takeovers ([`IdempotencyLayer::recover`],
-/// [`Idempotent::recover`]) and for the [`Completer`](crate::completer::Completer) of
-/// abandoned claims (`Operator::completer`), which take the same hook.
+/// [`Idempotent::recover`]), for the [`Completer`](crate::completer::Completer) of abandoned
+/// claims (`Operator::completer`), which takes the same hook, and for the rebuild of a
+/// minimal record ([`IdempotencyLayer::rebuild`], with `R = http::Rebuild`).
 ///
 /// Implemented for every `Fn(Lookup<R>) -> impl Future<Output = Result<Recovered<T>, E>>`
 /// with `E: Into<BoxError>`. The HTTP door asks with `R = http::Request<Bytes>` for
@@ -79,6 +86,7 @@ impl<T> Recovered<T> {
 /// when recovery fails.
 ///
 /// [`IdempotencyLayer::recover`]: crate::IdempotencyLayer::recover
+/// [`IdempotencyLayer::rebuild`]: crate::IdempotencyLayer::rebuild
 /// [`Idempotent::recover`]: crate::Idempotent::recover
 #[doc = include_str!("docs/recovery.md")]
 pub trait Recover<R, T>: Send + Sync + 'static {
