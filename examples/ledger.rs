@@ -15,7 +15,7 @@
 //! way (the same `transaction`, returning `Json(value)`); it prints `ran {…}` or
 //! `replayed {…}`.
 //!
-//! `POST /orders` is an order with recovery points (`RecoveryPoints`): the order row, then the
+//! `POST /orders` is an order with checkpoints (`Checkpoints`): the order row, then the
 //! provider's charge, each a step marked done in its own transaction, then the charge recorded
 //! on the order with the response. The same request run again (a takeover, or a retry after a
 //! failure) resumes after the last step that committed; another payload under the key is
@@ -62,11 +62,11 @@ use axum::{
 use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
     consumer::Outcome,
+    durable::{Checkpoints, DurableOutcomes},
     http::KeyReused,
     recovery::{BoxError, Recover},
     store::{
-        Committable, DurableOutcomes, PostgresStore, RecoveryPoints, Store, StoreError,
-        TransactionError,
+        Committable, PostgresStore, Store, StoreError, TransactionError,
         sqlx::{self, PgConnection, PgPool},
     },
 };
@@ -95,7 +95,7 @@ async fn main() -> Result<(), BoxError> {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     let pool = sqlx::postgres::PgPoolOptions::new().max_connections(8).connect(&url).await?;
     sqlx::raw_sql(PAYMENTS).execute(&pool).await?;
-    let steps = RecoveryPoints::new(pool.clone());
+    let steps = Checkpoints::new(pool.clone());
     steps.migrate().await?;
     let records = match std::env::var("REDIS_URL") {
         Ok(url) => {
@@ -126,7 +126,7 @@ async fn main() -> Result<(), BoxError> {
                 consume(Idempotent::new(store).lease(lease), ledger, event, amount).await
             }
             Records::Redis(redis, outcomes) => {
-                let idem = Idempotent::new(redis).lease(lease).durable(outcomes);
+                let idem = Idempotent::new(redis).lease(lease).recover(outcomes);
                 consume(idem, ledger, event, amount).await
             }
         };
@@ -144,7 +144,7 @@ struct Ledger {
     pool: PgPool,
     records: Records,
     /// The steps `/orders` marked done.
-    steps: RecoveryPoints,
+    steps: Checkpoints,
     provider: String,
     pause: Pause,
 }
@@ -187,7 +187,7 @@ fn app(ledger: Ledger, lease: Duration) -> Router {
     let router = match ledger.records {
         Records::Postgres(store) => router.layer(IdempotencyLayer::new(store).lease(lease)),
         Records::Redis(redis, outcomes) => {
-            router.layer(IdempotencyLayer::new(redis).lease(lease).durable(outcomes))
+            router.layer(IdempotencyLayer::new(redis).lease(lease).recover(outcomes))
         }
     };
     router
@@ -230,7 +230,7 @@ async fn pay(
     Ok(response)
 }
 
-/// An order with recovery points: the order row (a step), the provider's charge (a step),
+/// An order with checkpoints: the order row (a step), the provider's charge (a step),
 /// then the charge recorded on the order with the response. The same request run again after
 /// a crash or a failure skips the steps that committed, with their results, and runs the
 /// rest; another payload under the key is refused (`KeyReused`).

@@ -27,6 +27,16 @@ pub(crate) trait Encoding: Send + Sync {
     /// A value, serialized as `json`, as the door stores it.
     fn json(&self, json: Bytes) -> Result<Bytes, EncodeError>;
 
+    /// An outcome the door stored, read back as the HTTP response it answers; why not, for a
+    /// record it cannot read or a door that stores no responses.
+    #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
+    fn read_response(&self, stored: Bytes) -> Result<http::Response<Bytes>, String>;
+
+    /// An outcome the door stored, read back as the JSON of the value it answers; why not,
+    /// for a record it cannot read or a door that stores no values.
+    #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
+    fn read_json(&self, stored: Bytes) -> Result<Bytes, String>;
+
     /// A gRPC response, its `metadata` and its framed `message`, as the door stores it: the
     /// gRPC door's; every other door refuses it.
     fn grpc(&self, _metadata: http::HeaderMap, _message: Bytes) -> Result<Bytes, EncodeError> {
@@ -61,18 +71,20 @@ struct Context {
 }
 
 /// The claim an outcome committed in the operation's transaction settles.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) struct Completion {
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
     /// What became of the claim's transaction, once a store ran one.
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
     pub(crate) commit: Arc<CommitSlot>,
     /// How the door keeps outcomes in the store: a committed outcome is written so, and a
     /// durable outcome read back so.
     pub(crate) at_rest: AtRest,
     /// How the door encodes an outcome.
     pub(crate) encoding: Arc<dyn Encoding>,
-    /// The door answers takeovers and lost records from `DurableOutcomes` (`.durable(…)`).
+    /// The door's recovery hook answers takeovers and lost records from the outcomes
+    /// committed beside the record store ([`Recover::durable`](crate::recovery::Recover::durable)).
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
     pub(crate) durable: bool,
 }
 
@@ -103,7 +115,6 @@ impl IdempotencyContext {
         Self { inner: Arc::new(context) }
     }
 
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn key(&self) -> &RecordKey {
         &self.inner.key
     }
@@ -114,7 +125,7 @@ impl IdempotencyContext {
 
     /// `outcome`, encoded by the operation's front door, for a store to commit in the
     /// operation's transaction: the claim's key, owner token, fingerprint and retention with it.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
     pub(crate) fn encoded(&self, outcome: Bytes) -> Result<EncodedOutcome, EncodeError> {
         let completion = self.completion().ok_or(EncodeError::NotClaimed)?;
         Ok(EncodedOutcome {
@@ -127,18 +138,8 @@ impl IdempotencyContext {
         })
     }
 
-    /// An outcome committed beside the record store (`DurableOutcomes`), read back as the door
-    /// wrote it: decrypted when the door encrypts at rest.
-    #[cfg(feature = "postgres")]
-    pub(crate) fn open_stored(&self, stored: Bytes) -> Result<Bytes, crate::store::StoreError> {
-        match self.completion() {
-            Some(completion) => completion.at_rest.open(self.key(), self.fingerprint(), stored),
-            None => AtRest::default().open(self.key(), self.fingerprint(), stored),
-        }
-    }
-
     /// How long the door keeps the claim's outcome; a day for a context no door gave.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
     pub(crate) fn retention(&self) -> Duration {
         self.completion().map_or(Duration::from_secs(24 * 3600), |c| c.retention)
     }

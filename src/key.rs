@@ -91,6 +91,11 @@ impl RecordKey {
         &self.full
     }
 
+    /// The key's prefix, as written to the store (escaped).
+    pub(crate) fn prefix(&self) -> &str {
+        &self.full[..self.hash_start - 2]
+    }
+
     /// The hex hash alone: what logs show in place of the key.
     #[must_use]
     pub fn hash(&self) -> &str {

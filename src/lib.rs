@@ -11,13 +11,13 @@ struct ReadmeDoctests;
 // Front doors → engine → store; `key`, `fingerprint` and `at_rest` are the vocabulary all three
 // share.
 mod at_rest;
-#[cfg(feature = "postgres")]
 pub mod completer;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod consumer;
 mod context;
 pub mod dedup;
+pub mod durable;
 #[cfg(feature = "encryption")]
 pub mod encryption;
 mod engine;

@@ -8,6 +8,11 @@
 //! in the same transaction as the side effect), it is stored and answered as a replay, and the
 //! operation does not run. When the hook answers [`Recovered::Unknown`], it runs.
 //!
+//! The same trait is every question the crate puts to the system of record: the outcomes
+//! committed beside the record store (`durable::DurableOutcomes` is a [`Recover`] for both
+//! doors), the [`Completer`](crate::completer::Completer) of abandoned claims (which asks the
+//! door's hook with no request), and the rebuild of a minimal record's replay.
+//!
 //! [`Claim::TakenOver`]: crate::store::Claim::TakenOver
 
 use std::future::Future;
@@ -19,18 +24,21 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// What a [`Recover`] hook is asked about: the claimed request's context, and the request
 /// itself (the HTTP door: an `http::Request<Bytes>` with the buffered body; the consumer door:
-/// the payload bytes).
+/// the payload bytes) when the asker has it.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Lookup<R> {
-    /// Who the request is.
+    /// Who the request is: look it up by its [`key_hash`](IdempotencyContext::key_hash).
     pub context: IdempotencyContext,
-    /// The request.
-    pub request: R,
+    /// The request: `Some` when a front door asks, before it runs the request again (and,
+    /// for the rebuild of a minimal record, what the record kept); `None` when the
+    /// [`Completer`](crate::completer::Completer) asks about an abandoned claim, which knows
+    /// its key and its fingerprint, never its request.
+    pub request: Option<R>,
 }
 
 impl<R> Lookup<R> {
-    pub(crate) fn new(context: IdempotencyContext, request: R) -> Self {
+    pub(crate) fn new(context: IdempotencyContext, request: Option<R>) -> Self {
         Self { context, request }
     }
 }
@@ -61,17 +69,25 @@ impl<T> Recovered<T> {
     }
 }
 
-/// Asks the system of record whether a claimed operation already happened.
+/// Asks the system of record whether a claimed operation already happened: the one way the
+/// crate asks it, for the front doors' takeovers ([`IdempotencyLayer::recover`],
+/// [`Idempotent::recover`]), for the [`Completer`](crate::completer::Completer) of abandoned
+/// claims (`Operator::completer`), which takes the same hook, and for the rebuild of a
+/// minimal record ([`IdempotencyLayer::rebuild`], with `R = http::Rebuild`).
 ///
 /// Implemented for every `Fn(Lookup<R>) -> impl Future<Output = Result<Recovered<T>, E>>`
 /// with `E: Into<BoxError>`. The HTTP door asks with `R = http::Request<Bytes>` for
 /// `T = http::Response<Bytes>`; the consumer door with `R = Bytes` (the payload) for its result
-/// type.
+/// type. `DurableOutcomes` (feature `postgres`) implements it for both doors: the outcomes
+/// operations committed beside the record store.
 ///
 /// An error, a panic, or no answer within the recovery timeout is a failed recovery: the
 /// operation does not run (the HTTP door answers 503), unless the front door is told to run
 /// when recovery fails.
 ///
+/// [`IdempotencyLayer::recover`]: crate::IdempotencyLayer::recover
+/// [`IdempotencyLayer::rebuild`]: crate::IdempotencyLayer::rebuild
+/// [`Idempotent::recover`]: crate::Idempotent::recover
 #[doc = include_str!("docs/recovery.md")]
 pub trait Recover<R, T>: Send + Sync + 'static {
     /// Looks the request up.
@@ -79,6 +95,14 @@ pub trait Recover<R, T>: Send + Sync + 'static {
         &self,
         lookup: Lookup<R>,
     ) -> impl Future<Output = Result<Recovered<T>, BoxError>> + Send;
+
+    /// Whether the hook answers from outcomes the operations commit beside the record store,
+    /// in their own transactions (`DurableOutcomes`): the door then asks it on every claim,
+    /// not only on a takeover (a record the record store lost is answered from there too),
+    /// and lets its operations commit there. `false` unless the hook says otherwise.
+    fn durable(&self) -> bool {
+        false
+    }
 }
 
 impl<F, Fut, R, T, E> Recover<R, T> for F

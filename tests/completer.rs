@@ -1,5 +1,5 @@
 //! The completer over `PostgresStore`: claims whose holder died and whose client never came
-//! back are listed, settled from the system of record when the resolver knows the outcome (and
+//! back are listed, settled from the system of record when the hook knows the outcome (and
 //! every retry then replays it, without running the handler), or reported when it does not (a
 //! warning, the metric, the claim left for its client). Each test has a database of its own,
 //! dropped at the end.
@@ -18,10 +18,10 @@ use std::{
 use axum::{Router, body::Bytes, http::StatusCode, routing::post};
 use axum_idempotency::{
     IdempotencyLayer, Idempotent,
-    completer::{Completer, Pass, Resolution},
+    completer::Pass,
     consumer::Outcome,
     recovery::{BoxError, Lookup, Recovered},
-    store::{AbandonedClaim, Claim, Lease, OwnerToken, PostgresStore, RecordKey, Store, sqlx},
+    store::{Admin, Claim, Lease, OwnerToken, PostgresStore, RecordKey, Store, sqlx},
 };
 use common::{keyed, postgres::TestDatabase, send};
 use http::{Request, Response};
@@ -58,22 +58,29 @@ fn service(store: &PostgresStore, runs: &Arc<AtomicUsize>) -> Router {
         .layer(layer)
 }
 
+/// What the system of record answers about one request.
+type Found = std::future::Ready<Result<Recovered<Response<Bytes>>, BoxError>>;
+
 /// The system of record: the outbox row of `known` says the payment happened.
-fn resolver(
-    known: RecordKey,
-) -> impl Fn(AbandonedClaim) -> std::future::Ready<Result<Resolution, BoxError>> {
-    move |claim| {
-        std::future::ready(Ok(if claim.key == known {
+fn resolver(known: RecordKey) -> impl Fn(Lookup<Request<Bytes>>) -> Found + Send + Sync + 'static {
+    move |lookup| {
+        std::future::ready(Ok(if lookup.context.key_hash() == known.hash() {
             let response = Response::builder()
                 .status(201)
                 .header("content-type", "application/json")
                 .body(Bytes::from_static(br#"{"payment":7}"#))
                 .unwrap();
-            Resolution::response(&response)
+            Recovered::Happened(response)
         } else {
-            Resolution::unknown()
+            Recovered::Unknown
         }))
     }
+}
+
+/// The layer `service` runs under, whose operator's completer asks `hook`.
+fn operator(store: &PostgresStore) -> axum_idempotency::http::Operator<PostgresStore> {
+    let hook = |_: Lookup<Request<Bytes>>| async { Ok::<_, BoxError>(Recovered::Unknown) };
+    IdempotencyLayer::new(store.clone()).lease(LEASE).keep_alive(None).recover(hook).operator()
 }
 
 fn global(key: &str) -> RecordKey {
@@ -123,7 +130,7 @@ async fn the_completer_settles_a_claim_it_can_resolve_and_reports_one_it_cannot(
     assert_eq!(oldest.iter().map(|c| c.key.clone()).collect::<Vec<_>>(), [global("known")]);
     assert!(oldest[0].lapsed_for > Duration::ZERO && oldest[0].lapsed_for < Duration::from_secs(5));
 
-    let completer = Completer::new(store.clone(), resolver(global("known"))).lapsed_for(LAPSED);
+    let completer = operator(&store).completer(resolver(global("known"))).lapsed_for(LAPSED);
     assert_eq!(counts(completer.complete_abandoned().await.unwrap()), (1, 1, 0, 0));
 
     // The settled key is replayed; its handler does not run again.
@@ -186,7 +193,19 @@ async fn claims_that_expired_or_still_run_are_not_abandoned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_completer_settles_a_consumer_claim_with_its_value() {
     let d = TestDatabase::create("completer").await;
-    let store = store(&d).await;
+    settles_a_consumer_claim(store(&d).await).await;
+}
+
+/// The completer works over every store that lists its abandoned claims (`Admin`), not only
+/// PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_completer_settles_a_claim_of_a_memory_store() {
+    settles_a_consumer_claim(axum_idempotency::MemoryStore::new()).await;
+}
+
+/// A consumer's operation hangs with its claim held (its worker died); the completer stores
+/// the value the hook knows, and the redelivery replays it.
+async fn settles_a_consumer_claim<St: Admin>(store: St) {
     let hook = |_: Lookup<Bytes>| async { Ok::<_, BoxError>(Recovered::<i64>::Unknown) };
     let idem = Idempotent::new(store.clone()).lease(LEASE).keep_alive(None).recover(hook);
     // The worker dies mid-operation: its operation hangs with its claim held, and its
@@ -213,8 +232,9 @@ async fn the_completer_settles_a_consumer_claim_with_its_value() {
     }
     drop(run);
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
-    let resolve = |_: AbandonedClaim| async { Ok::<_, BoxError>(Resolution::value(&42_i64)?) };
-    let pass = Completer::new(store.clone(), resolve).lapsed_for(LAPSED).complete_abandoned().await;
+    let resolve = |_: Lookup<Bytes>| async { Ok::<_, BoxError>(Recovered::Happened(42_i64)) };
+    let completer = idem.operator().completer(resolve).lapsed_for(LAPSED);
+    let pass = completer.complete_abandoned().await;
     assert_eq!(pass.unwrap().settled, 1);
     let redelivery =
         idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(-1) }).await;
@@ -231,33 +251,34 @@ async fn a_claim_a_retry_settled_first_is_skipped() {
     abandon(&app, "known", &runs).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
     let retried_app = app.clone();
-    // The resolver is slow: the client's retry takes the claim over and settles it meanwhile.
-    let resolve = move |claim: AbandonedClaim| {
+    // The hook is slow: the client's retry takes the claim over and settles it meanwhile.
+    let resolve = move |lookup: Lookup<Request<Bytes>>| {
         let app = retried_app.clone();
         async move {
             let retry = send(&app, keyed("POST", "/pay", "known", "{}")).await;
             assert_eq!(retry.body, "ran again");
-            resolver(claim.key.clone())(claim).await
+            resolver(global("known"))(lookup).await
         }
     };
-    let pass = Completer::new(store.clone(), resolve).lapsed_for(LAPSED).complete_abandoned().await;
+    let pass = operator(&store).completer(resolve).lapsed_for(LAPSED).complete_abandoned().await;
     assert_eq!(counts(pass.unwrap()), (0, 0, 0, 1));
     let replay = send(&app, keyed("POST", "/pay", "known", "{}")).await;
     assert_eq!(replay.body, "ran again", "the completer overwrote the retry's outcome");
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
-/// A resolver that fails leaves the claim as it was, counted as failed, for the next pass.
+/// A hook that fails leaves the claim as it was, counted as failed, for the next pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_resolver_leaves_the_claim_for_the_next_pass() {
+async fn a_failing_hook_leaves_the_claim_for_the_next_pass() {
     let d = TestDatabase::create("completer").await;
     let store = store(&d).await;
     let runs = Arc::new(AtomicUsize::new(0));
     abandon(&service(&store, &runs), "known", &runs).await;
     tokio::time::sleep(LEASE + Duration::from_millis(100)).await;
-    let failing =
-        |_: AbandonedClaim| async { Err::<Resolution, BoxError>("the outbox is down".into()) };
-    let completer = Completer::new(store.clone(), failing).lapsed_for(LAPSED);
+    let failing = |_: Lookup<Request<Bytes>>| async {
+        Err::<Recovered<Response<Bytes>>, BoxError>("the outbox is down".into())
+    };
+    let completer = operator(&store).completer(failing).lapsed_for(LAPSED);
     assert_eq!(counts(completer.complete_abandoned().await.unwrap()), (0, 0, 1, 0));
     assert_eq!(counts(completer.complete_abandoned().await.unwrap()), (0, 0, 1, 0));
     assert_eq!(store.abandoned_claims(Duration::ZERO, 10).await.unwrap().len(), 1);

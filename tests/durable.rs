@@ -1,4 +1,4 @@
-//! The durable half beside Redis (`DurableOutcomes`) and recovery points (`RecoveryPoints`), in
+//! The durable half beside Redis (`DurableOutcomes`) and checkpoints (`Checkpoints`), in
 //! process, over a private redis-server and a database of each test's own (dropped at the
 //! end): the tables' fences (a slow holder's commit refused and rolled back, a step marked
 //! once), their expiry, and another payload under a key only the table still holds (a
@@ -26,8 +26,9 @@ use axum::{
 };
 use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, RedisStore,
+    durable::{Checkpoints, DurableOutcomes},
     store::{
-        DurableOutcomes, RecoveryPoints, StoreError,
+        StoreError,
         sqlx::{self, PgPool, postgres::PgPoolOptions},
     },
 };
@@ -82,7 +83,7 @@ async fn setup(
     outcomes.migrate().await.unwrap();
     let app = App { pool, outcomes: outcomes.clone(), runs: Arc::default(), hold: Arc::default() };
     let store = RedisStore::from_url(&redis.url()).unwrap();
-    let layer = layer(IdempotencyLayer::new(store).durable(outcomes));
+    let layer = layer(IdempotencyLayer::new(store).recover(outcomes));
     let router = Router::new().route("/pay", post(pay)).with_state(app.clone()).layer(layer);
     (app, router)
 }
@@ -189,7 +190,7 @@ async fn context_of(key: &str, payload: &[u8], retention: Duration) -> Idempoten
 async fn a_step_is_marked_once_and_expires_with_its_retention() {
     let d = TestDatabase::create("durable").await;
     let pool = pool(&d);
-    let steps = RecoveryPoints::new(pool.clone());
+    let steps = Checkpoints::new(pool.clone());
     steps.migrate().await.unwrap();
     let retention = Duration::from_millis(300);
     let key = context_of("k1", b"a", retention).await;
@@ -225,7 +226,7 @@ async fn a_step_is_marked_once_and_expires_with_its_retention() {
 }
 
 /// `DurableOutcomes::transaction` under a door that does not answer from the table (no
-/// `.durable(outcomes)`) is refused before anything runs: a committed outcome Redis then lost,
+/// `.recover(outcomes)`) is refused before anything runs: a committed outcome Redis then lost,
 /// or a takeover, would never be answered from the table, and every retry would run the
 /// handler's work before its transaction again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,7 +244,7 @@ async fn durable_outcomes_under_a_door_that_does_not_read_them_is_refused() {
         .layer(IdempotencyLayer::new(store.clone()));
     let refused = send(&router, keyed("POST", "/pay", "k1", "a")).await;
     assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR, "{refused:?}");
-    assert!(refused.body.contains(".durable(outcomes)"), "{}", refused.body);
+    assert!(refused.body.contains(".recover(outcomes)"), "{}", refused.body);
     assert_eq!(payments(&app).await, 0);
     // The consumer door the same, and with `.durable` both doors commit.
     let operation = |outcomes: DurableOutcomes| {
@@ -258,10 +259,10 @@ async fn durable_outcomes_under_a_door_that_does_not_read_them_is_refused() {
     let refused = idem.run("payments", "evt_1", b"{}", operation(outcomes.clone())).await;
     let message = format!("{refused:?}");
     assert!(message.contains("Misuse"), "{message}");
-    let durable = idem.durable(outcomes.clone());
+    let durable = idem.recover(outcomes.clone());
     let ran = durable.run("payments", "evt_1", b"{}", operation(outcomes)).await;
     assert!(matches!(ran, Ok(axum_idempotency::consumer::Outcome::Ran(1))), "{ran:?}");
-    let layer = IdempotencyLayer::new(store).durable(app.outcomes.clone());
+    let layer = IdempotencyLayer::new(store).recover(app.outcomes.clone());
     let router = Router::new().route("/pay", post(pay)).with_state(app.clone()).layer(layer);
     assert_eq!(send(&router, keyed("POST", "/pay", "k1", "a")).await.status, StatusCode::CREATED);
     assert_eq!(payments(&app).await, 1);
@@ -280,7 +281,7 @@ async fn an_old_steps_table_is_upgraded_and_its_unbound_steps_never_resumed() {
     let context = context_of("k1", b"a", Duration::from_secs(60)).await;
     let row = "INSERT INTO idempotency_steps VALUES ($1, 'order', '7', now() + interval '1 hour')";
     sqlx::query(row).bind(context.key_hash()).execute(&pool).await.unwrap();
-    let steps = RecoveryPoints::new(pool.clone());
+    let steps = Checkpoints::new(pool.clone());
     steps.migrate().await.unwrap();
     let old_step = steps.done::<i64>(&context, "order").await;
     assert!(matches!(old_step, Err(StoreError::KeyReused)), "{old_step:?}");

@@ -332,8 +332,7 @@ mod postgres_raw {
     use super::*;
     use axum::{extract::State, http::StatusCode, response::IntoResponse, routing::post};
     use axum_idempotency::{
-        IdempotencyContext, RedisStore,
-        store::{DurableOutcomes, PostgresStore},
+        IdempotencyContext, RedisStore, durable::DurableOutcomes, store::PostgresStore,
     };
     use common::postgres::{TestDatabase, pool_for};
 
@@ -427,7 +426,7 @@ mod postgres_raw {
         let redis = RedisServer::start();
         let layer = IdempotencyLayer::new(RedisStore::from_url(&redis.url()).unwrap())
             .encrypt_at_rest(keys("k1", 1))
-            .durable(outcomes);
+            .recover(outcomes);
         let app = Router::new().route("/pay", post(pay_beside)).with_state(ledger).layer(layer);
         assert_eq!(send(&app, keyed("POST", "/pay", "k2", "{}")).await.status, 201);
         let sql = "SELECT outcome FROM idempotency_outcomes WHERE key = $1";
@@ -440,7 +439,7 @@ mod postgres_raw {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_completer_stores_what_it_settles_encrypted() {
-        use axum_idempotency::completer::{Completer, Resolution};
+        use axum_idempotency::recovery::{Lookup, Recovered};
         let h = PostgresHarness::start().await;
         let store = h.store();
         let fingerprint = Fingerprint::new("POST", "/payments", "", b"{}");
@@ -449,16 +448,15 @@ mod postgres_raw {
         let claim = store.claim(&key, &fingerprint, &owner, lease).await;
         assert_eq!(claim.unwrap(), Claim::Claimed);
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let resolve = |_| async {
+        let resolve = |_: Lookup<axum::http::Request<Bytes>>| async {
             let response = axum::http::Response::builder()
                 .status(201)
                 .body(Bytes::from(format!("card {CARD}")))
                 .unwrap();
-            Ok::<_, axum_idempotency::recovery::BoxError>(Resolution::response(&response))
+            Ok::<_, axum_idempotency::recovery::BoxError>(Recovered::Happened(response))
         };
-        let completer = Completer::new(store.clone(), resolve)
-            .lapsed_for(Duration::ZERO)
-            .encrypt_at_rest(keys("k1", 1));
+        let layer = IdempotencyLayer::new(store.clone()).encrypt_at_rest(keys("k1", 1));
+        let completer = layer.operator().completer(resolve).lapsed_for(Duration::ZERO);
         assert_eq!(completer.complete_abandoned().await.unwrap().settled, 1);
         let row = h.stored_bytes(&global("k1")).await;
         assert!(!contains(&row, CARD) && contains(&row, "E\u{2}k1"), "{row:?}");

@@ -22,7 +22,7 @@ use axum::{
 use axum_idempotency::{
     IdempotencyLayer,
     http::{Minimal, Rebuild},
-    recovery::BoxError,
+    recovery::{BoxError, Lookup, Recovered},
     store::Admin,
 };
 use common::*;
@@ -57,7 +57,11 @@ async fn create(State(orders): State<Orders>, body: String) -> impl IntoResponse
 }
 
 /// The hook: the order, read again by its id.
-async fn rebuild(orders: Orders, stored: Rebuild) -> Result<Response<Bytes>, BoxError> {
+async fn rebuild(
+    orders: Orders,
+    lookup: Lookup<Rebuild>,
+) -> Result<Recovered<Response<Bytes>>, BoxError> {
+    let stored = lookup.request.ok_or("a replay asks with its record")?;
     orders.rebuilt.next_call();
     if *orders.down.lock().unwrap() {
         return Err("the orders database is unreachable".into());
@@ -67,7 +71,7 @@ async fn rebuild(orders: Orders, stored: Rebuild) -> Result<Response<Bytes>, Box
     let mut response = Response::new(Bytes::from(serde_json::to_vec(&order)?));
     *response.status_mut() = stored.status;
     *response.headers_mut() = stored.headers;
-    Ok(response)
+    Ok(Recovered::Happened(response))
 }
 
 fn service<H: Harness>(h: &H, orders: &Orders, with_hook: bool) -> Router {
@@ -75,7 +79,7 @@ fn service<H: Harness>(h: &H, orders: &Orders, with_hook: bool) -> Router {
         .limits(axum_idempotency::http::Limits::default().stored_body(4096));
     if with_hook {
         let hooked = orders.clone();
-        layer = layer.rebuild(move |stored| rebuild(hooked.clone(), stored));
+        layer = layer.rebuild(move |lookup| rebuild(hooked.clone(), lookup));
     }
     Router::new().route("/orders", post(create)).with_state(orders.clone()).layer(layer)
 }
@@ -197,7 +201,7 @@ async fn a_minimal_response_commits_in_the_handlers_transaction() {
     };
     let hooked = orders.clone();
     let layer: IdempotencyLayer<PostgresStore> =
-        IdempotencyLayer::new(store.clone()).rebuild(move |stored| rebuild(hooked.clone(), stored));
+        IdempotencyLayer::new(store.clone()).rebuild(move |lookup| rebuild(hooked.clone(), lookup));
     let app = Router::new().route("/orders", post(handler)).layer(layer);
     let first = send(&app, keyed("POST", "/orders", "k1", "{}")).await;
     assert_eq!(first.status, 201);

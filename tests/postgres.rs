@@ -775,10 +775,10 @@ async fn a_holder_taken_over_cannot_complete_with_the_new_holders_bytes() {
 }
 
 /// Six instances migrating one fresh database at once, ten times over: every table of the
-/// crate (the records, the durable outcomes, the recovery points), no failure.
+/// crate (the records, the durable outcomes, the checkpoints), no failure.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_migrating_at_once_never_collide() {
-    use axum_idempotency::store::{DurableOutcomes, RecoveryPoints};
+    use axum_idempotency::durable::{Checkpoints, DurableOutcomes};
     let h = harness().await;
     let pool = h.pool();
     let drop_all = "DROP TABLE IF EXISTS idempotency_records, idempotency_outcomes, \
@@ -791,7 +791,7 @@ async fn instances_migrating_at_once_never_collide() {
             tokio::spawn(async move {
                 PostgresStore::new(pool.clone()).migrate().await?;
                 DurableOutcomes::new(pool.clone()).migrate().await?;
-                RecoveryPoints::new(pool).migrate().await
+                Checkpoints::new(pool).migrate().await
             })
         });
         for instance in instances.collect::<Vec<_>>() {

@@ -1,4 +1,4 @@
-//! Recovery points (`RecoveryPoints`): `POST /orders` of `examples/ledger.rs` makes an order row
+//! Checkpoints (`Checkpoints`): `POST /orders` of `examples/ledger.rs` makes an order row
 //! (a step), calls the payment provider (a step), then records the charge on the order with the
 //! response, and is killed with SIGKILL after each step committed. The takeover resumes after
 //! the last step that committed: the steps before it do not run again (one order row, one call
@@ -52,7 +52,7 @@ async fn a_takeover_after_the_charge_step_calls_the_provider_no_more() {
     resumes_after("after-charge").await;
 }
 
-/// In process: a handler with recovery points on `PostgresStore`, whose provider can be down.
+/// In process: a handler with checkpoints on `PostgresStore`, whose provider can be down.
 mod bound_to_the_request {
     use std::{
         sync::{
@@ -71,9 +71,10 @@ mod bound_to_the_request {
     };
     use axum_idempotency::{
         IdempotencyContext, IdempotencyLayer,
+        durable::Checkpoints,
         http::KeyReused,
         store::{
-            PostgresStore, RecoveryPoints, StoreError,
+            PostgresStore, StoreError,
             sqlx::{self, PgPool},
         },
     };
@@ -85,7 +86,7 @@ mod bound_to_the_request {
     struct App {
         pool: PgPool,
         store: PostgresStore,
-        steps: RecoveryPoints,
+        steps: Checkpoints,
         provider_up: Arc<AtomicBool>,
     }
 
@@ -127,7 +128,7 @@ mod bound_to_the_request {
         let pool = pool_for(d);
         let store = PostgresStore::new(pool.clone()).sweep_every(None);
         store.migrate().await.unwrap();
-        let steps = RecoveryPoints::new(pool.clone());
+        let steps = Checkpoints::new(pool.clone());
         steps.migrate().await.unwrap();
         let orders = "CREATE TABLE orders (id BIGSERIAL PRIMARY KEY, amount BIGINT NOT NULL)";
         sqlx::raw_sql(orders).execute(&pool).await.unwrap();

@@ -9,11 +9,19 @@ use serde::Serialize;
 use super::{finite, record::encode_json};
 use crate::{
     context::{Encoding, IdempotencyContext},
+    engine::{
+        Label,
+        envelope::{self, Format},
+    },
     store::{Committable, EncodeError},
 };
 
-/// The consumer door's encoding of a committed outcome: a value, as JSON.
-pub(super) struct ConsumerEncoding;
+/// The consumer door's encoding of a committed outcome: a value, as JSON. The label names the
+/// door's scope in the metrics of a record read back.
+pub(super) struct ConsumerEncoding(
+    #[allow(dead_code, reason = "read back by the tables beside the stores (`durable`)")]
+    pub(super) Label,
+);
 
 impl Encoding for ConsumerEncoding {
     fn response(
@@ -30,6 +38,21 @@ impl Encoding for ConsumerEncoding {
     fn json(&self, json: Bytes) -> Result<Bytes, EncodeError> {
         Ok(encode_json(&json))
     }
+
+    fn read_response(&self, _stored: Bytes) -> Result<http::Response<Bytes>, String> {
+        Err("the consumer door stores values, not HTTP responses".to_owned())
+    }
+
+    fn read_json(&self, stored: Bytes) -> Result<Bytes, String> {
+        match envelope::parse(stored, &self.0) {
+            Some(opened) if opened.format == Format::Json => Ok(opened.payload),
+            Some(opened) if opened.format == Format::NotStored => Err(format!(
+                "the operation ran, but its result could not be stored: {}",
+                String::from_utf8_lossy(&opened.payload)
+            )),
+            _ => Err("not a result stored by the consumer door".to_owned()),
+        }
+    }
 }
 
 /// A value committed as the context's front door stores it: the consumer door's result `T`,
@@ -42,20 +65,5 @@ impl<T: Serialize + Send + 'static> Committable for Json<T> {
         let json = serde_json::to_vec(&self.0)
             .map_err(|error| EncodeError::Unencodable(error.to_string()))?;
         Ok((completion.encoding.json(Bytes::from(json))?, self))
-    }
-}
-
-/// `value` as the consumer door stores it, whatever its size.
-#[cfg(feature = "postgres")]
-pub(crate) fn stored_form<T: Serialize>(value: &T) -> Result<Bytes, EncodeError> {
-    match super::record::encode(value, usize::MAX) {
-        Ok(outcome) => Ok(outcome),
-        Err(super::record::Unstorable::Unencodable(reason)) => {
-            Err(EncodeError::Unencodable(reason))
-        }
-        // No result is over a limit of usize::MAX.
-        Err(super::record::Unstorable::OverLimit) => {
-            Err(EncodeError::Unencodable("too large".into()))
-        }
     }
 }

@@ -22,6 +22,8 @@ use crate::{
 pub(super) struct ConsumerDoor<T> {
     pub(super) stored_limit: usize,
     pub(super) label: Label,
+    /// Whether the door's hook answers from outcomes committed beside the record store.
+    pub(super) durable: bool,
     pub(super) result: PhantomData<fn() -> T>,
 }
 
@@ -34,7 +36,11 @@ where
     type Answer = Outcome<T>;
 
     fn encoding(&self) -> Arc<dyn Encoding> {
-        Arc::new(ConsumerEncoding)
+        Arc::new(ConsumerEncoding(self.label.clone()))
+    }
+
+    fn durable(&self) -> bool {
+        self.durable
     }
 
     /// Stored, or kept as "completed, not replayable" when over the stored limit (or when it
@@ -53,14 +59,16 @@ where
     /// Stored whatever its size and whatever its form (the operation must not run again), and
     /// answered as a replay.
     async fn recovered(&self, value: T, held: &Held) -> Settlement<Outcome<T>> {
-        match store_form(&value, usize::MAX, held.key.hash()) {
+        match self.recorded(&value, held) {
             Err(panic) => Settlement::Panicked(panic),
-            // Without a limit nothing is over it.
-            Ok(stored) => {
-                let stored = stored.unwrap_or_else(|()| not_stored("over the limit"));
-                Settlement::Store(stored, Outcome::Replayed(value))
-            }
+            Ok(stored) => Settlement::Store(stored, Outcome::Replayed(value)),
         }
+    }
+
+    fn recorded(&self, value: &T, held: &Held) -> Result<Bytes, Panic> {
+        // Without a limit nothing is over it.
+        let stored = store_form(value, usize::MAX, held.key.hash())?;
+        Ok(stored.unwrap_or_else(|()| not_stored("over the limit")))
     }
 
     /// The returned value when it encodes to the committed record; the committed one otherwise.

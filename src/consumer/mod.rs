@@ -54,8 +54,6 @@
 
 mod commit;
 mod door;
-#[cfg(feature = "postgres")]
-mod durable;
 mod finite;
 mod operate;
 mod outcome;
@@ -66,11 +64,7 @@ use std::{fmt, future::Future, marker::PhantomData, sync::Arc};
 use bytes::Bytes;
 use serde::{Serialize, de::DeserializeOwned};
 
-#[cfg(feature = "postgres")]
-pub(crate) use self::commit::stored_form;
 use self::door::ConsumerDoor;
-#[cfg(feature = "postgres")]
-pub use self::durable::DurableRecovery;
 pub use self::operate::Operator;
 pub use self::outcome::{Error, Outcome};
 use self::record::decode;
@@ -178,10 +172,13 @@ impl<St: Store, H> Idempotent<St, H> {
     ///
     /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
     /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
+    ///
+    /// `DurableOutcomes` is such a hook (feature `postgres`): `.recover(outcomes)` answers a
+    /// takeover, a lapsed lease or a record the record store lost from the outcomes the
+    /// operations committed to it, asked on every claim.
     pub fn recover<H2>(self, hook: H2) -> Idempotent<St, H2> {
         let Self { store, mut settings, fingerprint, prefix, stored_limit, .. } = self;
-        let changed = Arc::make_mut(&mut settings);
-        (changed.recovering, changed.durable) = (true, false);
+        Arc::make_mut(&mut settings).recovering = true;
         let (hook, renewals) = (Some(Arc::new(hook)), RenewalsCell::default());
         Idempotent { store, settings, fingerprint, prefix, stored_limit, hook, renewals }
     }
@@ -298,6 +295,7 @@ impl<St: Store, H> Idempotent<St, H> {
         let door = ConsumerDoor {
             stored_limit: self.stored_limit,
             label: label.clone(),
+            durable: self.hook.as_ref().is_some_and(|hook| hook.durable()),
             result: PhantomData,
         };
         let (route, scope_bytes) = (label.clone(), scope.as_bytes().to_vec());
@@ -305,7 +303,7 @@ impl<St: Store, H> Idempotent<St, H> {
         let start = |operation: F, context: IdempotencyContext, due: bool| {
             let lookup = self.hook.as_ref().filter(|_| due).map(|hook| {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));
-                let lookup = Lookup::new(context.clone(), payload);
+                let lookup = Lookup::new(context.clone(), Some(payload));
                 // Called inside the hook's future, so that a hook that panics when called is
                 // caught like one that panics later.
                 async move { hook.recover(lookup).await }

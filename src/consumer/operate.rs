@@ -1,18 +1,23 @@
 //! [`Operator`]: the operator's calls on the consumer door (see [`Admin`]), by a consumer's
 //! scope and an event's key.
 
-use std::time::Duration;
+use std::{fmt, marker::PhantomData, sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
+    completer::Completer,
     engine::{
-        Engine, Operations,
+        Engine, Label,
         envelope::{Format, Parsed},
     },
     key::RecordKey,
+    recovery::{Lookup, Recover},
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
 
-use super::Idempotent;
+use super::{Idempotent, door::ConsumerDoor};
 
 impl<St: Admin, H> Idempotent<St, H> {
     /// The operator's calls for the records this door writes (its key prefix, decrypted as it
@@ -20,7 +25,7 @@ impl<St: Admin, H> Idempotent<St, H> {
     /// the finished door.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        Operator(Operations::new(engine, self.prefix.clone()))
+        Operator { engine, prefix: self.prefix.clone(), stored_limit: self.stored_limit }
     }
 }
 
@@ -28,8 +33,18 @@ impl<St: Admin, H> Idempotent<St, H> {
 /// event's key ([`Idempotent::operator`]).
 ///
 /// Cloning is cheap.
-#[derive(Debug, Clone)]
-pub struct Operator<St>(Operations<St>);
+#[derive(Clone)]
+pub struct Operator<St> {
+    engine: Engine<St>,
+    prefix: String,
+    stored_limit: usize,
+}
+
+impl<St> fmt::Debug for Operator<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Operator").field("prefix", &self.prefix).finish_non_exhaustive()
+    }
+}
 
 impl<St: Admin> Operator<St> {
     /// What the store holds for `key` in `scope` (as [`Idempotent::run`] was given them): its
@@ -55,7 +70,7 @@ impl<St: Admin> Operator<St> {
             })),
             _ => Err(StoreError::CorruptRecord("not a result the consumer door stored".into())),
         };
-        self.0.report(&self.record_key(scope, key.as_ref()), with_result, reader).await
+        self.engine.report(&self.record_key(scope, key.as_ref()), with_result, reader).await
     }
 
     /// Deletes the record of `key` in `scope`, so that its next delivery runs the operation
@@ -70,7 +85,7 @@ impl<St: Admin> Operator<St> {
         key: impl AsRef<[u8]>,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.0.forget(&self.record_key(scope, key.as_ref()), force).await
+        self.engine.store().forget(&self.record_key(scope, key.as_ref()), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over,
@@ -85,7 +100,30 @@ impl<St: Admin> Operator<St> {
         lapsed_for: Duration,
         limit: u32,
     ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        self.0.abandoned(lapsed_for, limit).await
+        self.engine.store().abandoned(lapsed_for, limit).await
+    }
+
+    /// A [`Completer`] of this door's abandoned claims, asking `hook` (the door's own recovery
+    /// hook, or any [`Recover`] of its results `T`: `DurableOutcomes` too) with each claim's
+    /// context and no payload, and storing the result it knows as the door stores a recovered
+    /// one: its encryption at rest, its retention.
+    pub fn completer<T, H>(&self, hook: H) -> Completer<St>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        H: Recover<Bytes, T>,
+    {
+        let door = ConsumerDoor::<T> {
+            stored_limit: self.stored_limit,
+            label: Label::scope("completer"),
+            durable: hook.durable(),
+            result: PhantomData,
+        };
+        let hook = Arc::new(hook);
+        let ask = move |context| {
+            let hook = hook.clone();
+            async move { hook.recover(Lookup::new(context, None)).await }
+        };
+        Completer::new(self.engine.clone(), &self.prefix, door, ask)
     }
 }
 
@@ -99,6 +137,6 @@ impl<St, H> Idempotent<St, H> {
 impl<St> Operator<St> {
     /// The record key of `key` in `scope`, as the door names it.
     fn record_key(&self, scope: &str, key: &[u8]) -> RecordKey {
-        self.0.record_key(scope.as_bytes(), key)
+        RecordKey::new(&self.prefix, scope.as_bytes(), key)
     }
 }

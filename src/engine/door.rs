@@ -8,7 +8,7 @@ use bytes::Bytes;
 use futures_util::future::BoxFuture;
 
 use super::Panic;
-use crate::{context::Encoding, key::RecordKey};
+use crate::{context::Encoding, fingerprint::Fingerprint, key::RecordKey};
 
 /// A front door's side of a claimed operation: how its outcomes are stored and answered. The
 /// engine runs the operation from claim to settle and calls these to learn what to write; none
@@ -23,6 +23,13 @@ pub(crate) trait Door: Send + Sync + 'static {
 
     /// How the door encodes an outcome its operation commits in a store's transaction.
     fn encoding(&self) -> Arc<dyn Encoding>;
+
+    /// Whether the door's recovery hook answers from outcomes committed beside the record store
+    /// ([`Recover::durable`](crate::recovery::Recover::durable)): it is then asked on every
+    /// claim, and the operations may commit there. `false` by default.
+    fn durable(&self) -> bool {
+        false
+    }
 
     /// The claim's outcome, as the span of the door's caller records it: `claimed`,
     /// `taken_over`, `replayed`, `in_progress`, `mismatch`, `store_unavailable` or
@@ -44,6 +51,13 @@ pub(crate) trait Door: Send + Sync + 'static {
         held: &Held,
     ) -> impl Future<Output = Settlement<Self::Answer>> + Send;
 
+    /// What the recovery hook found, as the door stores it (whatever its size: the operation
+    /// must not run again); `Err` when the door's encoding panicked. [`recovered`]'s record,
+    /// and the completer's.
+    ///
+    /// [`recovered`]: Door::recovered
+    fn recorded(&self, outcome: &Self::Recovered, held: &Held) -> Result<Bytes, Panic>;
+
     /// The answer for an operation that committed `committed` (as the door encoded it) in a
     /// store's transaction and returned `output`: the committed outcome, whatever was returned.
     fn committed(
@@ -63,6 +77,8 @@ pub(crate) trait Door: Send + Sync + 'static {
 pub(crate) struct Held {
     /// The claim's record key (its hash names it in logs).
     pub(crate) key: RecordKey,
+    /// The fingerprint of the request that holds it.
+    pub(crate) fingerprint: Fingerprint,
     /// How long a completed outcome is kept.
     pub(crate) retention: Duration,
 }

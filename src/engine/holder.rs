@@ -48,7 +48,7 @@ pub(crate) struct Holder<St> {
 }
 
 /// What a recovery hook's answer leaves the holder to do.
-pub(crate) enum Recovery<St, T> {
+pub(crate) enum Asked<St, T> {
     /// Nothing is known of a first run: run the operation.
     Run(Holder<St>),
     /// The operation happened, with this outcome: store it and answer it as a replay.
@@ -112,7 +112,8 @@ impl<St: Store> Holder<St> {
 
     /// What the door knows of this claim when it settles it.
     pub(super) fn held(&self) -> Held {
-        Held { key: self.key.clone(), retention: self.settings.retention }
+        let (key, fingerprint) = (self.key.clone(), self.fingerprint.clone());
+        Held { key, fingerprint, retention: self.settings.retention }
     }
 
     /// The operation's context: who it is, for the operation and its recovery hook, and what
@@ -121,6 +122,7 @@ impl<St: Store> Holder<St> {
         &self,
         scope: Vec<u8>,
         encoding: Arc<dyn Encoding>,
+        durable: bool,
     ) -> IdempotencyContext {
         let completion = Completion::new(
             self.owner.clone(),
@@ -128,7 +130,7 @@ impl<St: Store> Holder<St> {
             self.commit.clone(),
             self.settings.at_rest.clone(),
             encoding,
-            self.settings.durable,
+            durable,
         );
         let (key, fingerprint) = (&self.key, self.fingerprint.clone());
         IdempotencyContext::new(scope, key, fingerprint, self.taken_over, Some(completion))
@@ -140,19 +142,17 @@ impl<St: Store> Holder<St> {
     }
 
     /// Whether the front door must ask its recovery hook before it runs the operation: on a
-    /// takeover, or on every claim when so configured.
-    pub(crate) fn needs_recovery(&self) -> bool {
-        // A door over `DurableOutcomes` asks on every claim, whatever `Recovery` says: the
-        // table is where a record the store lost is found.
-        let every_claim = self.settings.recovery.every_claim || self.settings.durable;
-        self.settings.recovering && (self.taken_over || every_claim)
+    /// takeover, or on every claim when so configured or when the hook is `durable`.
+    pub(crate) fn needs_recovery(&self, durable: bool) -> bool {
+        self.settings.recovering
+            && (self.taken_over || self.settings.recovery.every_claim || durable)
     }
 
     /// Waits (within the recovery timeout) for the hook's `lookup`, and says what to do.
     pub(crate) async fn recover<T>(
         self,
         lookup: impl Future<Output = Result<Recovered<T>, BoxError>>,
-    ) -> Recovery<St, T> {
+    ) -> Asked<St, T> {
         let policy = self.settings.recovery;
         let hash = self.key.hash();
         let lookup = AssertUnwindSafe(lookup).catch_unwind();
@@ -163,7 +163,7 @@ impl<St: Store> Holder<St> {
                     "idempotency: recovered the outcome from the system of record"
                 );
                 observe::recovery(&self.route, "happened");
-                return Recovery::Happened(self, outcome);
+                return Asked::Happened(self, outcome);
             }
             Ok(Ok(Ok(Recovered::Mismatch))) => {
                 tracing::info!(
@@ -172,7 +172,7 @@ impl<St: Store> Holder<St> {
                 );
                 observe::recovery(&self.route, "mismatch");
                 self.release("the key belongs to another request").await;
-                return Recovery::Mismatch;
+                return Asked::Mismatch;
             }
             Ok(Ok(Ok(Recovered::Unknown))) => {
                 tracing::debug!(
@@ -180,7 +180,7 @@ impl<St: Store> Holder<St> {
                     "idempotency: the system of record knows nothing of it"
                 );
                 observe::recovery(&self.route, "unknown");
-                return Recovery::Run(self);
+                return Asked::Run(self);
             }
             Ok(Ok(Err(error))) => error.to_string(),
             Ok(Err(_panic)) => "the recovery hook panicked".to_owned(),
@@ -193,7 +193,7 @@ impl<St: Store> Holder<St> {
                 failure,
                 "idempotency: recovery failed; running the operation as configured"
             );
-            return Recovery::Run(self);
+            return Asked::Run(self);
         }
         tracing::error!(
             key_hash = hash,
@@ -201,7 +201,7 @@ impl<St: Store> Holder<St> {
             "idempotency: recovery failed; the operation does not run"
         );
         self.hand_back().await;
-        Recovery::Refused
+        Asked::Refused
     }
 
     /// Ends the lease now, keeping the record for its recovery window, so that the next

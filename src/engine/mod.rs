@@ -18,6 +18,7 @@
 //! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
 //! [`Ended`]) back into theirs.
 
+mod complete;
 mod door;
 pub(crate) mod envelope;
 mod holder;
@@ -34,10 +35,10 @@ use bytes::Bytes;
 use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
+pub use self::complete::Completed;
 pub(crate) use self::door::{Door, Held, Settlement, StreamEnd, Streaming};
-pub(crate) use self::holder::{Holder, Panic, Recovery};
+pub(crate) use self::holder::{Asked, Holder, Panic};
 pub(crate) use self::observe::Label;
-pub(crate) use self::operate::Operations;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::engine_setters;
@@ -78,8 +79,6 @@ pub(crate) struct Settings {
     /// Release the key of an outcome too large to keep, rather than keep a "completed, not
     /// replayable" record of it.
     pub(crate) release_too_large: bool,
-    /// The door's recovery hook reads `DurableOutcomes` (`.durable(…)`).
-    pub(crate) durable: bool,
 }
 
 impl Settings {
@@ -131,7 +130,6 @@ impl Default for Settings {
             recovering: false,
             at_rest: AtRest::default(),
             release_too_large: false,
-            durable: false,
         }
     }
 }

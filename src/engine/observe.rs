@@ -73,7 +73,6 @@ pub(crate) fn settle(route: &Label, result: &'static str) {
 
 /// `idempotency_abandoned_claims_total{result}`: what the completer did with an abandoned
 /// claim: settled, unresolved, failed, skipped.
-#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn abandoned(result: &'static str) {
     #[cfg(feature = "metrics")]
     described();

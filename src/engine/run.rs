@@ -20,7 +20,7 @@ use bytes::Bytes;
 use futures_util::FutureExt as _;
 
 use super::{
-    Claimed, Engine, Holder, Panic, Recovery,
+    Asked, Claimed, Engine, Holder, Panic,
     door::{Door, Settlement, Streaming},
 };
 use crate::{
@@ -163,8 +163,9 @@ impl<St: Store> Engine<St> {
             Ok(Claimed::Mismatch) => return Operated::Ended(Ended::Mismatch),
             Err(error) => return Operated::Decided(request, Decided::Failed(error)),
         };
-        let context = holder.context(scope, door.encoding());
-        let Start { operation, lookup } = start(request, context, holder.needs_recovery());
+        let context = holder.context(scope, door.encoding(), door.durable());
+        let due = holder.needs_recovery(door.durable());
+        let Start { operation, lookup } = start(request, context, due);
         Operated::Ended(self.run_claimed(holder, door, lookup, operation).await)
     }
 
@@ -189,16 +190,16 @@ impl<St: Store> Engine<St> {
             let holder = match lookup {
                 None => holder,
                 Some(lookup) => match holder.recover(lookup).await {
-                    Recovery::Run(holder) => holder,
-                    Recovery::Happened(holder, outcome) => {
+                    Asked::Run(holder) => holder,
+                    Asked::Happened(holder, outcome) => {
                         let held = holder.held();
                         let recovered = door.recovered(outcome, &held);
                         let recovered = AssertUnwindSafe(recovered).catch_unwind().await;
                         let settlement = recovered.unwrap_or_else(Settlement::Panicked);
                         return settle(holder, settlement, answer).await;
                     }
-                    Recovery::Refused => return answer.end(Message::Refused),
-                    Recovery::Mismatch => return answer.end(Message::Mismatch),
+                    Asked::Refused => return answer.end(Message::Refused),
+                    Asked::Mismatch => return answer.end(Message::Mismatch),
                 },
             };
             match holder.run(operation).await {

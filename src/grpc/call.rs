@@ -111,7 +111,7 @@ where
         // The recovery hook's question, with the message, when it is due.
         let lookup = recover
             .filter(|_| due)
-            .map(|hook| hook(Lookup::new(context.clone(), framed.slice(5..))));
+            .map(|(ask, _)| ask(Lookup::new(context.clone(), Some(framed.slice(5..)))));
         parts.extensions.insert(context);
         let operation = inner.oneshot(Request::from_parts(parts, Body::new(Full::new(framed))));
         Start { operation, lookup }

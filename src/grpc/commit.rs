@@ -35,6 +35,23 @@ impl Encoding for GrpcEncoding {
         ))
     }
 
+    /// A committed response, as `DurableOutcomes` hands it to the gRPC door's hook: its
+    /// headers and its framed message (its trailers are `OK`'s).
+    fn read_response(&self, stored: Bytes) -> Result<http::Response<Bytes>, String> {
+        match record::decode(stored, &crate::engine::Label::route("durable-outcomes")) {
+            Some(record::Stored::Response(stored)) => {
+                let mut response = http::Response::new(stored.body);
+                *response.headers_mut() = stored.head.headers;
+                Ok(response)
+            }
+            _ => Err("not a gRPC response this door stored".to_owned()),
+        }
+    }
+
+    fn read_json(&self, _stored: Bytes) -> Result<Bytes, String> {
+        Err("the gRPC door stores gRPC responses, not values".to_owned())
+    }
+
     fn grpc(&self, metadata: HeaderMap, message: Bytes) -> Result<Bytes, EncodeError> {
         if !self.0.store_policy.stores(tonic::Code::Ok) {
             return Err(EncodeError::NotStored("the store policy does not keep OK"));
@@ -74,40 +91,19 @@ pub struct Reply {
     pub(super) framed: Bytes,
 }
 
+impl Reply {
+    /// A committed response, as [`read_response`](Encoding::read_response) reads it.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn from_stored(response: http::Response<Bytes>) -> Self {
+        let (head, framed) = response.into_parts();
+        Self { metadata: head.headers, framed }
+    }
+}
+
 impl<M: prost::Message> From<tonic::Response<M>> for Reply {
     fn from(response: tonic::Response<M>) -> Self {
         let framed = framed(response.get_ref());
         Self { metadata: response.into_parts().0.into_headers(), framed }
-    }
-}
-
-/// The recovery hook of [`GrpcIdempotencyLayer::durable`](super::GrpcIdempotencyLayer::durable):
-/// the reply a handler committed to `DurableOutcomes` in its transaction.
-#[cfg(feature = "postgres")]
-pub(super) struct Durable(pub(super) crate::store::DurableOutcomes);
-
-#[cfg(feature = "postgres")]
-impl crate::recovery::Recover<Bytes, Reply> for Durable {
-    async fn recover(
-        &self,
-        lookup: crate::recovery::Lookup<Bytes>,
-    ) -> Result<crate::recovery::Recovered<Reply>, crate::recovery::BoxError> {
-        use crate::recovery::Recovered;
-        let Some((fingerprint, outcome)) = self.0.read(lookup.context.key()).await? else {
-            return Ok(Recovered::Unknown);
-        };
-        if &fingerprint != lookup.context.fingerprint() {
-            return Ok(Recovered::Mismatch);
-        }
-        let outcome = lookup.context.open_stored(outcome)?;
-        let route = crate::engine::Label::route("durable-outcomes");
-        match record::decode(outcome, &route) {
-            Some(record::Stored::Response(stored)) => Ok(Recovered::Happened(Reply {
-                metadata: stored.head.headers,
-                framed: stored.body,
-            })),
-            _ => Err("the committed outcome is unreadable".into()),
-        }
     }
 }
 

@@ -14,16 +14,19 @@ use crate::{
 /// The lookup of one call by the recovery hook, not yet started.
 pub(super) type HookFuture = BoxFuture<'static, Result<Recovered<Reply>, BoxError>>;
 
-/// The layer's recovery hook, its type erased.
-pub(super) type Hook = Arc<dyn Fn(Lookup<Bytes>) -> HookFuture + Send + Sync>;
+/// The layer's recovery hook, its type erased, and whether it is durable
+/// ([`Recover::durable`]).
+pub(super) type Hook = (Arc<dyn Fn(Lookup<Bytes>) -> HookFuture + Send + Sync>, bool);
 
 /// `hook`, its type erased.
 pub(super) fn hook(hook: impl Recover<Bytes, Reply>) -> Hook {
+    let durable = hook.durable();
     let hook = Arc::new(hook);
-    Arc::new(move |lookup| {
+    let ask = Arc::new(move |lookup| {
         let hook = hook.clone();
-        Box::pin(async move { hook.recover(lookup).await })
-    })
+        Box::pin(async move { hook.recover(lookup).await }) as HookFuture
+    });
+    (ask, durable)
 }
 
 #[derive(Clone)]

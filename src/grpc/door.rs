@@ -15,7 +15,7 @@ use super::{
 };
 use crate::{
     context::Encoding,
-    engine::{Door, Held, Label, Settlement, envelope},
+    engine::{Door, Held, Label, Panic, Settlement, envelope},
     recovery::BoxError,
 };
 
@@ -41,6 +41,10 @@ where
 
     fn encoding(&self) -> Arc<dyn Encoding> {
         Arc::new(GrpcEncoding(self.config.clone()))
+    }
+
+    fn durable(&self) -> bool {
+        self.config.recover.as_ref().is_some_and(|(_, durable)| *durable)
     }
 
     fn claimed(&self, outcome: &'static str) {
@@ -79,6 +83,10 @@ where
     async fn recovered(&self, reply: Reply, held: &Held) -> Settlement<Response<Body>> {
         let stored = ok_record(reply.metadata, &reply.framed);
         Settlement::Store(stored.clone(), replay(stored, &self.route, held.key.hash()))
+    }
+
+    fn recorded(&self, reply: &Reply, _held: &Held) -> Result<Bytes, Panic> {
+        Ok(ok_record(reply.metadata.clone(), &reply.framed))
     }
 
     /// The returned response when it encodes to the committed record; the committed one

@@ -144,26 +144,17 @@ impl<St> GrpcIdempotencyLayer<St> {
     /// ([`Recovery::run_when_failed`](crate::settings::Recovery::run_when_failed) runs it
     /// instead).
     ///
+    ///
+    /// `DurableOutcomes` is such a hook (feature `postgres`): with Redis in front, a handler
+    /// commits its reply to it in its transaction (`DurableOutcomes::transaction`), and every
+    /// claim asks it, so that a record Redis lost is replayed from PostgreSQL.
+    ///
     /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
     /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
     pub fn recover(mut self, hook: impl Recover<Bytes, Reply>) -> Self {
         self.config().recover = Some(config::hook(hook));
         self.settings().recovering = true;
-        self.settings().durable = false;
         self
-    }
-
-    /// Answers from `outcomes` what the record store cannot: the durable half beside a fast
-    /// record store (Redis), for handlers that commit their responses to it in their
-    /// transactions (`DurableOutcomes::transaction`). Every new claim and every takeover asks
-    /// the table first, so that a holder that died after its commit, or a record Redis lost,
-    /// is replayed from PostgreSQL, and the handler does not run again. It is the recovery
-    /// hook ([`recover`](Self::recover)), asked on every claim, in one.
-    #[cfg(feature = "postgres")]
-    pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
-        let mut layer = self.recover(super::commit::Durable(outcomes));
-        layer.settings().durable = true;
-        layer
     }
 
     /// Releases the key of a response over the stored limit, so that a retry runs the

@@ -37,7 +37,7 @@
 //!   request's extensions (`request.extensions().get::<IdempotencyContext>()`), and may commit
 //!   its `tonic::Response` in the store's transaction with its side effect
 //!   (`PostgresStore::transaction`, or `DurableOutcomes::transaction` with Redis in front and
-//!   [`durable`](GrpcIdempotencyLayer::durable)); a [`TransactionError`](crate::store::TransactionError)
+//!   the outcomes as the layer's [`recover`](GrpcIdempotencyLayer::recover) hook); a [`TransactionError`](crate::store::TransactionError)
 //!   converts to a `tonic::Status` with `?`.
 //!
 //! | situation | answer |

@@ -70,6 +70,19 @@ impl Encoding for HttpEncoding {
         }
         Ok(record::encode_response(&head, &self.0.answers.replayed_headers, &json))
     }
+
+    fn read_response(&self, stored: Bytes) -> Result<http::Response<Bytes>, String> {
+        let label = crate::engine::Label::route("durable-outcomes");
+        let stored = record::decode(stored, &label).map_err(|error| error.0.to_owned())?;
+        let mut response = http::Response::new(stored.body);
+        *response.status_mut() = stored.status;
+        *response.headers_mut() = stored.headers;
+        Ok(response)
+    }
+
+    fn read_json(&self, _stored: Bytes) -> Result<Bytes, String> {
+        Err("the HTTP door stores responses, not values".to_owned())
+    }
 }
 
 /// The handler's response, committed as the layer stores it.

@@ -21,11 +21,11 @@ use super::{
     config::Config,
     problem::{KeyReused, ProblemType, problem},
     record,
-    replay::{self, Replay},
+    replay::{self, Replay, Whose},
 };
 use crate::{
     context::Encoding,
-    engine::{Door, Held, Label, Settlement, StreamEnd, Streaming, envelope},
+    engine::{Door, Held, Label, Panic, Settlement, StreamEnd, Streaming, envelope},
 };
 
 /// One request's side of its claim: the layer's configuration, the matched route, the
@@ -36,6 +36,8 @@ pub(super) struct HttpDoor<ResBody> {
     pub(super) span: tracing::Span,
     /// The longest the layer's hook may take to rebuild a minimal record.
     pub(super) rebuild_timeout: Duration,
+    /// The request's scope, for the rebuild hook's context.
+    pub(super) scope: Vec<u8>,
     pub(super) body: PhantomData<fn() -> ResBody>,
 }
 
@@ -49,6 +51,11 @@ impl<ResBody> HttpDoor<ResBody> {
             retention: held.retention,
             rebuild_timeout: self.rebuild_timeout,
         }
+    }
+
+    /// Whose record a replay of `held` answers.
+    fn whose<'a>(&'a self, held: &'a Held) -> Whose<'a> {
+        Whose { key: &held.key, fingerprint: &held.fingerprint, scope: &self.scope }
     }
 
     /// `head`, with the record's expiry when the layer advertises it.
@@ -71,6 +78,10 @@ where
 
     fn encoding(&self) -> Arc<dyn Encoding> {
         Arc::new(HttpEncoding(self.config.clone()))
+    }
+
+    fn durable(&self) -> bool {
+        self.config.recover.as_ref().is_some_and(super::recover::Hook::durable)
     }
 
     fn claimed(&self, outcome: &'static str) {
@@ -146,13 +157,24 @@ where
     /// replay.
     async fn recovered(
         &self,
-        (response, request): (Response<Bytes>, HeaderMap),
+        recovered: (Response<Bytes>, HeaderMap),
         held: &Held,
     ) -> Settlement<Response> {
-        let (head, body) = response.into_parts();
-        let record = record::encode_response(&head, &self.config.answers.replayed_headers, &body);
-        let replayed = self.replay(&request, held).replay(record.clone(), held.key.hash()).await;
+        let record = match self.recorded(&recovered, held) {
+            Ok(record) => record,
+            Err(panic) => return Settlement::Panicked(panic),
+        };
+        let replay = self.replay(&recovered.1, held);
+        let replayed = replay.replay(record.clone(), self.whose(held)).await;
         Settlement::Store(record, replayed)
+    }
+
+    fn recorded(
+        &self,
+        (response, _): &(Response<Bytes>, HeaderMap),
+        _: &Held,
+    ) -> Result<Bytes, Panic> {
+        Ok(record::encode_whole(response, &self.config.answers.replayed_headers))
     }
 
     /// The returned response when it encodes to the committed record: a minimal one by its
@@ -190,9 +212,11 @@ where
                 );
                 let timeout = self.rebuild_timeout;
                 match record::decode(committed, &self.route) {
-                    Ok(stored) => replay::response(config, &self.route, timeout, stored, hash)
-                        .await
-                        .unwrap_or_else(|problem| problem),
+                    Ok(stored) => {
+                        replay::response(config, &self.route, timeout, stored, self.whose(held))
+                            .await
+                            .unwrap_or_else(|problem| problem)
+                    }
                     // The layer encoded it a moment ago: unreachable, and answered as any
                     // unreadable record would be.
                     Err(_) => {

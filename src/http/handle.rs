@@ -21,7 +21,7 @@ use super::{
     door::HttpDoor,
     problem::{ProblemType, problem, problem_retry_after},
     recover::lookup_request,
-    replay::Replay,
+    replay::{Replay, Whose},
     scope::ScopeExtractor,
 };
 use crate::{
@@ -96,8 +96,11 @@ where
             route: route.clone(),
             span,
             rebuild_timeout,
+            scope: scope.clone(),
             body: PhantomData,
         };
+        // Whose record a replay answers, should the claim find one.
+        let (replay_fingerprint, replay_scope) = (fingerprint.clone(), scope.clone());
         // A clone shares the key's text: the logs below name its hash.
         let logged = record_key.clone();
         let hash = logged.hash();
@@ -109,7 +112,8 @@ where
             // The recovery hook's question, with a copy of the request, when it is due.
             let lookup = recover.as_ref().filter(|_| due).map(|hook| {
                 let headers = parts.headers.clone();
-                let lookup = hook.ask(Lookup::new(context.clone(), lookup_request(&parts, &body)));
+                let lookup =
+                    hook.ask(Lookup::new(context.clone(), Some(lookup_request(&parts, &body))));
                 async move {
                     let found = lookup.await?;
                     Ok(found.map(|response| (response, headers)))
@@ -133,7 +137,9 @@ where
                     retention: self.engine.retention(),
                     rebuild_timeout,
                 };
-                Ok(answer.replay(blob, hash).await)
+                let whose =
+                    Whose { key: &logged, fingerprint: &replay_fingerprint, scope: &replay_scope };
+                Ok(answer.replay(blob, whose).await)
             }
             (_, Decided::InProgress { retry_after }) => {
                 tracing::debug!(key_hash = hash, ?retry_after, "idempotency: in progress");

@@ -196,59 +196,47 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     {
         self.config().recover = Some(Hook::new(hook));
         self.settings().recovering = true;
-        self.settings().durable = false;
         self
     }
 
-    /// Answers from `outcomes` what the record store cannot: the durable half beside a fast
-    /// record store (Redis), for handlers that commit their responses to it in its
-    /// transactions (`DurableOutcomes::transaction`, which refuses a door without this). Every
-    /// new claim and every
-    /// takeover asks the table first (one primary-key read), so that a lapsed lease, a holder
-    /// that died after its commit, or a record Redis lost is replayed from PostgreSQL, and the
-    /// handler does not run again. It is the recovery hook ([`recover`](Self::recover)) and
-    /// [`Recovery::every_claim`](crate::settings::Recovery::every_claim) in one.
-    ///
-    /// A request with another payload under a key whose outcome only the table still holds
-    /// is answered as a key reused with a different request (409, or the configured
-    /// mismatch status), never run.
-    #[cfg(feature = "postgres")]
-    pub fn durable(self, outcomes: crate::store::DurableOutcomes) -> Self {
-        let mut layer = self.recover(super::recover::Durable(outcomes));
-        layer.settings().durable = true;
-        layer
-    }
-
     /// Rebuilds the replay of a response its handler stored minimally ([`Minimal`]: the
-    /// status, the kept headers and a small value): `hook` gets them as a [`Rebuild`], reads
-    /// the system of record, and returns the whole response, which the retry gets with
-    /// `Idempotency-Replayed: true`. Bounded by the recovery timeout
+    /// status, the kept headers and a small value): `hook`, a [`Recover`] hook asked with a
+    /// [`Lookup`] whose request is the [`Rebuild`] (and whose context names the record),
+    /// reads the system of record and answers [`Recovered::Happened`] with the whole response,
+    /// which the retry gets with `Idempotency-Replayed: true`. Bounded by the recovery timeout
     /// ([`Recovery::timeout`](crate::settings::Recovery::timeout), 5 seconds by default). A hook that fails,
-    /// panics or times out is answered 503 problem+json (`rebuild-failed`) with `Retry-After`,
-    /// and never runs the handler again; a minimal record without a hook, 500.
+    /// panics, times out or finds nothing ([`Recovered::Unknown`], [`Recovered::Mismatch`]) is
+    /// answered 503 problem+json (`rebuild-failed`) with `Retry-After`, and never runs the
+    /// handler again; a minimal record without a hook, 500.
     ///
     /// ```
-    /// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::Rebuild};
+    /// use axum_idempotency::{
+    ///     IdempotencyLayer, MemoryStore,
+    ///     http::Rebuild,
+    ///     recovery::{BoxError, Lookup, Recovered},
+    /// };
     ///
-    /// let layer = IdempotencyLayer::new(MemoryStore::new()).rebuild(|stored: Rebuild| async move {
+    /// let layer = IdempotencyLayer::new(MemoryStore::new()).rebuild(|lookup: Lookup<Rebuild>| async move {
+    ///     let stored = lookup.request.ok_or("a replay always has its record")?;
     ///     // SELECT * FROM orders WHERE id = stored.value
     ///     let order = format!(r#"{{"id":{}}}"#, String::from_utf8_lossy(&stored.value));
     ///     let mut response = http::Response::new(bytes::Bytes::from(order));
     ///     *response.status_mut() = stored.status;
     ///     *response.headers_mut() = stored.headers;
-    ///     Ok(response)
+    ///     Ok::<_, BoxError>(Recovered::Happened(response))
     /// });
     /// ```
     ///
     /// [`Minimal`]: super::Minimal
     /// [`Rebuild`]: super::Rebuild
-    pub fn rebuild<F, Fut>(mut self, hook: F) -> Self
+    /// [`Recover`]: crate::recovery::Recover
+    /// [`Lookup`]: crate::recovery::Lookup
+    /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
+    /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
+    /// [`Recovered::Mismatch`]: crate::recovery::Recovered::Mismatch
+    pub fn rebuild<H>(mut self, hook: H) -> Self
     where
-        F: Fn(super::Rebuild) -> Fut + Send + Sync + 'static,
-        Fut: std::future::Future<
-                Output = Result<http::Response<bytes::Bytes>, crate::recovery::BoxError>,
-            > + Send
-            + 'static,
+        H: crate::recovery::Recover<super::Rebuild, http::Response<bytes::Bytes>>,
     {
         self.config().rebuild = Some(super::minimal::RebuildHook::new(hook));
         self
@@ -278,6 +266,6 @@ impl<St: Admin, Sc> IdempotencyLayer<St, Sc> {
     /// layer as configured when called: call it on the finished layer.
     pub fn operator(&self) -> Operator<St> {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        Operator::new(engine, self.config.prefix.clone())
+        Operator::new(engine, self.config.clone())
     }
 }

@@ -1,6 +1,7 @@
 //! Minimal records: a response stored as its status, its kept headers and a small value (the
 //! resource's id), never its body, and replayed through a hook that rebuilds it from the system
-//! of record ([`Minimal`], [`Rebuild`], `IdempotencyLayer::rebuild`).
+//! of record ([`Minimal`], [`Rebuild`], `IdempotencyLayer::rebuild`): a
+//! [`Recover`] hook, asked with a [`Lookup`] of the [`Rebuild`].
 
 use std::{fmt, future::Future, panic::AssertUnwindSafe, pin::Pin, sync::Arc, time::Duration};
 
@@ -10,7 +11,10 @@ use futures_util::FutureExt as _;
 use http::{HeaderMap, Response, StatusCode};
 use serde::Serialize;
 
-use crate::recovery::BoxError;
+use crate::{
+    context::IdempotencyContext,
+    recovery::{BoxError, Lookup, Recover, Recovered},
+};
 
 /// Marks a response to be stored minimally: its status, the headers the layer keeps, and this
 /// small value (a resource id, a reference), never its body. The client that made the request
@@ -75,7 +79,8 @@ impl IntoResponseParts for Minimal {
     }
 }
 
-/// What a minimal record kept, for the rebuild hook to make the replay from.
+/// What a minimal record kept, for the rebuild hook to make the replay from: the request of
+/// its [`Lookup`] (whose context names the record's key hash, scope and fingerprint).
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct Rebuild {
@@ -85,37 +90,43 @@ pub struct Rebuild {
     pub headers: HeaderMap,
     /// The handler's [`Minimal`] value.
     pub value: Bytes,
-    /// The record's key hash, as the handler's `IdempotencyContext` named it.
-    pub key_hash: String,
     /// The matched route, as axum's `MatchedPath` has it (`"unrouted"` without one).
     pub route: String,
 }
 
-type RebuildFuture = Pin<Box<dyn Future<Output = Result<Response<Bytes>, BoxError>> + Send>>;
+type RebuildFuture =
+    Pin<Box<dyn Future<Output = Result<Recovered<Response<Bytes>>, BoxError>> + Send>>;
 
 /// The layer's rebuild hook, its type erased: called on a replay of a minimal record alone.
 #[derive(Clone)]
-pub(super) struct RebuildHook(Arc<dyn Fn(Rebuild) -> RebuildFuture + Send + Sync>);
+pub(super) struct RebuildHook(Arc<dyn Fn(Lookup<Rebuild>) -> RebuildFuture + Send + Sync>);
 
 impl RebuildHook {
-    pub(super) fn new<F, Fut>(hook: F) -> Self
-    where
-        F: Fn(Rebuild) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Response<Bytes>, BoxError>> + Send + 'static,
-    {
-        Self(Arc::new(move |rebuild| Box::pin(hook(rebuild))))
+    pub(super) fn new<H: Recover<Rebuild, Response<Bytes>>>(hook: H) -> Self {
+        let hook = Arc::new(hook);
+        Self(Arc::new(move |lookup| {
+            let hook = hook.clone();
+            Box::pin(async move { hook.recover(lookup).await })
+        }))
     }
 
-    /// The rebuilt response; an error naming why not (the hook failed, panicked, or took more
-    /// than `timeout`).
+    /// The rebuilt response; an error naming why not (the hook failed, panicked, took more
+    /// than `timeout`, or found nothing of the operation the record says happened).
     pub(super) async fn rebuild(
         &self,
+        context: IdempotencyContext,
         rebuild: Rebuild,
         timeout: Duration,
     ) -> Result<Response<Bytes>, String> {
-        let call = AssertUnwindSafe((self.0)(rebuild)).catch_unwind();
+        let call = AssertUnwindSafe((self.0)(Lookup::new(context, Some(rebuild)))).catch_unwind();
         match tokio::time::timeout(timeout, call).await {
-            Ok(Ok(Ok(response))) => Ok(response),
+            Ok(Ok(Ok(Recovered::Happened(response)))) => Ok(response),
+            Ok(Ok(Ok(Recovered::Unknown))) => {
+                Err("the system of record knows nothing of the stored outcome".to_owned())
+            }
+            Ok(Ok(Ok(Recovered::Mismatch))) => {
+                Err("the system of record holds another request's outcome".to_owned())
+            }
             Ok(Ok(Err(error))) => Err(error.to_string()),
             Ok(Err(_panic)) => Err("the rebuild hook panicked".to_owned()),
             Err(_) => Err(format!("no answer within {timeout:?}")),

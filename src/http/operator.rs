@@ -1,14 +1,22 @@
 //! [`Operator`]: the operator's calls on the records an [`IdempotencyLayer`] writes.
 
-use super::record;
+use std::{fmt, marker::PhantomData, sync::Arc};
+
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response};
+
 #[cfg(doc)]
 use super::{
     IdempotencyLayer,
     scope::{GlobalScope, ScopeExtractor},
 };
+use super::{config::Config, door::HttpDoor, record};
 use crate::{
-    engine::{Engine, Operations},
+    completer::Completer,
+    engine::{Engine, Label},
     key::RecordKey,
+    recovery::{Lookup, Recover},
     store::{AbandonedClaim, Admin, Forgotten, KeyReport, StoreError},
 };
 
@@ -17,12 +25,21 @@ use crate::{
 /// writes (its key prefix), and decrypts what it encrypts.
 ///
 /// Cloning is cheap.
-#[derive(Debug, Clone)]
-pub struct Operator<St>(Operations<St>);
+#[derive(Clone)]
+pub struct Operator<St> {
+    engine: Engine<St>,
+    config: Arc<Config>,
+}
 
 impl<St> Operator<St> {
-    pub(super) fn new(engine: Engine<St>, prefix: String) -> Self {
-        Self(Operations::new(engine, prefix))
+    pub(super) fn new(engine: Engine<St>, config: Arc<Config>) -> Self {
+        Self { engine, config }
+    }
+}
+
+impl<St> fmt::Debug for Operator<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Operator").field("prefix", &self.config.prefix).finish_non_exhaustive()
     }
 }
 
@@ -50,7 +67,7 @@ impl<St: Admin> Operator<St> {
             *response.headers_mut() = stored.headers;
             Ok(response)
         };
-        self.0.report(&self.record_key(scope, key), with_response, reader).await
+        self.engine.report(&self.record_key(scope, key), with_response, reader).await
     }
 
     /// Deletes the record of `key` in `scope`, so that the client's next retry runs its
@@ -66,7 +83,7 @@ impl<St: Admin> Operator<St> {
         key: &str,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.0.forget(&self.record_key(scope, key), force).await
+        self.engine.store().forget(&self.record_key(scope, key), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over, oldest
@@ -82,10 +99,37 @@ impl<St: Admin> Operator<St> {
         lapsed_for: std::time::Duration,
         limit: u32,
     ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        self.0.abandoned(lapsed_for, limit).await
+        self.engine.store().abandoned(lapsed_for, limit).await
+    }
+
+    /// A [`Completer`] of this layer's abandoned claims, asking `hook` (the layer's own
+    /// recovery hook, or any [`Recover`] of the HTTP door: `DurableOutcomes` too) with each
+    /// claim's context and no request, and storing what it knows as the layer stores a
+    /// recovered response: its header filter, its encryption at rest, its retention.
+    pub fn completer<H>(&self, hook: H) -> Completer<St>
+    where
+        H: Recover<Request<Bytes>, Response<Bytes>>,
+    {
+        let door = HttpDoor::<Body> {
+            config: self.config.clone(),
+            route: Label::route("completer"),
+            span: tracing::Span::none(),
+            rebuild_timeout: self.engine.recovery_timeout(),
+            scope: Vec::new(),
+            body: PhantomData,
+        };
+        let hook = Arc::new(hook);
+        let ask = move |context| {
+            let hook = hook.clone();
+            async move {
+                let found = hook.recover(Lookup::new(context, None)).await?;
+                Ok(found.map(|response| (response, HeaderMap::new())))
+            }
+        };
+        Completer::new(self.engine.clone(), &self.config.prefix, door, ask)
     }
 
     fn record_key(&self, scope: &[u8], key: &str) -> RecordKey {
-        self.0.record_key(scope, key.as_bytes())
+        RecordKey::new(&self.config.prefix, scope, key.as_bytes())
     }
 }

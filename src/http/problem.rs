@@ -132,7 +132,7 @@ pub(crate) fn problem(
 
 /// A handler's answer to a request whose key it found reused with another payload
 /// ([`StoreError::KeyReused`](crate::store::StoreError::KeyReused), from
-/// `RecoveryPoints::done`): the layer answers its mismatch problem (409 `key-reused`, 422
+/// `Checkpoints::done`): the layer answers its mismatch problem (409 `key-reused`, 422
 /// under the IETF preset) and releases the key, so that the request the key's steps belong
 /// to can still resume.
 #[derive(Debug, Clone, Copy, Default)]

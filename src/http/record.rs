@@ -56,11 +56,26 @@ pub(crate) fn encode_response(
     filter: &HeaderFilter,
     body: &[u8],
 ) -> Bytes {
-    match head.extensions.get::<super::Minimal>() {
-        Some(minimal) => {
-            encode_as(Format::HttpMinimal, head.status, &head.headers, filter, &minimal.0)
-        }
-        None => encode(head.status, &head.headers, filter, body),
+    encode_head(head.status, &head.headers, &head.extensions, filter, body)
+}
+
+/// Encodes a whole response (one the recovery hook found) as [`encode_response`] does.
+pub(crate) fn encode_whole(response: &http::Response<Bytes>, filter: &HeaderFilter) -> Bytes {
+    let (status, headers, extensions) =
+        (response.status(), response.headers(), response.extensions());
+    encode_head(status, headers, extensions, filter, response.body())
+}
+
+fn encode_head(
+    status: StatusCode,
+    headers: &HeaderMap,
+    extensions: &http::Extensions,
+    filter: &HeaderFilter,
+    body: &[u8],
+) -> Bytes {
+    match extensions.get::<super::Minimal>() {
+        Some(minimal) => encode_as(Format::HttpMinimal, status, headers, filter, &minimal.0),
+        None => encode(status, headers, filter, body),
     }
 }
 

@@ -24,22 +24,31 @@ pub(super) type HookFuture =
 /// The layer's recovery hook, its type erased: it is asked only on a takeover (or on every
 /// claim, when so configured), so a boxed future costs nothing on the common path.
 #[derive(Clone)]
-pub(super) struct Hook(Arc<dyn Fn(Lookup<Request<Bytes>>) -> HookFuture + Send + Sync>);
-
-impl Hook {
-    pub(super) fn new<H: Recover<Request<Bytes>, Response<Bytes>>>(hook: H) -> Self {
-        let hook = Arc::new(hook);
-        Self(Arc::new(move |lookup| {
-            let hook = hook.clone();
-            Box::pin(async move { hook.recover(lookup).await })
-        }))
-    }
+pub(super) struct Hook {
+    ask: Arc<dyn Fn(Lookup<Request<Bytes>>) -> HookFuture + Send + Sync>,
+    /// What [`Recover::durable`] said of it.
+    durable: bool,
 }
 
 impl Hook {
+    pub(super) fn new<H: Recover<Request<Bytes>, Response<Bytes>>>(hook: H) -> Self {
+        let durable = hook.durable();
+        let hook = Arc::new(hook);
+        let ask = Arc::new(move |lookup| {
+            let hook = hook.clone();
+            Box::pin(async move { hook.recover(lookup).await }) as HookFuture
+        });
+        Self { ask, durable }
+    }
+
     /// The hook's lookup of one request, not yet started.
     pub(super) fn ask(&self, lookup: Lookup<Request<Bytes>>) -> HookFuture {
-        (self.0)(lookup)
+        (self.ask)(lookup)
+    }
+
+    /// Whether the hook answers from outcomes committed beside the record store.
+    pub(super) fn durable(&self) -> bool {
+        self.durable
     }
 }
 
@@ -87,33 +96,5 @@ impl<S: Send + Sync> OptionalFromRequestParts<S> for IdempotencyContext {
         _state: &S,
     ) -> Result<Option<Self>, Self::Rejection> {
         Ok(parts.extensions.get::<Self>().cloned())
-    }
-}
-
-/// The layer's hook over [`DurableOutcomes`](crate::store::DurableOutcomes): the committed
-/// response of the request's key, when the table holds one of the same request.
-#[cfg(feature = "postgres")]
-pub(super) struct Durable(pub(super) crate::store::DurableOutcomes);
-
-#[cfg(feature = "postgres")]
-impl Recover<Request<Bytes>, Response<Bytes>> for Durable {
-    async fn recover(
-        &self,
-        lookup: Lookup<Request<Bytes>>,
-    ) -> Result<Recovered<Response<Bytes>>, BoxError> {
-        let Some((fingerprint, outcome)) = self.0.read(lookup.context.key()).await? else {
-            return Ok(Recovered::Unknown);
-        };
-        if &fingerprint != lookup.context.fingerprint() {
-            return Ok(Recovered::Mismatch);
-        }
-        let outcome = lookup.context.open_stored(outcome)?;
-        let stored =
-            super::record::decode(outcome, &crate::engine::Label::route("durable-outcomes"))
-                .map_err(|error| format!("the committed outcome is unreadable: {}", error.0))?;
-        let mut response = Response::new(stored.body);
-        *response.status_mut() = stored.status;
-        *response.headers_mut() = stored.headers;
-        Ok(Recovered::Happened(response))
     }
 }

@@ -14,10 +14,37 @@ use super::{
     problem::{ProblemType, problem, problem_retry_after},
     record::{self, StoredResponse},
 };
-use crate::engine::{
-    Label,
-    envelope::{self, Format},
+use crate::{
+    context::IdempotencyContext,
+    engine::{
+        Label,
+        envelope::{self, Format},
+    },
+    fingerprint::Fingerprint,
+    key::RecordKey,
 };
+
+/// Whose record a replay answers: its key, and the request's fingerprint and scope (the rebuild
+/// hook's context).
+#[derive(Clone, Copy)]
+pub(super) struct Whose<'a> {
+    pub(super) key: &'a RecordKey,
+    pub(super) fingerprint: &'a Fingerprint,
+    pub(super) scope: &'a [u8],
+}
+
+impl Whose<'_> {
+    /// The context the rebuild hook is asked with: no claim holds the key while it replays.
+    fn context(self) -> IdempotencyContext {
+        IdempotencyContext::new(
+            self.scope.to_vec(),
+            self.key,
+            self.fingerprint.clone(),
+            false,
+            None,
+        )
+    }
+}
 
 /// What a replay needs besides the record: the layer's configuration (its rebuild hook), the
 /// route, the retry's headers, the retention (for the expiry header) and the hook's bound.
@@ -32,7 +59,8 @@ pub(super) struct Replay<'a> {
 impl Replay<'_> {
     /// The stored response in `blob`, as a replay, with its expiry when the layer advertises
     /// it. Never panics: an unreadable record, or one the hook cannot rebuild, is a problem.
-    pub(super) async fn replay(&self, blob: Bytes, hash: &str) -> Response {
+    pub(super) async fn replay(&self, blob: Bytes, whose: Whose<'_>) -> Response {
+        let hash = whose.key.hash();
         let opened = envelope::parse(blob, self.route);
         if let Some(opened) = opened.as_ref().filter(|opened| opened.format == Format::NotStored) {
             let reason = String::from_utf8_lossy(&opened.payload);
@@ -73,7 +101,7 @@ impl Replay<'_> {
         }
         let completed_at = stored.completed_at;
         let mut response =
-            match response(self.config, self.route, self.rebuild_timeout, stored, hash).await {
+            match response(self.config, self.route, self.rebuild_timeout, stored, whose).await {
                 Ok(response) => response,
                 Err(problem) => return problem,
             };
@@ -92,8 +120,9 @@ pub(super) async fn response(
     route: &str,
     timeout: Duration,
     stored: StoredResponse,
-    hash: &str,
+    whose: Whose<'_>,
 ) -> Result<Response, Response> {
+    let hash = whose.key.hash();
     let as_response = |status, headers, body: Bytes| {
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = status;
@@ -115,10 +144,9 @@ pub(super) async fn response(
         status: stored.status,
         headers: stored.headers,
         value: stored.body,
-        key_hash: hash.to_owned(),
         route: route.to_owned(),
     };
-    match hook.rebuild(rebuild, timeout).await {
+    match hook.rebuild(whose.context(), rebuild, timeout).await {
         Ok(rebuilt) => {
             let (head, body) = rebuilt.into_parts();
             Ok(as_response(head.status, head.headers, body))

@@ -24,7 +24,7 @@ mod clock;
 mod dedup;
 mod memory;
 #[cfg(feature = "postgres")]
-mod postgres;
+pub(crate) mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
 mod regional;
@@ -40,9 +40,7 @@ pub use self::caching::{CachingStore, DEFAULT_CACHE_AGE, DEFAULT_CACHE_BYTES};
 pub use self::dedup::{BucketBatch, DedupStore, FilterBatch};
 pub use self::memory::{DEFAULT_CAPACITY, MemoryStore, RecordState};
 #[cfg(feature = "postgres")]
-pub use self::postgres::{
-    DurableOutcomes, LapsedClaims, PostgresStore, RecoveryPoints, TableNameError,
-};
+pub use self::postgres::{LapsedClaims, PostgresStore, TableNameError};
 #[cfg(feature = "redis")]
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
@@ -321,7 +319,7 @@ pub enum StoreError {
     /// `migrate()` at start (or apply its schema). The database's message. Answered 503, as
     /// for a store that cannot serve.
     SchemaMissing(String),
-    /// The key's recovery points were committed for another request (another payload under
+    /// The key's checkpoints were committed for another request (another payload under
     /// the same key): its steps are not this request's to resume. A key reused with a
     /// different request, answered as the doors answer a mismatch.
     KeyReused,
@@ -371,7 +369,7 @@ impl fmt::Display for StoreError {
                  checked (every such event would be answered new)"
             ),
             Self::KeyReused => f.write_str(
-                "the key's recovery points belong to another request: a key reused with a \
+                "the key's checkpoints belong to another request: a key reused with a \
                  different payload",
             ),
             Self::SchemaMissing(why) => write!(

@@ -38,7 +38,7 @@ pub trait Committable: Sized + Send + 'static {
 }
 
 /// Why a store's transaction ([`PostgresStore::transaction`](crate::store::PostgresStore),
-/// [`DurableOutcomes::transaction`](crate::store::DurableOutcomes)) did not commit, or does not
+/// [`DurableOutcomes::transaction`](crate::durable::DurableOutcomes)) did not commit, or does not
 /// know whether it did. Every variant but [`CommitUnknown`](Self::CommitUnknown) means the
 /// transaction was rolled back: neither the side effect nor the outcome was written.
 ///

@@ -15,9 +15,10 @@ use std::{
 
 use axum_idempotency::{
     IdempotencyContext,
+    durable::DurableOutcomes,
     grpc::GrpcIdempotencyLayer,
     store::{
-        DurableOutcomes, PostgresStore, Store,
+        PostgresStore, Store,
         sqlx::{self, PgConnection, PgPool},
     },
 };
@@ -93,7 +94,7 @@ impl Ledger {
     }
 
     /// A ledger whose `ChargeInTransaction` commits its reply to `outcomes` (Redis the record
-    /// store in front, PostgreSQL the authority: the layer's `durable`).
+    /// store in front, PostgreSQL the authority: the outcomes are the layer's `recover` hook).
     ///
     /// # Errors
     ///

@@ -235,7 +235,7 @@ async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: H
     let every_claim = axum_idempotency::settings::Recovery::default().every_claim(true);
     let hooked =
         layer(h.store()).recovery(every_claim).recover(|lookup: Lookup<bytes::Bytes>| async move {
-            let request = ChargeRequest::decode(lookup.request)?;
+            let request = ChargeRequest::decode(lookup.request.unwrap_or_default())?;
             let reply =
                 ChargeReply { charge_id: "ch_recovered".into(), amount: request.amount, call: 0 };
             match request.account.as_str() {
@@ -422,14 +422,14 @@ async fn a_server_killed_mid_call_leaves_the_retry_to_another_which_charges_once
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_losing_its_records_is_answered_from_the_durable_outcomes() {
-    use axum_idempotency::store::DurableOutcomes;
+    use axum_idempotency::durable::DurableOutcomes;
     let server = RedisServer::start();
     let database = common::postgres::TestDatabase::create("grpc_durable").await;
     let pool = common::postgres::pool_for(&database);
     let outcomes = DurableOutcomes::new(pool.clone());
     outcomes.migrate().await.unwrap();
     let ledger = Ledger::with_durable(outcomes.clone(), &pool).await.unwrap();
-    let mut client = start(layer(server.store()).durable(outcomes), ledger.clone()).await;
+    let mut client = start(layer(server.store()).recover(outcomes), ledger.clone()).await;
     let (first, first_replayed, first_id) =
         reply(client.charge_in_transaction(charge(Some("d"), "acct", 12)).await);
     assert_eq!((first.call, first_replayed), (1, false));

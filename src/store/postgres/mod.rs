@@ -2,9 +2,7 @@
 
 mod admin;
 mod listener;
-mod outcomes;
 mod schema;
-mod steps;
 mod sweeper;
 mod transaction;
 
@@ -18,9 +16,10 @@ use bytes::Bytes;
 use sqlx::{Executor as _, PgPool, Row as _, postgres::PgRow};
 
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
-pub use self::{
-    outcomes::DurableOutcomes, schema::TableNameError, steps::RecoveryPoints, sweeper::LapsedClaims,
-};
+pub use self::{schema::TableNameError, sweeper::LapsedClaims};
+// What the app-level tables beside the stores (`crate::durable`) share with this store: its
+// bounded calls, its migrations, and its transactional path.
+pub(crate) use self::transaction::{Kept, Write, idle_limit, run};
 use super::{
     Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription,
     clock::{ServerClock, claim_resampling},
@@ -252,7 +251,7 @@ impl PostgresStore {
 /// Runs `schema` in one transaction under an advisory lock named after `table`, so that
 /// instances starting side by side do not collide (two `CREATE TABLE IF NOT EXISTS` at once
 /// fail on the catalog's unique index).
-async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<(), StoreError> {
+pub(crate) async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<(), StoreError> {
     // One statement, so that no borrow of the transaction is held across two awaits (which
     // would make the future not `Send` for every lifetime, and `tokio::spawn` refuse it).
     let locked =
@@ -272,7 +271,7 @@ fn lock_wait(command_timeout: Duration) -> i64 {
 
 /// `call`, within `timeout`: its error is the store being unavailable, its timeout
 /// [`StoreError::Timeout`]. Every call of the PostgreSQL stores goes through here.
-async fn bounded<T>(
+pub(crate) async fn bounded<T>(
     timeout: Duration,
     call: impl Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, StoreError> {
@@ -299,7 +298,7 @@ fn store_error(error: sqlx::Error) -> StoreError {
 }
 
 /// `duration` in whole milliseconds, at most 30 years.
-fn millis(duration: Duration) -> i64 {
+pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(LONGEST_MS).min(LONGEST_MS)
 }
 

@@ -1,5 +1,5 @@
 //! The one transactional path: [`PostgresStore::transaction`] (and
-//! [`DurableOutcomes::transaction`](super::DurableOutcomes::transaction)) begins a transaction
+//! [`DurableOutcomes::transaction`](crate::durable::DurableOutcomes::transaction)) begins a transaction
 //! on the store's own pool, hands it to the operation, writes the operation's outcome in it,
 //! fenced by the claim's owner token, and commits: the side effect and the outcome, or
 //! neither.
@@ -17,7 +17,7 @@ use crate::{
 
 /// Where a transaction's outcome is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kept {
+pub(crate) enum Kept {
     /// In the record itself (`PostgresStore`): the transaction completes the claim.
     InRecord,
     /// In a table beside the record store (`DurableOutcomes`): the door stores it in the
@@ -27,7 +27,7 @@ pub(super) enum Kept {
 
 /// Writes an encoded outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
 /// fence refused it.
-pub(super) type Write = for<'t> fn(
+pub(crate) type Write = for<'t> fn(
     &'t mut PgConnection,
     &'t EncodedOutcome,
     Duration,
@@ -36,7 +36,7 @@ pub(super) type Write = for<'t> fn(
 
 /// Runs `operation` in a transaction of `pool` for `context`'s claim, and commits it with the
 /// outcome `write` writes: see [`PostgresStore::transaction`].
-pub(super) async fn run<O, E, F>(
+pub(crate) async fn run<O, E, F>(
     (pool, timeout): (&PgPool, Duration),
     (write, statement): (Write, &str),
     where_kept: Kept,
@@ -56,7 +56,7 @@ where
     if beside && !completion.durable {
         return Err(TransactionError::Misuse(
             "DurableOutcomes::transaction needs its door to answer from the table: set \
-             `.durable(outcomes)` on the layer or the consumer door",
+             `.recover(outcomes)` on the layer or the consumer door",
         ));
     }
     completion.commit.start(!beside).map_err(TransactionError::Misuse)?;
@@ -114,7 +114,7 @@ fn rolled_back(error: &sqlx::Error) -> bool {
 /// How long the database keeps a transaction that went idle after its outcome was written
 /// (its COMMIT lost on the way) before it ends it, and with it the record's row lock: the
 /// command timeout, past which the caller took the commit's fate as unknown anyway.
-pub(super) fn idle_limit(timeout: Duration) -> String {
+pub(crate) fn idle_limit(timeout: Duration) -> String {
     millis(timeout).max(1).to_string()
 }
 

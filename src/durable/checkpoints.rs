@@ -1,4 +1,4 @@
-//! [`RecoveryPoints`]: the steps of an operation that makes more than one foreign call, each
+//! [`Checkpoints`]: the steps of an operation that makes more than one foreign call, each
 //! marked done in the transaction that commits it and bound to its request, so that the same
 //! request run again resumes after the last step that committed instead of starting over.
 
@@ -7,8 +7,13 @@ use std::time::Duration;
 use serde::{Serialize, de::DeserializeOwned};
 use sqlx::{PgConnection, PgPool};
 
-use super::{bounded, millis};
-use crate::{IdempotencyContext, store::StoreError};
+use crate::{
+    IdempotencyContext,
+    store::{
+        StoreError,
+        postgres::{bounded, millis},
+    },
+};
 
 /// The steps an operation marked done, in the table `idempotency_steps` of the app's own
 /// PostgreSQL database, keyed by the operation's key hash
@@ -33,7 +38,7 @@ use crate::{IdempotencyContext, store::StoreError};
 /// ```no_run
 /// # async fn run(
 /// #     pool: axum_idempotency::store::sqlx::PgPool,
-/// #     steps: axum_idempotency::store::RecoveryPoints,
+/// #     steps: axum_idempotency::durable::Checkpoints,
 /// #     context: axum_idempotency::IdempotencyContext,
 /// # ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 /// use axum_idempotency::store::sqlx;
@@ -53,12 +58,12 @@ use crate::{IdempotencyContext, store::StoreError};
 /// # let _ = order; Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
-pub struct RecoveryPoints {
+pub struct Checkpoints {
     pool: PgPool,
     command_timeout: Duration,
 }
 
-impl RecoveryPoints {
+impl Checkpoints {
     /// The table, safe to run on every start.
     pub const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS idempotency_steps (
     key_hash TEXT NOT NULL,
@@ -73,28 +78,7 @@ impl RecoveryPoints {
 ALTER TABLE idempotency_steps ADD COLUMN IF NOT EXISTS fingerprint BYTEA NOT NULL DEFAULT '';
 CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (expires_at);";
 
-    /// Steps in `pool`'s database, every call bounded by a command timeout of a second.
-    #[must_use]
-    pub fn new(pool: PgPool) -> Self {
-        Self { pool, command_timeout: Duration::from_secs(1) }
-    }
-
-    /// Sets the longest a call may take.
-    #[must_use]
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
-        self
-    }
-
-    /// Creates the table when it is missing ([`SCHEMA`](Self::SCHEMA)), under an advisory
-    /// lock, so that instances starting side by side do not collide. Safe on every start.
-    ///
-    /// # Errors
-    ///
-    /// When the database cannot be reached or refuses the schema.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        super::migrate(&self.pool, "idempotency_steps", Self::SCHEMA).await
-    }
+    table_calls!("idempotency_steps", "Steps in `pool`'s database.");
 
     /// The result of `step` of `context`'s request, if an earlier run of it committed the
     /// step.
@@ -165,17 +149,5 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
             Some(_) => Ok(()),
             None => Err(StoreError::FencedOut),
         }
-    }
-
-    /// Deletes the expired steps, and returns how many.
-    ///
-    /// # Errors
-    ///
-    /// When the database cannot be reached.
-    pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
-        let delete = "DELETE FROM idempotency_steps WHERE expires_at <= clock_timestamp()";
-        let done =
-            sqlx::query(delete).execute(&self.pool).await.map_err(StoreError::unavailable)?;
-        Ok(done.rows_affected())
     }
 }

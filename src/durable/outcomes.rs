@@ -1,23 +1,26 @@
 //! [`DurableOutcomes`]: the durable half beside a fast record store (Redis). An operation
 //! commits its outcome to a table the crate owns, in the transaction that writes its side
 //! effect; the record store keeps the fast claim and the replays; a takeover, a lapsed lease or
-//! a record the record store lost is answered from the table.
+//! a record the record store lost is answered from the table, the door's recovery hook
+//! ([`Recover`] for both doors).
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::BoxFuture;
+use http::{Request, Response};
+use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
 
-use super::{
-    bounded, millis,
-    transaction::{Kept, Write, idle_limit, run},
-};
 use crate::{
-    context::IdempotencyContext,
+    context::{Encoding, IdempotencyContext},
     fingerprint::Fingerprint,
     key::RecordKey,
-    store::{Committable, EncodedOutcome, StoreError, TransactionError},
+    recovery::{BoxError, Lookup, Recover, Recovered},
+    store::{
+        Committable, EncodedOutcome, StoreError, TransactionError,
+        postgres::{Kept, Write, bounded, idle_limit, millis, run},
+    },
 };
 
 /// Writes an outcome, unless the table holds a live one for its key: an expired row is the
@@ -32,18 +35,18 @@ const INSERT: &str = "WITH idle AS (
     WHERE t.expires_at <= clock_timestamp()
     RETURNING 1";
 
-/// Writes `encoded` in the transaction: `Ok(false)` when the table holds another live outcome.
+/// Writes `sealed` in the transaction: `Ok(false)` when the table holds another live outcome.
 async fn write(
     tx: &mut PgConnection,
-    encoded: &EncodedOutcome,
+    sealed: &EncodedOutcome,
     timeout: Duration,
     statement: &str,
 ) -> Result<bool, StoreError> {
     let query = sqlx::query_scalar::<_, i32>(statement)
-        .bind(encoded.key.as_str())
-        .bind(&encoded.fingerprint.as_bytes()[..])
-        .bind(&encoded.stored[..])
-        .bind(millis(encoded.retention))
+        .bind(sealed.key.as_str())
+        .bind(&sealed.fingerprint.as_bytes()[..])
+        .bind(&sealed.stored[..])
+        .bind(millis(sealed.retention))
         .bind(idle_limit(timeout));
     Ok(bounded(timeout, query.fetch_optional(tx)).await?.is_some())
 }
@@ -51,8 +54,13 @@ async fn write(
 /// Outcomes committed with their side effects, in the table `idempotency_outcomes` of the
 /// app's own PostgreSQL database, beside a record store that does not share that database
 /// (Redis). Set up once, and handlers commit their outcomes to it
-/// ([`transaction`](Self::transaction)); the front doors answer from it what the record store cannot
-/// (`IdempotencyLayer::durable`, `Idempotent::durable`).
+/// ([`transaction`](Self::transaction)); the front doors answer from it what the record store
+/// cannot, with the table as their recovery hook (it is a [`Recover`] for both doors):
+/// `IdempotencyLayer::recover(outcomes)`, `Idempotent::recover(outcomes)`. Every new claim and
+/// every takeover asks the table first (one primary-key read), so that a lapsed lease, a holder
+/// that died after its commit, or a record Redis lost is replayed from PostgreSQL, and the
+/// operation does not run again; a request with another payload under a key whose outcome only
+/// the table still holds is answered as a key reused with a different request, never run.
 ///
 /// The table's primary key is the fence: of two holders of one key (one that was slow, not
 /// dead, and the one that took its lease over) only the first to commit keeps its side
@@ -74,36 +82,15 @@ impl DurableOutcomes {
 );
 CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcomes (expires_at);";
 
-    /// Outcomes in `pool`'s database. Every call is bounded by a command timeout of a second
-    /// ([`command_timeout`](Self::command_timeout)).
-    #[must_use]
-    pub fn new(pool: PgPool) -> Self {
-        Self { pool, command_timeout: Duration::from_secs(1) }
-    }
-
-    /// Sets the longest a call may take.
-    #[must_use]
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
-        self
-    }
-
-    /// Creates the table when it is missing ([`SCHEMA`](Self::SCHEMA)), under an advisory
-    /// lock, so that instances starting side by side do not collide. Safe on every start.
-    ///
-    /// # Errors
-    ///
-    /// When the database cannot be reached or refuses the schema.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        super::migrate(&self.pool, "idempotency_outcomes", Self::SCHEMA).await
-    }
+    table_calls!("idempotency_outcomes", "Outcomes in `pool`'s database.");
 
     /// Runs `operation` in a transaction the table's pool begins, writes the operation's
     /// outcome to the table in that same transaction and commits it: the outcome is kept if
     /// and only if the side effect commits. The front door then stores it in its record store
     /// too, as the outcome it answers. Used as
-    /// [`PostgresStore::transaction`](super::PostgresStore::transaction) is, with the same
-    /// outcomes, errors and refusals of misuse.
+    /// [`PostgresStore::transaction`](crate::store::PostgresStore::transaction) is, with the
+    /// same outcomes, errors and refusals of misuse; refused ([`TransactionError::Misuse`])
+    /// under a door whose recovery hook is not the table (`.recover(outcomes)`).
     ///
     /// # Errors
     ///
@@ -120,7 +107,7 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
     {
         let pool = (&self.pool, self.command_timeout);
         let write: Write =
-            |tx, encoded, timeout, statement| Box::pin(write(tx, encoded, timeout, statement));
+            |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
         run(pool, (write, INSERT), Kept::Beside, context, operation).await
     }
 
@@ -140,16 +127,72 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
         })
         .transpose()
     }
+}
 
-    /// Deletes the expired outcomes, and returns how many.
-    ///
-    /// # Errors
-    ///
-    /// When the database cannot be reached.
-    pub async fn sweep_expired(&self) -> Result<u64, StoreError> {
-        let delete = "DELETE FROM idempotency_outcomes WHERE expires_at <= clock_timestamp()";
-        let done =
-            sqlx::query(delete).execute(&self.pool).await.map_err(StoreError::unavailable)?;
-        Ok(done.rows_affected())
+impl DurableOutcomes {
+    /// The live outcome of `lookup`'s key, when the table holds one of the same request, read
+    /// back as its door stored it (decrypted when the door encrypts) and then by `read`.
+    async fn recovered<R, T>(
+        &self,
+        lookup: &Lookup<R>,
+        read: impl FnOnce(&dyn Encoding, Bytes) -> Result<T, String>,
+    ) -> Result<Recovered<T>, BoxError> {
+        let context = &lookup.context;
+        let Some((fingerprint, outcome)) = self.read(context.key()).await? else {
+            return Ok(Recovered::Unknown);
+        };
+        if &fingerprint != context.fingerprint() {
+            return Ok(Recovered::Mismatch);
+        }
+        let completion = context.completion().ok_or("the context is not one a front door gave")?;
+        let outcome = completion.at_rest.open(context.key(), context.fingerprint(), outcome)?;
+        let value = read(&*completion.encoding, outcome)
+            .map_err(|error| format!("the committed outcome is unreadable: {error}"))?;
+        Ok(Recovered::Happened(value))
+    }
+}
+
+/// The HTTP door's hook: the committed response of the request's key.
+impl Recover<Request<Bytes>, Response<Bytes>> for DurableOutcomes {
+    async fn recover(
+        &self,
+        lookup: Lookup<Request<Bytes>>,
+    ) -> Result<Recovered<Response<Bytes>>, BoxError> {
+        self.recovered(&lookup, |encoding, outcome| encoding.read_response(outcome)).await
+    }
+
+    fn durable(&self) -> bool {
+        true
+    }
+}
+
+/// The consumer door's hook: the committed result of the delivery's key.
+impl<T: DeserializeOwned + Send + 'static> Recover<Bytes, T> for DurableOutcomes {
+    async fn recover(&self, lookup: Lookup<Bytes>) -> Result<Recovered<T>, BoxError> {
+        self.recovered(&lookup, |encoding, outcome| {
+            let json = encoding.read_json(outcome)?;
+            serde_json::from_slice(&json).map_err(|error| error.to_string())
+        })
+        .await
+    }
+
+    fn durable(&self) -> bool {
+        true
+    }
+}
+
+/// The gRPC door's hook: the committed reply of the call's key.
+#[cfg(feature = "tonic")]
+impl Recover<Bytes, crate::grpc::Reply> for DurableOutcomes {
+    async fn recover(
+        &self,
+        lookup: Lookup<Bytes>,
+    ) -> Result<Recovered<crate::grpc::Reply>, BoxError> {
+        let read = self.recovered(&lookup, |encoding, outcome| encoding.read_response(outcome));
+        Ok(read.await?.map(crate::grpc::Reply::from_stored))
+    }
+
+    fn durable(&self) -> bool {
+        true
     }
 }
