@@ -22,13 +22,13 @@ pub mod durable;
 pub mod encryption;
 mod engine;
 mod fingerprint;
-pub mod http;
 mod key;
+pub mod layer;
 pub mod recovery;
 pub mod settings;
 pub mod store;
 
-// The root holds what a first user writes; the rest is in the modules: `http` (the layer's
+// The root holds what a first user writes; the rest is in the modules: `layer` (the layer's
 // middleware, key parsing, scopes, store policy), `consumer`, `store` (the `Store` trait and
 // what it speaks: claims, leases, tokens, record keys), `recovery`.
 #[cfg(feature = "redis")]
@@ -37,6 +37,6 @@ pub use crate::{
     consumer::Idempotent,
     context::IdempotencyContext,
     fingerprint::Fingerprint,
-    http::{IdempotencyLayer, scope::HeaderScope},
+    layer::{IdempotencyLayer, scope::HeaderScope},
     store::MemoryStore,
 };
