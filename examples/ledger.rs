@@ -19,7 +19,7 @@
 //! provider's charge, each a step marked done in its own transaction, then the charge recorded
 //! on the order with the response. The same request run again (a takeover, or a retry after a
 //! failure) resumes after the last step that committed; another payload under the key is
-//! answered 409 (`http::KeyReused`), never another request's steps.
+//! answered 409 (`layer::KeyReused`), never another request's steps.
 //!
 //! Each payment calls a payment provider first, with a key derived from the request's
 //! (`IdempotencyContext::derived_key`): a run after a crash calls it again with the same key, and
@@ -63,7 +63,7 @@ use axum_idempotency::{
     IdempotencyContext, IdempotencyLayer, Idempotent, RedisStore,
     consumer::Outcome,
     durable::{Checkpoints, DurableOutcomes},
-    http::KeyReused,
+    layer::KeyReused,
     recovery::{BoxError, Recover},
     store::{
         Committable, PostgresStore, Store, StoreError, TransactionError,

@@ -109,7 +109,7 @@ fn app<St: Admin>(store: St, admin_token: Option<String>) -> Router {
 /// The operator's routes: the layer's operator calls (`inspect`, `forget`, `abandoned`),
 /// behind a bearer token.
 struct Operator<St> {
-    records: axum_idempotency::http::Operator<St>,
+    records: axum_idempotency::layer::Operator<St>,
     token: Arc<str>,
 }
 

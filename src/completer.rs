@@ -2,7 +2,7 @@
 //! from the system of record when it knows the outcome, and reports those it cannot, so that
 //! "stuck in progress" is something an operator sees, not something a client discovers.
 //!
-//! It is a front door's: built from its operator's handle (`http::Operator::completer`,
+//! It is a front door's: built from its operator's handle (`layer::Operator::completer`,
 //! `consumer::Operator::completer`), over the door's store, with the door's own settings (its
 //! key prefix, its header filter, its encryption at rest, its retention, its recovery window
 //! and timeout), and it asks the door's [`Recover`](crate::recovery::Recover) hook: the same

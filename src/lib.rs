@@ -24,13 +24,13 @@ mod engine;
 mod fingerprint;
 #[cfg(feature = "tonic")]
 pub mod grpc;
-pub mod http;
 mod key;
+pub mod layer;
 pub mod recovery;
 pub mod settings;
 pub mod store;
 
-// The root holds what a first user writes; the rest is in the modules: `http` (the layer's
+// The root holds what a first user writes; the rest is in the modules: `layer` (the layer's
 // middleware, key parsing, scopes, store policy), `consumer`, `store` (the `Store` trait and
 // what it speaks: claims, leases, tokens, record keys), `recovery`.
 #[cfg(feature = "redis")]
@@ -39,6 +39,6 @@ pub use crate::{
     consumer::Idempotent,
     context::IdempotencyContext,
     fingerprint::Fingerprint,
-    http::{IdempotencyLayer, scope::HeaderScope},
+    layer::{IdempotencyLayer, scope::HeaderScope},
     store::MemoryStore,
 };

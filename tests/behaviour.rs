@@ -17,7 +17,7 @@ use axum::{
 };
 use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
-    HeaderScope, IdempotencyLayer, http::scope::ExtractorScope, store::RecordKey,
+    HeaderScope, IdempotencyLayer, layer::scope::ExtractorScope, store::RecordKey,
 };
 use common::*;
 
@@ -182,7 +182,7 @@ async fn retry_is_replayed_with_status_headers_and_body<H: Harness>(h: H) {
 async fn body_over_the_limit_is_413<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = app(&calls).layer(
-        IdempotencyLayer::new(h.store()).limits(axum_idempotency::http::Limits::default().body(8)),
+        IdempotencyLayer::new(h.store()).limits(axum_idempotency::layer::Limits::default().body(8)),
     );
     // Declared too large: refused before the body is read.
     let request = Request::post("/payments")
@@ -303,7 +303,7 @@ async fn response_over_the_stored_limit_is_sent_and_never_run_again<H: Harness>(
     let calls = Calls::default();
     let app = app(&calls).layer(
         IdempotencyLayer::new(h.store())
-            .limits(axum_idempotency::http::Limits::default().stored_body(1024)),
+            .limits(axum_idempotency::layer::Limits::default().stored_body(1024)),
     );
     let seen = send(&app, keyed("POST", "/big", "k1", "")).await;
     assert_eq!((seen.status.as_u16(), seen.body.len(), seen.replayed()), (200, 4096, false));
@@ -319,7 +319,7 @@ async fn response_over_the_stored_limit_is_sent_and_never_run_again<H: Harness>(
 async fn response_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).limits(
-        axum_idempotency::http::Limits::default().stored_body(1024).release_when_too_large(true),
+        axum_idempotency::layer::Limits::default().stored_body(1024).release_when_too_large(true),
     );
     let app = app(&calls).layer(layer);
     for _ in 0..2 {
@@ -405,7 +405,7 @@ async fn scopes_keep_tenants_apart<H: Harness>(h: H) {
 async fn ietf_preset_answers_409_and_422<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).waiting(Waiting::off());
-    let app = app(&calls).layer(layer.answers(axum_idempotency::http::Answers::ietf_draft()));
+    let app = app(&calls).layer(layer.answers(axum_idempotency::layer::Answers::ietf_draft()));
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 300, "a"), "k1").await;
     let busy = send(&app, keyed("POST", "/slow", "k1", "a")).await;
     busy.assert_problem(409, "in-progress");
@@ -565,7 +565,7 @@ async fn streamed_response_over_the_stored_limit_is_sent_whole_and_never_run_aga
     let calls = Calls::default();
     let app = app(&calls).layer(
         IdempotencyLayer::new(h.store())
-            .limits(axum_idempotency::http::Limits::default().stored_body(1500)),
+            .limits(axum_idempotency::layer::Limits::default().stored_body(1500)),
     );
     let seen = send(&app, keyed("POST", "/streamed", "k1", "")).await;
     assert_eq!(seen.status, 200);
@@ -582,7 +582,7 @@ async fn streamed_response_over_the_stored_limit_is_sent_whole_and_never_run_aga
 async fn streamed_response_over_the_stored_limit_is_released_when_so_configured<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store()).limits(
-        axum_idempotency::http::Limits::default().stored_body(1500).release_when_too_large(true),
+        axum_idempotency::layer::Limits::default().stored_body(1500).release_when_too_large(true),
     );
     let app = app(&calls).layer(layer);
     for _ in 0..2 {
@@ -619,7 +619,7 @@ async fn configuration_setters_take_effect<H: Harness>(h: H) {
         .header_name(HeaderName::from_static("x-idem"))
         .key_prefix("pay")
         .answers(
-            axum_idempotency::http::Answers::default()
+            axum_idempotency::layer::Answers::default()
                 .include_replayed_header(axum::http::header::SET_COOKIE)
                 .exclude_replayed_header(HeaderName::from_static("x-payment")),
         )
@@ -666,7 +666,7 @@ async fn configuration_setters_take_effect<H: Harness>(h: H) {
 /// is released and the retry runs; a store policy sees the response's headers.
 async fn a_handler_says_not_stored_through_its_response<H: Harness>(h: H) {
     use axum::response::IntoResponse as _;
-    use axum_idempotency::http::ReleaseKey;
+    use axum_idempotency::layer::ReleaseKey;
     let calls = Calls::default();
     let busy = {
         let calls = calls.clone();

@@ -78,7 +78,7 @@ fn resolver(known: RecordKey) -> impl Fn(Lookup<Request<Bytes>>) -> Found + Send
 }
 
 /// The layer `service` runs under, whose operator's completer asks `hook`.
-fn operator(store: &PostgresStore) -> axum_idempotency::http::Operator<PostgresStore> {
+fn operator(store: &PostgresStore) -> axum_idempotency::layer::Operator<PostgresStore> {
     let hook = |_: Lookup<Request<Bytes>>| async { Ok::<_, BoxError>(Recovered::Unknown) };
     IdempotencyLayer::new(store.clone()).lease(LEASE).keep_alive(None).recover(hook).operator()
 }

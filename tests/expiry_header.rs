@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, SystemTime};
 
-use axum_idempotency::{IdempotencyLayer, http::EXPIRES_HEADER};
+use axum_idempotency::{IdempotencyLayer, layer::EXPIRES_HEADER};
 use common::*;
 
 every_store!(
@@ -30,7 +30,7 @@ async fn stored_and_replayed_responses_say_when_the_key_expires<H: Harness>(h: H
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
         .retention(RETENTION)
-        .answers(axum_idempotency::http::Answers::default().advertise_expiry(true));
+        .answers(axum_idempotency::layer::Answers::default().advertise_expiry(true));
     let app = app(&calls).layer(layer);
     let first = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!(first.status, 201);
@@ -51,7 +51,7 @@ async fn responses_not_stored_and_layers_without_the_option_say_nothing<H: Harne
     let calls = Calls::default();
     let advertising = app(&calls).layer(
         IdempotencyLayer::new(h.store())
-            .answers(axum_idempotency::http::Answers::default().advertise_expiry(true)),
+            .answers(axum_idempotency::layer::Answers::default().advertise_expiry(true)),
     );
     let failed = send(&advertising, keyed("POST", "/status/500", "k1", "{}")).await;
     assert_eq!((failed.status.as_u16(), failed.header(EXPIRES_HEADER)), (500, None));

@@ -103,7 +103,7 @@ async fn bodies_at_and_one_byte_over_the_limit() {
     let calls = Calls::default();
     let app = app(&calls).layer(
         IdempotencyLayer::new(store.clone())
-            .limits(axum_idempotency::http::Limits::default().body(1024)),
+            .limits(axum_idempotency::layer::Limits::default().body(1024)),
     );
     let at: &'static str = "a".repeat(1024).leak();
     let over: &'static str = "a".repeat(1025).leak();
@@ -173,7 +173,7 @@ proptest! {
         RUNTIME.block_on(async {
             let store = MemoryStore::new();
             let calls = Calls::default();
-            let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).limits(axum_idempotency::http::Limits::default().body(64)));
+            let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).limits(axum_idempotency::layer::Limits::default().body(64)));
             let build = || {
                 let mut request = Request::builder().method(method.clone()).uri("/payments")
                     .body(Body::from(body.clone())).unwrap();
@@ -185,7 +185,7 @@ proptest! {
                 request
             };
             let first = send(&app, build()).await;
-            let key = axum_idempotency::http::parse_key(build().headers(), &"idempotency-key".parse().unwrap());
+            let key = axum_idempotency::layer::parse_key(build().headers(), &"idempotency-key".parse().unwrap());
             let handled = method == Method::POST || method == Method::PATCH;
             match (&key, handled) {
                 (_, false) | (Ok(None), true) => {

@@ -1,4 +1,4 @@
-//! Minimal records (`http::Minimal`, `IdempotencyLayer::rebuild`) on every store: the store
+//! Minimal records (`layer::Minimal`, `IdempotencyLayer::rebuild`) on every store: the store
 //! keeps the status, the kept headers and the handler's small value, never the body; a retry
 //! gets the response the hook rebuilds from the system of record; a hook that fails is a 503
 //! and never a rerun.
@@ -21,7 +21,7 @@ use axum::{
 };
 use axum_idempotency::{
     IdempotencyLayer,
-    http::{Minimal, Rebuild},
+    layer::{Minimal, Rebuild},
     recovery::{BoxError, Lookup, Recovered},
     store::Admin,
 };
@@ -76,7 +76,7 @@ async fn rebuild(
 
 fn service<H: Harness>(h: &H, orders: &Orders, with_hook: bool) -> Router {
     let mut layer = IdempotencyLayer::new(h.store())
-        .limits(axum_idempotency::http::Limits::default().stored_body(4096));
+        .limits(axum_idempotency::layer::Limits::default().stored_body(4096));
     if with_hook {
         let hooked = orders.clone();
         layer = layer.rebuild(move |lookup| rebuild(hooked.clone(), lookup));

@@ -72,7 +72,7 @@ mod bound_to_the_request {
     use axum_idempotency::{
         IdempotencyContext, IdempotencyLayer,
         durable::Checkpoints,
-        http::KeyReused,
+        layer::KeyReused,
         store::{
             PostgresStore, StoreError,
             sqlx::{self, PgPool},

@@ -428,7 +428,7 @@ both_redis_stores!(
 
 /// With a subscriber that records it, each handled request has its `idempotency` span, and the
 /// layer's events sit in it with the request's key hash and outcome (a span nobody records is
-/// not entered; see `src/http/service.rs`).
+/// not entered; see `src/layer/service.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_recorded_requests_events_sit_in_its_span_with_the_outcome() {
     observe();

@@ -15,7 +15,7 @@ use axum::{
 use axum_idempotency::settings::Waiting;
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer,
-    http::Fingerprinting,
+    layer::Fingerprinting,
     store::{OwnerToken, Store},
 };
 use common::*;
@@ -95,7 +95,7 @@ async fn the_query_string_is_part_of_the_request<H: Harness>(h: H) {
 async fn a_declared_length_within_the_limit_is_read<H: Harness>(h: H) {
     let calls = Calls::default();
     let app = app(&calls).layer(
-        IdempotencyLayer::new(h.store()).limits(axum_idempotency::http::Limits::default().body(8)),
+        IdempotencyLayer::new(h.store()).limits(axum_idempotency::layer::Limits::default().body(8)),
     );
     for (key, body) in [("k1", "1234567"), ("k2", "12345678")] {
         let request = Request::post("/payments")
@@ -115,7 +115,7 @@ async fn a_response_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
     // `/big` answers 4096 bytes; a limit of 4096 stores it, 4095 does not.
     let at_limit = app(&calls).layer(
         IdempotencyLayer::new(h.store())
-            .limits(axum_idempotency::http::Limits::default().stored_body(4096)),
+            .limits(axum_idempotency::layer::Limits::default().stored_body(4096)),
     );
     let first = send(&at_limit, keyed("POST", "/big", "k1", "")).await;
     assert_eq!(first.body.len(), 4096);
@@ -124,7 +124,7 @@ async fn a_response_of_exactly_the_stored_limit_is_stored<H: Harness>(h: H) {
     assert_eq!(retry.body.len(), 4096);
     let under = app(&calls).layer(
         IdempotencyLayer::new(h.store())
-            .limits(axum_idempotency::http::Limits::default().stored_body(4095)),
+            .limits(axum_idempotency::layer::Limits::default().stored_body(4095)),
     );
     assert_eq!(send(&under, keyed("POST", "/big", "k2", "")).await.body.len(), 4096);
     // Too large to keep: the key is held as completed, not replayable.

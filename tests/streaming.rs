@@ -152,7 +152,7 @@ async fn a_client_that_leaves_mid_stream_still_has_the_stream_stored<H: Harness>
 async fn an_endless_stream_is_never_buffered_and_never_run_again<H: Harness>(h: H) {
     let (calls, produced, chunks) = (Calls::default(), Produced::default(), Arc::default());
     let layer = IdempotencyLayer::new(h.store())
-        .limits(axum_idempotency::http::Limits::default().stored_body(16 * 1024));
+        .limits(axum_idempotency::layer::Limits::default().stored_body(16 * 1024));
     let app = streaming_app(&calls, &produced, &chunks).layer(layer);
     let response = app.clone().oneshot(keyed("POST", "/endless", "k1", "")).await.unwrap();
     let mut body = response.into_body();
@@ -216,7 +216,7 @@ async fn headers_of_exactly_the_stored_limit_are_stored<H: Harness>(h: H) {
         .sum();
     for (limit, key, replayed) in [(stored - 1, "under", false), (stored, "exact", true)] {
         let layer = IdempotencyLayer::new(h.store())
-            .limits(axum_idempotency::http::Limits::default().stored_headers(limit));
+            .limits(axum_idempotency::layer::Limits::default().stored_headers(limit));
         let app = app.clone().layer(layer);
         send(&app, keyed("POST", "/big-header", key, "")).await;
         let again = send(&app, keyed("POST", "/big-header", key, "")).await;

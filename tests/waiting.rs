@@ -99,7 +99,7 @@ async fn past_the_deadline_the_answer_is_202_with_retry_after_1<H: Harness>(h: H
 async fn past_the_deadline_the_ietf_preset_answers_409_with_retry_after_1<H: Harness>(h: H) {
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(h.store())
-        .answers(axum_idempotency::http::Answers::ietf_draft())
+        .answers(axum_idempotency::layer::Answers::ietf_draft())
         .waiting(Waiting::up_to(Duration::from_millis(200)));
     let app = app(&calls).layer(layer);
     let first = send_until_claimed(&h, &app, delayed("/slow", "k1", 800, "{}"), "k1").await;

@@ -31,7 +31,7 @@ use crate::{
 /// Steps belong to the request that marked them: asked by another request under the same
 /// key (another payload), [`done`](Self::done) answers [`StoreError::KeyReused`], never the
 /// other request's results; answer it with
-/// [`http::KeyReused`](crate::http::KeyReused) (the layer's mismatch problem, 409 or 422). A
+/// [`layer::KeyReused`](crate::layer::KeyReused) (the layer's mismatch problem, 409 or 422). A
 /// step is kept as long as the key's outcome is (the door's retention, from the mark): a key
 /// whose record expired starts afresh.
 ///

@@ -13,10 +13,10 @@ use super::observe::{self, Label};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub(crate) enum Format {
-    /// An HTTP response (`crate::http::record`).
+    /// An HTTP response (`crate::layer::record`).
     Http = 2,
     /// An HTTP response stored minimally: its status, its headers and the handler's small
-    /// value in place of its body (`crate::http::Minimal`); a hook rebuilds the replay.
+    /// value in place of its body (`crate::layer::Minimal`); a hook rebuilds the replay.
     HttpMinimal = 3,
     /// A consumer result: JSON (`crate::consumer::stored`).
     Json = b'J',

@@ -14,7 +14,7 @@
 //!    (let a retry run), both fenced by the owner token, and retried in the background when
 //!    the store fails; it answers the caller through [`Answer`].
 //!
-//! The front doors (`crate::http`, `crate::consumer`) turn their world into a record key, a
+//! The front doors (`crate::layer`, `crate::consumer`) turn their world into a record key, a
 //! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
 //! [`Ended`]) back into theirs.
 

@@ -21,8 +21,8 @@ use crate::{
     context::IdempotencyContext,
     engine::{Claiming, Decided, Ended, Engine, Label, Operated, Start},
     fingerprint::Fingerprint,
-    http::{MAX_KEY_LEN, parse_key},
     key::RecordKey,
+    layer::{MAX_KEY_LEN, parse_key},
     recovery::{BoxError, Lookup},
     store::Store,
 };

@@ -7,7 +7,7 @@ use futures_util::future::BoxFuture;
 
 use super::{DefaultGrpcStorePolicy, GrpcScope, GrpcStorePolicy, KeyFromMessage, Reply};
 use crate::{
-    http::scope::GlobalScope,
+    layer::scope::GlobalScope,
     recovery::{BoxError, Lookup, Recover, Recovered},
 };
 

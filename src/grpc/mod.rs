@@ -74,7 +74,7 @@ pub use self::{
     commit::Reply,
     layer::{GrpcIdempotency, GrpcIdempotencyLayer, ResponseFuture},
 };
-pub use crate::http::scope::GlobalScope;
+pub use crate::layer::scope::GlobalScope;
 
 /// The metadata entry that carries the key.
 pub const KEY_METADATA: &str = "idempotency-key";

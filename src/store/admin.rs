@@ -72,7 +72,7 @@ pub struct Inspection {
     pub outcome: Option<Bytes>,
 }
 
-/// What a front door's `inspect` found under a client's key (`http::Operator::inspect`,
+/// What a front door's `inspect` found under a client's key (`layer::Operator::inspect`,
 /// `consumer::Operator::inspect`): the store's [`Inspection`], and what the door reads in the outcome,
 /// decrypted when it encrypts at rest.
 #[derive(Debug, Clone)]

@@ -57,7 +57,7 @@ pub enum TransactionError<E> {
     /// rolled back.
     Store(StoreError),
     /// The front door does not store this outcome (a response its store policy does not
-    /// keep or marked `http::ReleaseKey`, a response over the stored limits, a value serde
+    /// keep or marked `layer::ReleaseKey`, a response over the stored limits, a value serde
     /// cannot encode, a response committed for the consumer door): rolled back, its side
     /// effect with it (committed with its key released, it would run again on the retry).
     /// The reason.

@@ -2,7 +2,7 @@
 //! process (one thread, no HTTP connection): µs per request with and without encryption at
 //! rest, fresh and replay, 256 B and 16 KiB bodies, over the memory store and a private Redis;
 //! and the bytes a record costs in Redis (`MEMORY USAGE`) stored whole, encrypted, and
-//! minimally (`http::Minimal`).
+//! minimally (`layer::Minimal`).
 
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use axum::{
 use axum_idempotency::{
     IdempotencyLayer, MemoryStore, RedisStore,
     encryption::Keyring,
-    http::Minimal,
+    layer::Minimal,
     store::{RecordKey, Store},
 };
 use bytes::Bytes;

@@ -123,7 +123,7 @@ where
 ///
 /// ```
 /// use axum::{extract::FromRequestParts, http::{StatusCode, request::Parts}};
-/// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::scope::ExtractorScope};
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, layer::scope::ExtractorScope};
 ///
 /// struct User { id: u64 }
 ///

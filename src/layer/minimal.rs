@@ -27,7 +27,7 @@ use crate::{
 ///
 /// ```
 /// use axum::{Json, http::StatusCode, response::IntoResponse};
-/// use axum_idempotency::http::Minimal;
+/// use axum_idempotency::layer::Minimal;
 ///
 /// async fn create_order() -> impl IntoResponse {
 ///     let order = serde_json::json!({"id": 42, "card": "4242 4242 4242 4242"});

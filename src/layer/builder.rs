@@ -151,11 +151,11 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Sets which responses are stored for replay: a [`StorePolicy`](crate::http::StorePolicy),
+    /// Sets which responses are stored for replay: a [`StorePolicy`](crate::layer::StorePolicy),
     /// or a closure over the response's head. Defaults to
-    /// [`DefaultStorePolicy`](crate::http::DefaultStorePolicy). A response marked
-    /// [`ReleaseKey`](crate::http::ReleaseKey) is never stored, whatever the policy.
-    pub fn store_policy(mut self, policy: impl crate::http::StorePolicy) -> Self {
+    /// [`DefaultStorePolicy`](crate::layer::DefaultStorePolicy). A response marked
+    /// [`ReleaseKey`](crate::layer::ReleaseKey) is never stored, whatever the policy.
+    pub fn store_policy(mut self, policy: impl crate::layer::StorePolicy) -> Self {
         self.config().store_policy = Policy(Arc::new(policy));
         self
     }
@@ -212,7 +212,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     /// ```
     /// use axum_idempotency::{
     ///     IdempotencyLayer, MemoryStore,
-    ///     http::Rebuild,
+    ///     layer::Rebuild,
     ///     recovery::{BoxError, Lookup, Recovered},
     /// };
     ///

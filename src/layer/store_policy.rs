@@ -48,7 +48,7 @@ where
 /// does not cover); 1xx and 3xx.
 ///
 /// ```
-/// use axum_idempotency::http::{DefaultStorePolicy, StorePolicy};
+/// use axum_idempotency::layer::{DefaultStorePolicy, StorePolicy};
 /// use http::{Response, StatusCode};
 ///
 /// let head = |status: StatusCode| {
@@ -95,7 +95,7 @@ impl StorePolicy for DefaultStorePolicy {
 ///
 /// ```
 /// use axum::{http::StatusCode, response::IntoResponse};
-/// use axum_idempotency::http::ReleaseKey;
+/// use axum_idempotency::layer::ReleaseKey;
 ///
 /// async fn create_payment() -> impl IntoResponse {
 ///     // The ledger is busy: a retry with the same key must run again.

@@ -10,7 +10,7 @@ use super::header_filter::HeaderFilter;
 /// ([`IdempotencyLayer::limits`](super::IdempotencyLayer::limits)).
 ///
 /// ```
-/// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::Limits};
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, layer::Limits};
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new())
 ///     .limits(Limits::default().body(64 * 1024).stored_body(256 * 1024));
@@ -76,7 +76,7 @@ impl Limits {
 /// and what a replay carries ([`IdempotencyLayer::answers`](super::IdempotencyLayer::answers)).
 ///
 /// ```
-/// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::Answers};
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, layer::Answers};
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new()).answers(
 ///     Answers::ietf_draft().include_replayed_header(http::header::SET_COOKIE),

@@ -13,7 +13,7 @@ use crate::fingerprint::{Fingerprint, PayloadRules, payload_rule_setters};
 /// Implemented for closures `Fn(&Parts, &[u8]) -> Fingerprint`:
 ///
 /// ```
-/// use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, http::Fingerprinting};
+/// use axum_idempotency::{Fingerprint, IdempotencyLayer, MemoryStore, layer::Fingerprinting};
 ///
 /// // Only the path and the `amount` member: everything else may change between retries.
 /// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprinting(Fingerprinting::custom(
@@ -43,7 +43,7 @@ where
 /// members left out, some request headers, or the app's own function instead.
 ///
 /// ```
-/// use axum_idempotency::{IdempotencyLayer, MemoryStore, http::Fingerprinting};
+/// use axum_idempotency::{IdempotencyLayer, MemoryStore, layer::Fingerprinting};
 /// use http::HeaderName;
 ///
 /// let layer = IdempotencyLayer::new(MemoryStore::new()).fingerprinting(

@@ -6,7 +6,7 @@
 //! `Idempotency-Key`, a fingerprint of the request, the response encoded for the store) and the
 //! engine's answers back into HTTP (the handler's response, a replay, a problem+json answer).
 
-// - `layer.rs`: the builder; `settings.rs`: its groups of settings; `config.rs`: what it
+// - `builder.rs`: the builder; `settings.rs`: its groups of settings; `config.rs`: what it
 //   configures.
 // - `service.rs`: the middleware (filter and key); `handle.rs`: the rest of a keyed request;
 //   `future.rs`: its response future; `body.rs`: request and response bodies.
@@ -17,6 +17,7 @@
 //   response stored as its status, headers and a small value, rebuilt by a hook.
 
 mod body;
+mod builder;
 mod commit;
 mod config;
 mod door;
@@ -25,7 +26,6 @@ mod future;
 mod handle;
 mod header_filter;
 mod key_header;
-mod layer;
 mod minimal;
 mod operator;
 mod problem;
@@ -38,10 +38,10 @@ mod settings;
 mod store_policy;
 
 pub use self::{
+    builder::IdempotencyLayer,
     fingerprinting::{Fingerprinting, MakeFingerprint},
     future::ResponseFuture,
     key_header::{KeyError, MAX_KEY_LEN, parse_key},
-    layer::IdempotencyLayer,
     minimal::{Minimal, Rebuild},
     operator::Operator,
     problem::KeyReused,

@@ -18,7 +18,7 @@ use http_body::Body as HttpBody;
 use super::BoxError;
 
 pin_project_lite::pin_project! {
-    /// The response future of [`Idempotency`](crate::http::Idempotency).
+    /// The response future of [`Idempotency`](crate::layer::Idempotency).
     pub struct ResponseFuture<F, E> {
         #[pin]
         kind: Kind<F, E>,
