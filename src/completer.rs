@@ -20,6 +20,19 @@
 //! - with the `metrics` feature, `idempotency_abandoned_claims_total{result}`, `result` one of
 //!   [`Completed`]: `settled`, `unresolved`, `failed` (the hook or the store failed),
 //!   `skipped` (a retry took it meanwhile).
+//!
+//! What it cannot know, and what follows:
+//! - **The scope.** The store keeps a claim's key hash, never its scope or its key: the
+//!   lookup's context has an empty scope. A hook the completer asks finds the outcome by the
+//!   key hash alone (it names the scope: `IdempotencyContext::key_hash`).
+//! - **The door.** A door's claims are told apart by their key prefix alone: give each door
+//!   over a store its own prefix (the defaults differ: `idempotency`, `idempotency-consumer`),
+//!   or a completer may store one door's outcome under another's key, which that door cannot
+//!   read (500 `corrupt-record` on its retries, and nothing runs).
+//! - **Which claims to list.** The store lists the oldest abandoned claims of every door, and
+//!   the completer keeps its own prefix's: a claim it cannot settle stays listed for its
+//!   recovery window. Keep [`batch`](Completer::batch) above the claims that stay unresolved,
+//!   or newer ones wait behind them.
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
@@ -158,8 +171,9 @@ impl<St: Admin> Completer<St> {
         self
     }
 
-    /// At most this many claims a pass (of every door over the store: the listing is the
-    /// store's). Defaults to 100.
+    /// At most this many claims a pass, of every door over the store (the listing is the
+    /// store's, oldest first; unresolved claims stay listed for their recovery window: keep it
+    /// above how many stay unresolved). Defaults to 100.
     pub fn batch(mut self, batch: u32) -> Self {
         self.batch = batch;
         self

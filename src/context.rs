@@ -85,7 +85,7 @@ pub(crate) struct Completion {
     /// The door's recovery hook answers takeovers and lost records from the outcomes
     /// committed beside the record store ([`Recover::durable`](crate::recovery::Recover::durable)).
     #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
-    pub(crate) durable: bool,
+    pub(crate) durable: Option<crate::recovery::DurableTable>,
 }
 
 impl Completion {
@@ -96,7 +96,7 @@ impl Completion {
         commit: Arc<CommitSlot>,
         at_rest: AtRest,
         encoding: Arc<dyn Encoding>,
-        durable: bool,
+        durable: Option<crate::recovery::DurableTable>,
     ) -> Self {
         Self { owner, retention, commit, at_rest, encoding, durable }
     }

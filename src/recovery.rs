@@ -96,14 +96,25 @@ pub trait Recover<R, T>: Send + Sync + 'static {
         lookup: Lookup<R>,
     ) -> impl Future<Output = Result<Recovered<T>, BoxError>> + Send;
 
-    /// Whether the hook answers from outcomes the operations commit beside the record store,
-    /// in their own transactions (`DurableOutcomes`): the door then asks it on every claim,
-    /// not only on a takeover (a record the record store lost is answered from there too),
-    /// and lets its operations commit there. `false` unless the hook says otherwise.
-    fn durable(&self) -> bool {
-        false
+    /// The table beside the record store the hook answers from, when it answers from outcomes
+    /// the operations commit there in their own transactions (`DurableOutcomes`): the door then
+    /// asks it on every claim, not only on a takeover (a record the record store lost is
+    /// answered from there too), and lets its operations commit into that table, and no other.
+    /// `None` for every hook but the crate's tables (a [`DurableTable`] has no public
+    /// constructor).
+    fn durable(&self) -> Option<DurableTable> {
+        None
     }
 }
+
+/// Which table beside the record store a durable hook answers from ([`Recover::durable`]): its
+/// database (host, port, name) and its name. Made only by the crate's tables
+/// (`DurableOutcomes`), so that an operation's commit into a table its door does not answer
+/// from is refused, never accepted and lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurableTable(
+    #[allow(dead_code, reason = "compared, and shown by Debug")] pub(crate) std::sync::Arc<str>,
+);
 
 impl<F, Fut, R, T, E> Recover<R, T> for F
 where

@@ -229,6 +229,34 @@ async fn a_step_is_marked_once_and_expires_with_its_retention() {
 /// `.recover(outcomes)`) is refused before anything runs: a committed outcome Redis then lost,
 /// or a takeover, would never be answered from the table, and every retry would run the
 /// handler's work before its transaction again.
+/// A commit into a table the door does not answer from (another database's
+/// `DurableOutcomes`) is refused before anything runs: once the record store lost its record,
+/// the door would ask its own table, find nothing, and run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_into_another_table_than_the_doors_is_refused() {
+    let (d, other, redis) = (
+        TestDatabase::create("durable").await,
+        TestDatabase::create("durable_other").await,
+        RedisServer::start(),
+    );
+    let pool = pool(&d);
+    sqlx::raw_sql("CREATE TABLE payments (run BIGINT NOT NULL)").execute(&pool).await.unwrap();
+    let outcomes = DurableOutcomes::new(pool.clone());
+    outcomes.migrate().await.unwrap();
+    let answers_from = DurableOutcomes::new(self::pool(&other));
+    answers_from.migrate().await.unwrap();
+    let app = App { pool, outcomes, runs: Arc::default(), hold: Arc::default() };
+    let store = RedisStore::from_url(&redis.url()).unwrap();
+    let layer = IdempotencyLayer::new(store).recover(answers_from);
+    let router = Router::new().route("/pay", post(pay)).with_state(app.clone()).layer(layer);
+    for _ in 0..2 {
+        let refused = send(&router, keyed("POST", "/pay", "k1", "a")).await;
+        assert_eq!(refused.status, StatusCode::INTERNAL_SERVER_ERROR, "{refused:?}");
+        assert!(refused.body.contains("does not answer from"), "{}", refused.body);
+    }
+    assert_eq!(payments(&app).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_outcomes_under_a_door_that_does_not_read_them_is_refused() {
     let (d, redis) = (TestDatabase::create("durable").await, RedisServer::start());

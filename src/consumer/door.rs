@@ -23,7 +23,7 @@ pub(super) struct ConsumerDoor<T> {
     pub(super) stored_limit: usize,
     pub(super) label: Label,
     /// Whether the door's hook answers from outcomes committed beside the record store.
-    pub(super) durable: bool,
+    pub(super) durable: Option<crate::recovery::DurableTable>,
     pub(super) result: PhantomData<fn() -> T>,
 }
 
@@ -39,8 +39,8 @@ where
         Arc::new(ConsumerEncoding(self.label.clone()))
     }
 
-    fn durable(&self) -> bool {
-        self.durable
+    fn durable(&self) -> Option<crate::recovery::DurableTable> {
+        self.durable.clone()
     }
 
     /// Stored, or kept as "completed, not replayable" when over the stored limit (or when it

@@ -295,7 +295,7 @@ impl<St: Store, H> Idempotent<St, H> {
         let door = ConsumerDoor {
             stored_limit: self.stored_limit,
             label: label.clone(),
-            durable: self.hook.as_ref().is_some_and(|hook| hook.durable()),
+            durable: self.hook.as_ref().and_then(|hook| hook.durable()),
             result: PhantomData,
         };
         let (route, scope_bytes) = (label.clone(), scope.as_bytes().to_vec());

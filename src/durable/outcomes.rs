@@ -16,7 +16,7 @@ use crate::{
     context::{Encoding, IdempotencyContext},
     fingerprint::Fingerprint,
     key::RecordKey,
-    recovery::{BoxError, Lookup, Recover, Recovered},
+    recovery::{BoxError, DurableTable, Lookup, Recover, Recovered},
     store::{
         Committable, EncodedOutcome, StoreError, TransactionError,
         postgres::{Kept, Write, bounded, idle_limit, millis, run},
@@ -108,7 +108,21 @@ CREATE INDEX IF NOT EXISTS idempotency_outcomes_expires_at ON idempotency_outcom
         let pool = (&self.pool, self.command_timeout);
         let write: Write =
             |tx, sealed, timeout, statement| Box::pin(write(tx, sealed, timeout, statement));
-        run(pool, (write, INSERT), Kept::Beside, context, operation).await
+        let table = self.table();
+        run(pool, (write, INSERT), Kept::Beside(&table), context, operation).await
+    }
+
+    /// This table, by its database (host, port, name): what a door that answers from it holds,
+    /// so that a commit into another table is refused.
+    fn table(&self) -> DurableTable {
+        let options = self.pool.connect_options();
+        let database = options.get_database().unwrap_or_else(|| options.get_username());
+        let place = format!(
+            "{}:{}/{database}/idempotency_outcomes",
+            options.get_host(),
+            options.get_port()
+        );
+        DurableTable(place.into())
     }
 
     /// The live outcome of `key`, with the fingerprint of the request that made it.
@@ -161,8 +175,8 @@ impl Recover<Request<Bytes>, Response<Bytes>> for DurableOutcomes {
         self.recovered(&lookup, |encoding, outcome| encoding.read_response(outcome)).await
     }
 
-    fn durable(&self) -> bool {
-        true
+    fn durable(&self) -> Option<DurableTable> {
+        Some(self.table())
     }
 }
 
@@ -176,8 +190,8 @@ impl<T: DeserializeOwned + Send + 'static> Recover<Bytes, T> for DurableOutcomes
         .await
     }
 
-    fn durable(&self) -> bool {
-        true
+    fn durable(&self) -> Option<DurableTable> {
+        Some(self.table())
     }
 }
 

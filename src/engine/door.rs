@@ -26,9 +26,9 @@ pub(crate) trait Door: Send + Sync + 'static {
 
     /// Whether the door's recovery hook answers from outcomes committed beside the record store
     /// ([`Recover::durable`](crate::recovery::Recover::durable)): it is then asked on every
-    /// claim, and the operations may commit there. `false` by default.
-    fn durable(&self) -> bool {
-        false
+    /// claim, and the operations may commit there. `None` by default.
+    fn durable(&self) -> Option<crate::recovery::DurableTable> {
+        None
     }
 
     /// The claim's outcome, as the span of the door's caller records it: `claimed`,

@@ -122,7 +122,7 @@ impl<St: Store> Holder<St> {
         &self,
         scope: Vec<u8>,
         encoding: Arc<dyn Encoding>,
-        durable: bool,
+        durable: Option<crate::recovery::DurableTable>,
     ) -> IdempotencyContext {
         let completion = Completion::new(
             self.owner.clone(),

@@ -163,8 +163,9 @@ impl<St: Store> Engine<St> {
             Ok(Claimed::Mismatch) => return Operated::Ended(Ended::Mismatch),
             Err(error) => return Operated::Decided(request, Decided::Failed(error)),
         };
-        let context = holder.context(scope, door.encoding(), door.durable());
-        let due = holder.needs_recovery(door.durable());
+        let durable = door.durable();
+        let due = holder.needs_recovery(durable.is_some());
+        let context = holder.context(scope, door.encoding(), durable);
         let Start { operation, lookup } = start(request, context, due);
         Operated::Ended(self.run_claimed(holder, door, lookup, operation).await)
     }

@@ -61,7 +61,9 @@ macro_rules! engine_setters {
 
         /// Sets when and how the recovery hook is asked: its window, on every claim or only
         /// on a takeover, its timeout, what a failure does. See
-        /// [`Recovery`](crate::settings::Recovery).
+        /// [`Recovery`](crate::settings::Recovery). It sets the whole group: what the value
+        /// leaves out is back to its default (a `DurableOutcomes` hook is asked on every claim
+        /// whatever it says).
         pub fn recovery(mut self, recovery: crate::settings::Recovery) -> Self {
             self.settings().recovery = recovery;
             self

@@ -129,7 +129,8 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     }
 
     /// Sets what the layer buffers and stores: the request body, the stored response, and
-    /// what becomes of a response too large to keep. See [`Limits`].
+    /// what becomes of a response too large to keep. See [`Limits`]. Like each group's setter, it
+    /// sets the whole group: what the value leaves out is back to its default.
     pub fn limits(mut self, limits: Limits) -> Self {
         self.settings().release_too_large = limits.release_when_too_large;
         self.config().limits = limits;
@@ -137,7 +138,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     }
 
     /// Sets what a request's fingerprint covers (canonical JSON, members left out, request
-    /// headers, or the app's own function). See [`Fingerprinting`].
+    /// headers, or the app's own function). See [`Fingerprinting`]. It sets the whole group.
     pub fn fingerprinting(mut self, fingerprinting: Fingerprinting) -> Self {
         self.config().fingerprinting = fingerprinting;
         self
@@ -145,7 +146,7 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
 
     /// Sets what a retry that does not run is answered with: the in-progress and mismatch
     /// statuses ([`Answers::ietf_draft`] for the IETF draft's), the expiry header, the headers
-    /// a replay carries. See [`Answers`].
+    /// a replay carries. See [`Answers`]. It sets the whole group.
     pub fn answers(mut self, answers: Answers) -> Self {
         self.config().answers = answers;
         self

@@ -80,8 +80,8 @@ where
         Arc::new(HttpEncoding(self.config.clone()))
     }
 
-    fn durable(&self) -> bool {
-        self.config.recover.as_ref().is_some_and(super::recover::Hook::durable)
+    fn durable(&self) -> Option<crate::recovery::DurableTable> {
+        self.config.recover.as_ref().and_then(super::recover::Hook::durable)
     }
 
     fn claimed(&self, outcome: &'static str) {

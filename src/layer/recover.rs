@@ -14,7 +14,7 @@ use http::{Request, StatusCode, request::Parts};
 use super::problem::{ProblemType, problem};
 use crate::{
     context::IdempotencyContext,
-    recovery::{BoxError, Lookup, Recover, Recovered},
+    recovery::{BoxError, DurableTable, Lookup, Recover, Recovered},
 };
 
 /// The hook's lookup of one request.
@@ -27,7 +27,7 @@ pub(super) type HookFuture =
 pub(super) struct Hook {
     ask: Arc<dyn Fn(Lookup<Request<Bytes>>) -> HookFuture + Send + Sync>,
     /// What [`Recover::durable`] said of it.
-    durable: bool,
+    durable: Option<DurableTable>,
 }
 
 impl Hook {
@@ -47,8 +47,8 @@ impl Hook {
     }
 
     /// Whether the hook answers from outcomes committed beside the record store.
-    pub(super) fn durable(&self) -> bool {
-        self.durable
+    pub(super) fn durable(&self) -> Option<DurableTable> {
+        self.durable.clone()
     }
 }
 

@@ -45,7 +45,9 @@ impl Limits {
 
     /// Sets the largest response body stored for replay, in bytes. A larger response is sent
     /// to the client, and its key keeps a "completed, not replayable" record (see
-    /// [`release_when_too_large`](Self::release_when_too_large)). Defaults to 1 MiB.
+    /// [`release_when_too_large`](Self::release_when_too_large)). Defaults to 1 MiB. A
+    /// response the recovery hook or the completer found is stored whole, whatever its size:
+    /// its operation happened, and is answered as it was, never run again.
     pub fn stored_body(mut self, bytes: usize) -> Self {
         self.stored_body = bytes;
         self

@@ -17,12 +17,12 @@ use crate::{
 
 /// Where a transaction's outcome is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Kept {
+pub(crate) enum Kept<'a> {
     /// In the record itself (`PostgresStore`): the transaction completes the claim.
     InRecord,
-    /// In a table beside the record store (`DurableOutcomes`): the door stores it in the
-    /// record store too.
-    Beside,
+    /// In this table beside the record store (`DurableOutcomes`): the door stores it in the
+    /// record store too, and must answer from this table.
+    Beside(&'a crate::recovery::DurableTable),
 }
 
 /// Writes an encoded outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
@@ -39,7 +39,7 @@ pub(crate) type Write = for<'t> fn(
 pub(crate) async fn run<O, E, F>(
     (pool, timeout): (&PgPool, Duration),
     (write, statement): (Write, &str),
-    where_kept: Kept,
+    where_kept: Kept<'_>,
     context: &IdempotencyContext,
     operation: F,
 ) -> Result<O, TransactionError<E>>
@@ -52,12 +52,20 @@ where
     ))?;
     // Beside the record store, the door must answer takeovers and lost records from the
     // table, or a committed outcome that the record store lost is never answered again.
-    let beside = where_kept == Kept::Beside;
-    if beside && !completion.durable {
-        return Err(TransactionError::Misuse(
-            "DurableOutcomes::transaction needs its door to answer from the table: set \
-             `.recover(outcomes)` on the layer or the consumer door",
-        ));
+    let beside = matches!(where_kept, Kept::Beside(_));
+    if let Kept::Beside(table) = where_kept
+        && completion.durable.as_ref() != Some(table)
+    {
+        return Err(TransactionError::Misuse(match completion.durable {
+            None => {
+                "DurableOutcomes::transaction needs its door to answer from the table: set \
+                 `.recover(outcomes)` on the layer or the consumer door (last)"
+            }
+            Some(_) => {
+                "DurableOutcomes::transaction into a table its door does not answer from (another \
+                 database): commit into the DurableOutcomes the door's `.recover(..)` was given"
+            }
+        }));
     }
     completion.commit.start(!beside).map_err(TransactionError::Misuse)?;
     // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
@@ -79,7 +87,7 @@ where
         Ok(Ok(())) => {
             running.end(match where_kept {
                 Kept::InRecord => Commit::Committed(encoded.outcome),
-                Kept::Beside => Commit::CommittedBeside(encoded.outcome),
+                Kept::Beside(_) => Commit::CommittedBeside(encoded.outcome),
             });
             Ok(value)
         }
