@@ -206,7 +206,7 @@ impl Recover<Bytes, crate::grpc::Reply> for DurableOutcomes {
         Ok(read.await?.map(crate::grpc::Reply::from_stored))
     }
 
-    fn durable(&self) -> bool {
-        true
+    fn durable(&self) -> Option<DurableTable> {
+        Some(self.table())
     }
 }

@@ -8,7 +8,7 @@ use futures_util::future::BoxFuture;
 use super::{DefaultGrpcStorePolicy, GrpcScope, GrpcStorePolicy, KeyFromMessage, Reply};
 use crate::{
     layer::scope::GlobalScope,
-    recovery::{BoxError, Lookup, Recover, Recovered},
+    recovery::{BoxError, DurableTable, Lookup, Recover, Recovered},
 };
 
 /// The lookup of one call by the recovery hook, not yet started.
@@ -16,7 +16,8 @@ pub(super) type HookFuture = BoxFuture<'static, Result<Recovered<Reply>, BoxErro
 
 /// The layer's recovery hook, its type erased, and whether it is durable
 /// ([`Recover::durable`]).
-pub(super) type Hook = (Arc<dyn Fn(Lookup<Bytes>) -> HookFuture + Send + Sync>, bool);
+pub(super) type Hook =
+    (Arc<dyn Fn(Lookup<Bytes>) -> HookFuture + Send + Sync>, Option<DurableTable>);
 
 /// `hook`, its type erased.
 pub(super) fn hook(hook: impl Recover<Bytes, Reply>) -> Hook {

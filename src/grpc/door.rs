@@ -43,8 +43,8 @@ where
         Arc::new(GrpcEncoding(self.config.clone()))
     }
 
-    fn durable(&self) -> bool {
-        self.config.recover.as_ref().is_some_and(|(_, durable)| *durable)
+    fn durable(&self) -> Option<crate::recovery::DurableTable> {
+        self.config.recover.as_ref().and_then(|(_, durable)| durable.clone())
     }
 
     fn claimed(&self, outcome: &'static str) {
