@@ -22,7 +22,7 @@ use crate::{
     engine::{Claiming, Decided, Ended, Engine, Label, Operated, Start},
     fingerprint::Fingerprint,
     key::RecordKey,
-    layer::{MAX_KEY_LEN, parse_key},
+    layer::MAX_KEY_LEN,
     recovery::{BoxError, Lookup},
     store::Store,
 };
@@ -45,14 +45,9 @@ where
     ResBody::Error: Into<BoxError>,
 {
     let (parts, body) = request.into_parts();
-    let name = http::HeaderName::from_static(KEY_METADATA);
-    let from_metadata = match parse_key(&parts.headers, &name) {
+    let from_metadata = match metadata_key(&parts.headers) {
         Ok(key) => key,
-        Err(error) => {
-            let detail =
-                error.detail().replace("Idempotency-Key header", "idempotency-key metadata entry");
-            return Ok(answer(Status::invalid_argument(detail)));
-        }
+        Err(refused) => return Ok(answer(refused)),
     };
     if from_metadata.is_none() && config.key_from_message.is_none() {
         if config.require_key {
@@ -60,7 +55,8 @@ where
         }
         return inner.oneshot(Request::from_parts(parts, Body::new(body))).await.map(into_body);
     }
-    let framed = match Limited::new(body, config.message_limit).collect().await {
+    // The limit is the message's, as tonic's: its frame has a five-byte prefix more.
+    let framed = match Limited::new(body, config.message_limit.saturating_add(5)).collect().await {
         Ok(collected) => collected.to_bytes(),
         Err(error) if error.is::<LengthLimitError>() => {
             return Ok(answer(Status::resource_exhausted(
@@ -113,6 +109,10 @@ where
             .filter(|_| due)
             .map(|(ask, _)| ask(Lookup::new(context.clone(), Some(framed.slice(5..)))));
         parts.extensions.insert(context);
+        // The handler answers uncompressed: what is stored is replayed to every client,
+        // whatever encodings each accepts (a gzip reply would be unreadable to one that
+        // accepts none). Compression belongs to the connection, not to the outcome.
+        parts.headers.remove("grpc-accept-encoding");
         let operation = inner.oneshot(Request::from_parts(parts, Body::new(Full::new(framed))));
         Start { operation, lookup }
     };
@@ -164,8 +164,39 @@ fn missing_key() -> Status {
 /// itself.
 fn mismatch() -> Status {
     Status::failed_precondition(
-        "the idempotency key was used with another request message; use a new key for a new request",
+        "the idempotency key was used with another method or request message; use a new key for a new request",
     )
+}
+
+/// The `idempotency-key` metadata entry, by gRPC's rules for an ASCII metadata value: 1 to 255
+/// printable ASCII characters (spaces included), taken as they are (a key is opaque: no quoting,
+/// no list). `None` when there is none; `INVALID_ARGUMENT` when it is empty, too long, not
+/// printable ASCII, given twice, or given in binary (`idempotency-key-bin`) only.
+fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Status> {
+    let mut values = headers.get_all(KEY_METADATA).iter();
+    let Some(value) = values.next() else {
+        if headers.contains_key("idempotency-key-bin") {
+            return Err(Status::invalid_argument(
+                "send the idempotency key as the ASCII `idempotency-key` metadata entry, not in binary",
+            ));
+        }
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(Status::invalid_argument("the idempotency-key metadata entry is given twice"));
+    }
+    let key = value.as_bytes();
+    if key.is_empty() || key.len() > MAX_KEY_LEN {
+        return Err(Status::invalid_argument(
+            "the idempotency-key metadata entry must be 1 to 255 characters",
+        ));
+    }
+    if !key.iter().all(|b| (b' '..=b'~').contains(b)) {
+        return Err(Status::invalid_argument(
+            "the idempotency-key metadata entry must be printable ASCII",
+        ));
+    }
+    Ok(Some(key.to_vec()))
 }
 
 /// The one message of a unary call's body: its payload, after its five-byte prefix. A call

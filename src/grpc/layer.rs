@@ -172,8 +172,9 @@ impl<St> GrpcIdempotencyLayer<St> {
         self
     }
 
-    /// Sets the largest request body read, in bytes: a larger one is `RESOURCE_EXHAUSTED`.
-    /// Defaults to 4 MiB, tonic's own limit for a decoded message.
+    /// Sets the largest request message read, in bytes (its frame's five-byte prefix not
+    /// counted, as tonic counts): a larger one is `RESOURCE_EXHAUSTED`. Defaults to 4 MiB,
+    /// tonic's own limit for a decoded message.
     pub fn message_limit(mut self, bytes: usize) -> Self {
         self.config().message_limit = bytes;
         self

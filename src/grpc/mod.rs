@@ -22,8 +22,9 @@
 //! - **which methods**: the unary methods listed with [`unary`](GrpcIdempotencyLayer::unary),
 //!   by path. Every other call passes through untouched, streaming methods included: a
 //!   stream has no one message to fingerprint nor one response to replay.
-//! - **the key**: the `idempotency-key` metadata entry (the HTTP header's rules: 1 to 255
-//!   visible ASCII characters), or else the request message's own id, read by
+//! - **the key**: the `idempotency-key` metadata entry (an opaque ASCII metadata value: 1 to
+//!   255 printable ASCII characters, spaces and commas included, taken as they are; given once,
+//!   and not as `idempotency-key-bin`), or else the request message's own id, read by
 //!   [`key_from_message`](GrpcIdempotencyLayer::key_from_message) (AIP-155's `request_id`).
 //! - **the scope**: whose key it is ([`GrpcScope`]): a metadata entry, or the principal an
 //!   authentication layer put in the request's extensions.
@@ -31,6 +32,13 @@
 //!   frame's payload). A compressed request is refused (`UNIMPLEMENTED`, with
 //!   `grpc-accept-encoding: identity`): its bytes would be the compression's. The handler gets
 //!   the same bytes.
+//! - **the reply** is stored, and replayed, uncompressed: the layer takes the call's
+//!   `grpc-accept-encoding` away before the handler, so that a reply stored for a client that
+//!   accepts gzip is readable by a retry that accepts no compression.
+//! - **deadlines**: a retry waits for a running original up to the layer's wait
+//!   ([`waiting`](GrpcIdempotencyLayer::waiting)), not up to its own `grpc-timeout`: a client
+//!   whose deadline is shorter ends the call itself (`DEADLINE_EXCEEDED`, or tonic's
+//!   `CANCELLED`) before the layer's `ABORTED`. Keep the wait under your clients' deadlines.
 //! - **a takeover** (the holder's process died) runs the call again, or asks the recovery
 //!   hook first ([`recover`](GrpcIdempotencyLayer::recover)) whether it happened.
 //! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the

@@ -101,7 +101,7 @@ async fn another_message_under_the_key_is_failed_precondition<H: Harness>(h: H) 
     reply(client.charge(charge(Some("k"), "acct", 100)).await);
     let other = client.charge(charge(Some("k"), "acct", 200)).await.unwrap_err();
     assert_eq!(other.code(), Code::FailedPrecondition, "{other:?}");
-    assert!(other.message().contains("another request message"), "{other:?}");
+    assert!(other.message().contains("another method or request message"), "{other:?}");
     assert_eq!(ledger.calls(), 1);
 }
 
@@ -144,10 +144,18 @@ async fn a_missing_or_malformed_key_is_invalid_argument<H: Harness>(h: H) {
     let missing = client.charge(charge(None, "a", 1)).await.unwrap_err();
     assert_eq!(missing.code(), Code::InvalidArgument, "{missing:?}");
     assert!(missing.message().contains("idempotency key"), "{missing:?}");
-    for bad in ["a,b".to_owned(), "k".repeat(256)] {
+    for bad in [String::new(), "k".repeat(256)] {
         let malformed = client.charge(charge(Some(&bad), "a", 1)).await.unwrap_err();
         assert_eq!(malformed.code(), Code::InvalidArgument, "{bad}: {malformed:?}");
     }
+    let mut twice = charge(Some("k"), "a", 1);
+    twice.metadata_mut().append("idempotency-key", "k".parse().unwrap());
+    assert_eq!(client.charge(twice).await.unwrap_err().code(), Code::InvalidArgument);
+    let mut binary = charge(None, "a", 1);
+    binary
+        .metadata_mut()
+        .insert_bin("idempotency-key-bin", tonic::metadata::MetadataValue::from_bytes(b"k"));
+    assert_eq!(client.charge(binary).await.unwrap_err().code(), Code::InvalidArgument);
     let mut long_id = charge(None, "a", 1);
     long_id.get_mut().request_id = "r".repeat(256);
     let refused = client.charge(long_id).await.unwrap_err();
@@ -204,6 +212,46 @@ async fn scopes_keep_tenants_keys_apart<H: Harness>(h: H) {
         assert!(!was_replayed, "{tenant}: {answer:?}");
     }
     assert_eq!(ledger.calls(), 2);
+}
+
+/// A key is an opaque metadata value: spaces and commas are its own, and a quoted key is
+/// another key than the bare one (no HTTP quoting).
+async fn a_key_is_any_printable_ascii_metadata_value<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let mut client = start(layer(h.store()), ledger.clone()).await;
+    for (n, key) in ["order 17", "order,17", "qq", "\"qq\""].into_iter().enumerate() {
+        let (ran, was_replayed, _) = reply(client.charge(charge(Some(key), "a", 1)).await);
+        assert_eq!((ran.call, was_replayed), (n as u64 + 1, false), "{key}");
+        let (again, was_replayed, _) = reply(client.charge(charge(Some(key), "a", 1)).await);
+        assert_eq!((again.call, was_replayed), (n as u64 + 1, true), "{key}");
+    }
+    assert_eq!(ledger.calls(), 4);
+}
+
+/// A server that compresses its replies for the clients that accept gzip: the stored reply is
+/// the uncompressed one, so that a retry from a client that accepts no compression reads it.
+async fn a_reply_is_stored_uncompressed_and_replayed_to_any_client<H: Harness>(h: H) {
+    use grpc_example::pb::payments_server::PaymentsServer;
+    let ledger = Ledger::new();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let service = PaymentsServer::new(ledger.clone())
+        .send_compressed(CompressionEncoding::Gzip)
+        .accept_compressed(CompressionEncoding::Gzip);
+    let server = tonic::transport::Server::builder()
+        .layer(layer(h.store()))
+        .add_service(service)
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener));
+    tokio::spawn(server);
+    let plain = PaymentsClient::connect(format!("http://{addr}")).await.unwrap();
+    let mut gzip = plain.clone().accept_compressed(CompressionEncoding::Gzip);
+    let (first, first_replayed, first_id) = reply(gzip.charge(charge(Some("g"), "a", 5)).await);
+    assert_eq!((first.call, first_replayed), (1, false));
+    for mut client in [plain.clone(), gzip.clone()] {
+        let (again, was_replayed, id) = reply(client.charge(charge(Some("g"), "a", 5)).await);
+        assert_eq!((again.call, was_replayed, id), (1, true, first_id.clone()));
+    }
+    assert_eq!(ledger.calls(), 1);
 }
 
 async fn streaming_methods_and_compressed_calls<H: Harness>(h: H) {
@@ -281,6 +329,8 @@ every_store!(
     a_declined_charge_is_replayed_and_a_busy_one_runs_again,
     scopes_keep_tenants_keys_apart,
     streaming_methods_and_compressed_calls,
+    a_key_is_any_printable_ascii_metadata_value,
+    a_reply_is_stored_uncompressed_and_replayed_to_any_client,
 );
 
 /// The store unreachable: `UNAVAILABLE`, with a hint to retry, and nothing runs.
