@@ -39,6 +39,7 @@ pub(crate) trait Encoding: Send + Sync {
 
     /// A gRPC response, its `metadata` and its framed `message`, as the door stores it: the
     /// gRPC door's; every other door refuses it.
+    #[cfg_attr(not(feature = "tonic"), allow(dead_code, reason = "the gRPC door's (`tonic`)"))]
     fn grpc(&self, _metadata: http::HeaderMap, _message: Bytes) -> Result<Bytes, EncodeError> {
         Err(EncodeError::NotStored("this door stores no gRPC responses"))
     }

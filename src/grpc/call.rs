@@ -44,7 +44,7 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let (parts, body) = request.into_parts();
+    let (mut parts, body) = request.into_parts();
     let from_metadata = match metadata_key(&parts.headers) {
         Ok(key) => key,
         Err(refused) => return Ok(answer(refused)),
@@ -65,8 +65,18 @@ where
         }
         Err(_) => return Ok(answer(Status::cancelled("the request's body failed"))),
     };
-    let message = match unary_message(&parts.headers, &framed) {
-        Ok(message) => message,
+    let (message, framed) = match unary_message(&parts.headers, &framed, config.message_limit) {
+        Ok(Message::Plain(message)) => (message, framed),
+        Ok(Message::Decompressed(message)) => {
+            // The handler gets the message the fingerprint covers, uncompressed.
+            parts.headers.remove("grpc-encoding");
+            let mut frame = Vec::with_capacity(5 + message.len());
+            frame.push(0);
+            frame
+                .extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
+            frame.extend_from_slice(&message);
+            (message, Bytes::from(frame))
+        }
         Err(refused) => return Ok(answer(refused)),
     };
     let path = parts.uri.path().to_owned();
@@ -199,11 +209,18 @@ fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Status> {
     Ok(Some(key.to_vec()))
 }
 
-/// The one message of a unary call's body: its payload, after its five-byte prefix. A call
-/// that is not one message is `INVALID_ARGUMENT`; a compressed one `UNIMPLEMENTED` with
-/// `grpc-accept-encoding: identity`, as gRPC answers an encoding the server does not read: its
-/// fingerprint would be the compression's, not the message's.
-fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Status> {
+/// A unary call's message, as it came or decompressed.
+enum Message {
+    Plain(Bytes),
+    Decompressed(Bytes),
+}
+
+/// The one message of a unary call's body: its payload, after its five-byte prefix; a gzip
+/// one decompressed (at most `limit` bytes), so that the fingerprint is the message's, not its
+/// compression's. A call that is not one message is `INVALID_ARGUMENT`; another encoding
+/// `UNIMPLEMENTED` with `grpc-accept-encoding: gzip, identity`, as gRPC answers an encoding the
+/// server does not read.
+fn unary_message(headers: &HeaderMap, framed: &Bytes, limit: usize) -> Result<Message, Status> {
     let not_one = || {
         Status::invalid_argument(
             "a unary call carries exactly one message: this method's idempotency needs it",
@@ -217,18 +234,37 @@ fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Status> {
         return Err(not_one());
     }
     match flag {
-        0 => Ok(framed.slice(5..)),
-        1 => {
-            let encoding = headers.get("grpc-encoding").and_then(|v| v.to_str().ok());
-            let mut refused = Status::unimplemented(format!(
-                "the request is compressed ({}); the idempotency layer reads uncompressed messages only",
-                encoding.unwrap_or("no grpc-encoding")
-            ));
-            let identity = MetadataValue::from_static("identity");
-            refused.metadata_mut().insert("grpc-accept-encoding", identity);
-            Err(refused)
-        }
+        0 => Ok(Message::Plain(framed.slice(5..))),
+        1 => match headers.get("grpc-encoding").and_then(|v| v.to_str().ok()) {
+            Some("gzip") => gunzip(&framed[5..], limit).map(Message::Decompressed),
+            encoding => {
+                let mut refused = Status::unimplemented(format!(
+                    "the request is compressed ({}); the idempotency layer reads gzip or uncompressed messages",
+                    encoding.unwrap_or("no grpc-encoding")
+                ));
+                let accepted = MetadataValue::from_static("gzip, identity");
+                refused.metadata_mut().insert("grpc-accept-encoding", accepted);
+                Err(refused)
+            }
+        },
         _ => Err(not_one()),
+    }
+}
+
+/// A gzip message decompressed, at most `limit` bytes of it (a small message may inflate to
+/// any size).
+fn gunzip(compressed: &[u8], limit: usize) -> Result<Bytes, Status> {
+    use std::io::Read as _;
+    let mut message = Vec::new();
+    let read = flate2::read::GzDecoder::new(compressed)
+        .take(u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1))
+        .read_to_end(&mut message);
+    match read {
+        Err(_) => Err(Status::invalid_argument("the gzip request message is corrupt")),
+        Ok(_) if message.len() > limit => Err(Status::resource_exhausted(
+            "the request message is over the idempotency layer's limit",
+        )),
+        Ok(_) => Ok(Bytes::from(message)),
     }
 }
 
@@ -236,22 +272,65 @@ fn unary_message(headers: &HeaderMap, framed: &Bytes) -> Result<Bytes, Status> {
 mod tests {
     use super::*;
 
+    fn plain(message: Result<Message, Status>) -> Bytes {
+        match message {
+            Ok(Message::Plain(bytes)) => bytes,
+            Ok(Message::Decompressed(_)) => panic!("decompressed"),
+            Err(status) => panic!("{status:?}"),
+        }
+    }
+
     #[test]
     fn one_uncompressed_message_is_read_and_anything_else_refused() {
         let headers = HeaderMap::new();
         let one = Bytes::from_static(b"\0\0\0\0\x03abc");
-        assert_eq!(unary_message(&headers, &one).unwrap(), Bytes::from_static(b"abc"));
+        assert_eq!(plain(unary_message(&headers, &one, 16)), Bytes::from_static(b"abc"));
         let empty = Bytes::from_static(b"\0\0\0\0\0");
-        assert_eq!(unary_message(&headers, &empty).unwrap(), Bytes::new());
+        assert_eq!(plain(unary_message(&headers, &empty, 16)), Bytes::new());
         for bad in
             [&b""[..], b"\0\0\0", b"\0\0\0\0\x03ab", b"\0\0\0\0\x01a\0\0\0\0\x01b", b"\x07\0\0\0\0"]
         {
-            let refused = unary_message(&headers, &Bytes::copy_from_slice(bad)).unwrap_err();
+            let Err(refused) = unary_message(&headers, &Bytes::copy_from_slice(bad), 16) else {
+                panic!("{bad:?} read");
+            };
             assert_eq!(refused.code(), Code::InvalidArgument, "{bad:?}");
         }
         let compressed = Bytes::from_static(b"\x01\0\0\0\x03abc");
-        let refused = answer(unary_message(&headers, &compressed).unwrap_err());
+        let Err(refused) = unary_message(&headers, &compressed, 16) else { panic!("read") };
+        let refused = answer(refused);
         assert_eq!(refused.headers()["grpc-status"], "12", "UNIMPLEMENTED");
-        assert_eq!(refused.headers()["grpc-accept-encoding"], "identity");
+        assert_eq!(refused.headers()["grpc-accept-encoding"], "gzip, identity");
+    }
+
+    #[test]
+    fn a_gzip_message_is_read_uncompressed_within_the_limit() {
+        use std::io::Write as _;
+        let gzip = |payload: &[u8]| {
+            let mut encoder =
+                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+            encoder.write_all(payload).unwrap();
+            let body = encoder.finish().unwrap();
+            let mut frame = vec![1];
+            frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+            frame.extend_from_slice(&body);
+            Bytes::from(frame)
+        };
+        let mut headers = HeaderMap::new();
+        headers.insert("grpc-encoding", http::HeaderValue::from_static("gzip"));
+        match unary_message(&headers, &gzip(b"hello"), 16) {
+            Ok(Message::Decompressed(message)) => assert_eq!(message, Bytes::from_static(b"hello")),
+            _ => panic!("not decompressed"),
+        }
+        // A small frame that inflates past the limit: refused, never read whole.
+        let Err(bomb) = unary_message(&headers, &gzip(&[0; 1 << 20]), 1024) else { panic!("read") };
+        assert_eq!(bomb.code(), Code::ResourceExhausted);
+        // Its checksum (the trailer's first four bytes) changed: the message is not what was sent.
+        let mut corrupt = gzip(b"hello").to_vec();
+        let crc = corrupt.len() - 8;
+        corrupt[crc] ^= 0xff;
+        let Err(refused) = unary_message(&headers, &Bytes::from(corrupt), 16) else {
+            panic!("read")
+        };
+        assert_eq!(refused.code(), Code::InvalidArgument);
     }
 }

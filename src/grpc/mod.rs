@@ -29,9 +29,9 @@
 //! - **the scope**: whose key it is ([`GrpcScope`]): a metadata entry, or the principal an
 //!   authentication layer put in the request's extensions.
 //! - **the fingerprint**: the method's full path and the request message's bytes (the
-//!   frame's payload). A compressed request is refused (`UNIMPLEMENTED`, with
-//!   `grpc-accept-encoding: identity`): its bytes would be the compression's. The handler gets
-//!   the same bytes.
+//!   frame's payload), uncompressed: a gzip request is read uncompressed (at most the message
+//!   limit); another encoding is refused (`UNIMPLEMENTED`, with `grpc-accept-encoding: gzip,
+//!   identity`). The handler gets the same bytes, uncompressed.
 //! - **the reply** is stored, and replayed, uncompressed: the layer takes the call's
 //!   `grpc-accept-encoding` away before the handler, so that a reply stored for a client that
 //!   accepts gzip is readable by a retry that accepts no compression.
@@ -55,7 +55,7 @@
 //! | retry while the call runs | waits for it (up to 10 s by default), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
 //! | the same key with another message | `FAILED_PRECONDITION` |
 //! | no key on a listed method, a malformed key | `INVALID_ARGUMENT` |
-//! | a compressed request | `UNIMPLEMENTED`, `grpc-accept-encoding: identity` |
+//! | a request compressed with another encoding than gzip | `UNIMPLEMENTED`, `grpc-accept-encoding: gzip, identity` |
 //! | the store unavailable | `UNAVAILABLE`, with `RetryInfo` |
 //! | a response over the stored limit, retried | `INTERNAL` (the call ran; it does not run again) |
 //!
