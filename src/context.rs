@@ -86,7 +86,7 @@ pub(crate) struct Completion {
     /// The door's recovery hook answers takeovers and lost records from the outcomes
     /// committed beside the record store ([`Recover::durable`](crate::recovery::Recover::durable)).
     #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
-    pub(crate) durable: Option<crate::recovery::DurableTable>,
+    pub(crate) durable: Option<DurableTable>,
 }
 
 impl Completion {
@@ -97,7 +97,7 @@ impl Completion {
         commit: Arc<CommitSlot>,
         at_rest: AtRest,
         encoding: Arc<dyn Encoding>,
-        durable: Option<crate::recovery::DurableTable>,
+        durable: Option<DurableTable>,
     ) -> Self {
         Self { owner, retention, commit, at_rest, encoding, durable }
     }
@@ -235,3 +235,12 @@ mod tests {
         assert!(debug.contains(key.hash()) && debug.contains("tenant"), "{debug}");
     }
 }
+
+/// Which table beside the record store a durable hook answers from ([`Recover::durable`](crate::recovery::Recover::durable)): its
+/// database (host, port, name) and its name. Made only by the crate's tables
+/// (`DurableOutcomes`), so that an operation's commit into a table its door does not answer
+/// from is refused, never accepted and lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DurableTable(
+    #[allow(dead_code, reason = "compared, and shown by Debug")] pub(crate) std::sync::Arc<str>,
+);

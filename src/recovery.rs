@@ -17,6 +17,7 @@
 
 use std::future::Future;
 
+pub use crate::context::DurableTable;
 use crate::context::IdempotencyContext;
 
 /// An error a [`Recover`] hook returns.
@@ -106,15 +107,6 @@ pub trait Recover<R, T>: Send + Sync + 'static {
         None
     }
 }
-
-/// Which table beside the record store a durable hook answers from ([`Recover::durable`]): its
-/// database (host, port, name) and its name. Made only by the crate's tables
-/// (`DurableOutcomes`), so that an operation's commit into a table its door does not answer
-/// from is refused, never accepted and lost.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DurableTable(
-    #[allow(dead_code, reason = "compared, and shown by Debug")] pub(crate) std::sync::Arc<str>,
-);
 
 impl<F, Fut, R, T, E> Recover<R, T> for F
 where

@@ -8,7 +8,10 @@ use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, header};
 
-use super::{config::Config, door::OVER_STORED_LIMIT, record};
+use super::{
+    config::Config,
+    record::{self, OVER_STORED_LIMIT},
+};
 use crate::{
     context::{Encoding, IdempotencyContext},
     store::{Committable, EncodeError},

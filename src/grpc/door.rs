@@ -19,8 +19,6 @@ use crate::{
     recovery::BoxError,
 };
 
-pub(super) const OVER_STORED_LIMIT: &str = "the response is over the stored limit";
-
 /// One call's side of its claim: the layer's configuration, the method, the call's span.
 pub(super) struct GrpcDoor<ResBody> {
     pub(super) config: Arc<Config>,
@@ -71,9 +69,9 @@ where
         }
         let stored = collected.encode();
         if stored.len() > self.config.stored_limit {
-            let record = record::not_replayable(OVER_STORED_LIMIT);
+            let record = record::not_replayable(record::OVER_STORED_LIMIT);
             let answer = collected.into_response();
-            return Settlement::TooLarge { record, why: OVER_STORED_LIMIT, answer };
+            return Settlement::TooLarge { record, why: record::OVER_STORED_LIMIT, answer };
         }
         Settlement::Store(stored, collected.into_response())
     }

@@ -16,6 +16,9 @@ use crate::{
     recovery::BoxError,
 };
 
+/// Why a response was not kept for replay: its record would be over the stored limit.
+pub(super) const OVER_STORED_LIMIT: &str = "the response is over the stored limit";
+
 const RESPONSE: u8 = b'R';
 const NOT_REPLAYABLE: u8 = b'N';
 
