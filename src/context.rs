@@ -17,25 +17,42 @@ use crate::{
 /// How a front door stores an outcome an operation commits in a store's transaction
 /// ([`Committable`](crate::store::Committable)): each door's own encoding, so that the context
 /// depends on no door.
+///
+/// Each kind of outcome is refused by default: a door encodes the kinds it stores.
 pub(crate) trait Encoding: Send + Sync {
     /// `response` as the door stores it, and the response to answer (the same one).
     fn response(
         &self,
-        response: Response,
-    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>>;
+        _response: Response,
+    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>> {
+        Box::pin(async {
+            Err(EncodeError::NotStored(
+                "this door stores no HTTP responses: commit the outcome its door stores \
+                 (the consumer door: axum::Json; the gRPC door: tonic::Response)",
+            ))
+        })
+    }
 
     /// A value, serialized as `json`, as the door stores it.
-    fn json(&self, json: Bytes) -> Result<Bytes, EncodeError>;
+    fn json(&self, _json: Bytes) -> Result<Bytes, EncodeError> {
+        Err(EncodeError::NotStored(
+            "this door stores no values (axum::Json): commit the outcome its door stores",
+        ))
+    }
 
     /// An outcome the door stored, read back as the HTTP response it answers; why not, for a
     /// record it cannot read or a door that stores no responses.
     #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
-    fn read_response(&self, stored: Bytes) -> Result<http::Response<Bytes>, String>;
+    fn read_response(&self, _stored: Bytes) -> Result<http::Response<Bytes>, String> {
+        Err("this door stores no HTTP responses".to_owned())
+    }
 
     /// An outcome the door stored, read back as the JSON of the value it answers; why not,
     /// for a record it cannot read or a door that stores no values.
     #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
-    fn read_json(&self, stored: Bytes) -> Result<Bytes, String>;
+    fn read_json(&self, _stored: Bytes) -> Result<Bytes, String> {
+        Err("this door stores no values".to_owned())
+    }
 
     /// A gRPC response, its `metadata` and its framed `message`, as the door stores it: the
     /// gRPC door's; every other door refuses it.

@@ -1,9 +1,8 @@
 //! The consumer door's side of a store's transaction: how it encodes the result an operation
 //! commits ([`Committable`] for `axum::Json`).
 
-use axum::{Json, response::Response};
+use axum::Json;
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
 use serde::Serialize;
 
 use super::{finite, record::encode_json};
@@ -24,23 +23,8 @@ pub(super) struct ConsumerEncoding(
 );
 
 impl Encoding for ConsumerEncoding {
-    fn response(
-        &self,
-        _response: Response,
-    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>> {
-        Box::pin(async {
-            Err(EncodeError::NotStored(
-                "the consumer door stores values (axum::Json), not HTTP responses",
-            ))
-        })
-    }
-
     fn json(&self, json: Bytes) -> Result<Bytes, EncodeError> {
         Ok(encode_json(&json))
-    }
-
-    fn read_response(&self, _stored: Bytes) -> Result<http::Response<Bytes>, String> {
-        Err("the consumer door stores values, not HTTP responses".to_owned())
     }
 
     fn read_json(&self, stored: Bytes) -> Result<Bytes, String> {

@@ -3,9 +3,7 @@
 
 use std::sync::Arc;
 
-use axum::response::Response;
 use bytes::{BufMut, Bytes, BytesMut};
-use futures_util::future::BoxFuture;
 use http::{HeaderMap, HeaderValue, header};
 
 use super::{
@@ -21,23 +19,6 @@ use crate::{
 pub(super) struct GrpcEncoding(pub(super) Arc<Config>);
 
 impl Encoding for GrpcEncoding {
-    fn response(
-        &self,
-        _response: Response,
-    ) -> BoxFuture<'static, Result<(Bytes, Response), EncodeError>> {
-        Box::pin(async {
-            Err(EncodeError::NotStored(
-                "the gRPC door stores gRPC responses (tonic::Response), not HTTP responses",
-            ))
-        })
-    }
-
-    fn json(&self, _json: Bytes) -> Result<Bytes, EncodeError> {
-        Err(EncodeError::NotStored(
-            "the gRPC door stores gRPC responses (tonic::Response), not values",
-        ))
-    }
-
     /// A committed response, as `DurableOutcomes` hands it to the gRPC door's hook: its
     /// headers and its framed message (its trailers are `OK`'s).
     fn read_response(&self, stored: Bytes) -> Result<http::Response<Bytes>, String> {
@@ -49,10 +30,6 @@ impl Encoding for GrpcEncoding {
             }
             _ => Err("not a gRPC response this door stored".to_owned()),
         }
-    }
-
-    fn read_json(&self, _stored: Bytes) -> Result<Bytes, String> {
-        Err("the gRPC door stores gRPC responses, not values".to_owned())
     }
 
     fn grpc(&self, metadata: HeaderMap, message: Bytes) -> Result<Bytes, EncodeError> {

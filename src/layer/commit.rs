@@ -79,10 +79,6 @@ impl Encoding for HttpEncoding {
         *response.headers_mut() = stored.headers;
         Ok(response)
     }
-
-    fn read_json(&self, _stored: Bytes) -> Result<Bytes, String> {
-        Err("the HTTP door stores responses, not values".to_owned())
-    }
 }
 
 /// The handler's response, committed as the layer stores it.
