@@ -15,7 +15,9 @@
 //!
 //! [`Claim::TakenOver`]: crate::store::Claim::TakenOver
 
-use std::future::Future;
+use std::{fmt, future::Future, sync::Arc};
+
+use futures_util::future::BoxFuture;
 
 pub use crate::context::DurableTable;
 use crate::context::IdempotencyContext;
@@ -127,5 +129,53 @@ pub struct NoRecovery;
 impl<R: Send + 'static, T: Send + 'static> Recover<R, T> for NoRecovery {
     async fn recover(&self, _lookup: Lookup<R>) -> Result<Recovered<T>, BoxError> {
         Ok(Recovered::Unknown)
+    }
+}
+
+/// A [`Recover`] hook, its type erased, as a door's configuration keeps it: it is asked only
+/// on a takeover (or on every claim, when durable), so a boxed future costs nothing on the
+/// common path.
+pub(crate) struct Hook<R, T> {
+    ask: Arc<dyn Fn(Lookup<R>) -> HookFuture<T> + Send + Sync>,
+    /// What [`Recover::durable`] said of it.
+    durable: Option<DurableTable>,
+}
+
+/// One lookup by a [`Hook`], not yet started.
+pub(crate) type HookFuture<T> = BoxFuture<'static, Result<Recovered<T>, BoxError>>;
+
+impl<R: Send + 'static, T: 'static> Hook<R, T> {
+    pub(crate) fn new(hook: impl Recover<R, T>) -> Self {
+        let durable = hook.durable();
+        let hook = Arc::new(hook);
+        let ask = Arc::new(move |lookup| {
+            let hook = hook.clone();
+            Box::pin(async move { hook.recover(lookup).await }) as HookFuture<T>
+        });
+        Self { ask, durable }
+    }
+}
+
+impl<R, T> Hook<R, T> {
+    /// The hook's lookup of one request, not yet started.
+    pub(crate) fn ask(&self, lookup: Lookup<R>) -> HookFuture<T> {
+        (self.ask)(lookup)
+    }
+
+    /// Whether the hook answers from outcomes committed beside the record store.
+    pub(crate) fn durable(&self) -> Option<DurableTable> {
+        self.durable.clone()
+    }
+}
+
+impl<R, T> Clone for Hook<R, T> {
+    fn clone(&self) -> Self {
+        Self { ask: self.ask.clone(), durable: self.durable.clone() }
+    }
+}
+
+impl<R, T> fmt::Debug for Hook<R, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Hook").field("durable", &self.durable).finish_non_exhaustive()
     }
 }

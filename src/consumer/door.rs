@@ -10,11 +10,14 @@ use serde::{Serialize, de::DeserializeOwned};
 use super::{
     Outcome,
     commit::ConsumerEncoding,
-    record::{Unstorable, decode, encode, not_stored},
+    record::{Unstorable, decode, encode},
 };
 use crate::{
     context::Encoding,
-    engine::{Door, Held, Label, Panic, Settlement, envelope},
+    engine::{
+        Door, Held, Label, Panic, Settlement,
+        envelope::{self, not_stored},
+    },
 };
 
 /// One call's side of its claim: the stored limit and the scope's label (its metrics, and the

@@ -17,7 +17,7 @@ pub(super) enum Unstorable {
     /// Larger than the stored limit: its key is released (documented on `stored_limit`).
     OverLimit,
     /// serde could not encode it, or it holds a float JSON cannot (NaN, ±inf): the operation
-    /// ran, so its key is completed with [`not_stored`], never released.
+    /// ran, so its key is completed with `envelope::not_stored`, never released.
     Unencodable(String),
 }
 
@@ -42,14 +42,6 @@ pub(super) fn encode<T: Serialize>(value: &T, limit: usize) -> Result<Bytes, Uns
 pub(super) fn encode_json(json: &[u8]) -> Bytes {
     let mut out = envelope::begin(Format::Json, json.len());
     out.put_slice(json);
-    out.freeze()
-}
-
-/// The record of a result that ran but could not be encoded: every redelivery is answered
-/// [`Error::ResultNotStored`] with `reason`, and the operation does not run again.
-pub(super) fn not_stored(reason: &str) -> Bytes {
-    let mut out = envelope::begin(Format::NotStored, reason.len());
-    out.put_slice(reason.as_bytes());
     out.freeze()
 }
 

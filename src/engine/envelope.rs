@@ -22,9 +22,9 @@ pub(crate) enum Format {
     Json = b'J',
     /// A consumer result that ran but has no faithful stored form: the reason, as text.
     NotStored = b'U',
-    /// A gRPC response: its headers, its body (the framed message) and its trailers
-    /// (`crate::grpc`).
-    Grpc = b'G',
+    /// An HTTP response with trailers: the HTTP record, and its trailers after its headers
+    /// (`crate::layer::record`; the gRPC door's responses).
+    HttpWithTrailers = 4,
     /// Any door's record, encrypted at rest (`crate::at_rest`): never parsed as a door's own.
     /// Never constructed: the variant reserves the byte, so that no door's format takes it.
     #[allow(dead_code)]
@@ -33,7 +33,8 @@ pub(crate) enum Format {
 
 impl Format {
     /// The formats a door parses: every one but [`Encrypted`](Self::Encrypted).
-    const ALL: [Self; 5] = [Self::Http, Self::HttpMinimal, Self::Json, Self::NotStored, Self::Grpc];
+    const ALL: [Self; 5] =
+        [Self::Http, Self::HttpMinimal, Self::HttpWithTrailers, Self::Json, Self::NotStored];
 }
 
 /// A stored outcome, its envelope read.
@@ -54,6 +55,14 @@ pub(crate) fn begin(format: Format, capacity: usize) -> BytesMut {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     out.put_u64(u64::try_from(now.as_millis()).unwrap_or(u64::MAX));
     out
+}
+
+/// The record of an outcome that happened but is not kept (`reason`, as text): every door
+/// answers a retry that it happened, and does not run it again.
+pub(crate) fn not_stored(reason: &str) -> Bytes {
+    let mut out = begin(Format::NotStored, reason.len());
+    out.put_slice(reason.as_bytes());
+    out.freeze()
 }
 
 /// Reads the envelope of a stored record and observes its age for `route`'s replayed-age

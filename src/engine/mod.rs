@@ -187,13 +187,16 @@ impl<St: Store> Engine<St> {
     /// was released.
     ///
     /// `route` labels the metrics (the matched route, or the consumer's scope): never a key.
+    /// `wait_within` bounds the wait further: the caller's own deadline.
     async fn claim(
         &self,
         key: RecordKey,
         fingerprint: Fingerprint,
         route: Label,
+        wait_within: Option<Duration>,
     ) -> Result<Claimed<St>, StoreError> {
-        let (claim, owner) = match self.claim_or_wait(&key, &fingerprint, &route).await {
+        let claimed = self.claim_or_wait(&key, &fingerprint, &route, wait_within).await;
+        let (claim, owner) = match claimed {
             Ok(claimed) => claimed,
             Err(error) => {
                 observe::store_error(&route, "claim");
@@ -237,11 +240,13 @@ impl<St: Store> Engine<St> {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         route: &Label,
+        wait_within: Option<Duration>,
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let (mut claim, mut owner) = self.claim_once(key, fingerprint, false).await?;
         if matches!(claim, Claim::InProgress { .. })
             && let Some(wait) = self.settings.wait
         {
+            let wait = wait_within.map_or(wait, |within| wait.min(within));
             match self.settings.waiters.clone().try_acquire_owned() {
                 Ok(_place) => {
                     let started = tokio::time::Instant::now();

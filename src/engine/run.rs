@@ -88,6 +88,9 @@ pub(crate) struct Claiming {
     pub(crate) route: Label,
     /// The scope the operation's context names.
     pub(crate) scope: Vec<u8>,
+    /// The caller's own deadline, when it has one (a gRPC call's `grpc-timeout`): a wait for
+    /// the original ends before it, whatever the engine's wait.
+    pub(crate) wait_within: Option<std::time::Duration>,
 }
 
 /// What a door starts once its claim is won: the operation, and the recovery hook's lookup
@@ -149,8 +152,8 @@ impl<St: Store> Engine<St> {
         F: Future<Output = Result<D::Output, E>> + Send + 'static,
         L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
     {
-        let Claiming { key, fingerprint, route, scope } = claiming;
-        let claimed = self.claim(key, fingerprint, route).await;
+        let Claiming { key, fingerprint, route, scope, wait_within } = claiming;
+        let claimed = self.claim(key, fingerprint, route, wait_within).await;
         door.claimed(outcome_name(&claimed));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,

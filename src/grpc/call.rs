@@ -2,19 +2,21 @@
 //! and the fingerprint; then the engine's claim, run and settle ([`Engine::operate`]), and the
 //! answer to what it decided.
 
-use std::{marker::PhantomData, sync::Arc};
+use std::{marker::PhantomData, sync::Arc, time::Duration};
 
+use axum::body::Body;
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response};
+use http::{HeaderMap, Request, Response, StatusCode, request::Parts};
 use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
-use tonic::{Code, Status, body::Body, metadata::MetadataValue};
+use tonic::{Code, Status, metadata::MetadataValue};
 use tower::ServiceExt as _;
 use tower_service::Service;
 
 use super::{
     KEY_METADATA,
     config::Config,
-    door::{GrpcDoor, replay},
+    door::GrpcDoor,
+    record::{frame, framed_len, replay},
     status::{answer, retry_after},
 };
 use crate::{
@@ -22,151 +24,153 @@ use crate::{
     engine::{Claiming, Decided, Ended, Engine, Label, Operated, Start},
     fingerprint::Fingerprint,
     key::RecordKey,
-    layer::MAX_KEY_LEN,
+    layer::{MAX_KEY_LEN, scope::ScopeExtractor},
     recovery::{BoxError, Lookup},
     store::Store,
 };
 
-/// Handles one call of a listed method.
-pub(super) async fn handle<S, St, ReqBody, ResBody>(
-    inner: S,
-    engine: Engine<St>,
-    config: Arc<Config>,
-    request: Request<ReqBody>,
-) -> Result<Response<Body>, S::Error>
+/// One call of a listed method, and what handles it.
+pub(super) struct Call<S, St, Sc> {
+    pub(super) inner: S,
+    pub(super) engine: Engine<St>,
+    pub(super) scope: Sc,
+    pub(super) config: Arc<Config>,
+}
+
+impl<S, St, Sc, ResBody> Call<S, St, Sc>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S: Service<Request<tonic::body::Body>, Response = Response<ResBody>> + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: Store,
-    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<BoxError>,
+    Sc: ScopeExtractor,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    let (mut parts, body) = request.into_parts();
-    let from_metadata = match metadata_key(&parts.headers) {
-        Ok(key) => key,
-        Err(refused) => return Ok(answer(refused)),
-    };
-    if from_metadata.is_none() && config.key_from_message.is_none() {
-        if config.require_key {
-            return Ok(answer(missing_key()));
-        }
-        return inner.oneshot(Request::from_parts(parts, Body::new(body))).await.map(into_body);
+    pub(super) async fn handle(
+        self,
+        request: Request<tonic::body::Body>,
+    ) -> Result<Response<Body>, S::Error> {
+        let (mut parts, body) = request.into_parts();
+        let (key, message, framed) = match read(&self.config, &mut parts, body).await {
+            Ok(read) => read,
+            Err(Early::Refused(status)) => return Ok(answer(status)),
+            Err(Early::WithoutKey(body)) => return self.without_key(parts, body).await,
+        };
+        let scope = match self.scope.scope(&mut parts).await {
+            Ok(scope) => scope,
+            Err(refused) => return Ok(answer(scope_refused(refused).await)),
+        };
+        let (config, path) = (self.config.clone(), parts.uri.path().to_owned());
+
+        // Claim, run, settle: the engine's.
+        let record_key = RecordKey::new(&config.prefix, &scope, &key);
+        let hash = record_key.hash().to_owned();
+        let span = tracing::Span::current();
+        span.record("key_hash", hash.as_str());
+        let route = Label::route(path.as_str());
+        let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
+        let door =
+            GrpcDoor { config: config.clone(), route: route.clone(), span, body: PhantomData };
+        // A retry waits for its original within nine tenths of its own deadline: its answer
+        // (`ABORTED`, with when to retry) reaches the client before the client gives up.
+        let wait_within = grpc_timeout(&parts.headers).map(|timeout| timeout * 9 / 10);
+        let claiming =
+            Claiming { key: record_key, fingerprint, route: route.clone(), scope, wait_within };
+        let start =
+            |(inner, mut parts, framed): (S, Parts, Bytes), context: IdempotencyContext, due| {
+                // The recovery hook's question, with the message, when it is due.
+                let lookup =
+                    config.recover.as_ref().filter(|_| due).map(|hook| {
+                        hook.ask(Lookup::new(context.clone(), Some(framed.slice(5..))))
+                    });
+                parts.extensions.insert(context);
+                // The handler answers uncompressed: what is stored is replayed to every client,
+                // whatever encodings each accepts (a gzip reply would be unreadable to one that
+                // accepts none). Compression belongs to the connection, not to the outcome.
+                parts.headers.remove("grpc-accept-encoding");
+                let body = tonic::body::Body::new(Full::new(framed));
+                Start { operation: inner.oneshot(Request::from_parts(parts, body)), lookup }
+            };
+        let operated = self.engine.operate(door, claiming, (self.inner, parts, framed), start);
+        Ok(match operated.await {
+            Operated::Ended(Ended::Answered(response)) => response,
+            Operated::Ended(Ended::Failed(error)) => return Err(error),
+            Operated::Ended(Ended::Mismatch) => answer(mismatch()),
+            Operated::Ended(Ended::Refused | Ended::Cancelled) => {
+                retry_after(Code::Unavailable, "the call did not run; retry", ONE_SECOND)
+            }
+            Operated::Decided(_, Decided::Replay(stored)) => replay(stored, &route, &hash),
+            Operated::Decided(_, Decided::InProgress { retry_after: after }) => {
+                tracing::debug!(key_hash = hash, ?after, "idempotency: in progress");
+                let message = "a call with this idempotency key is in progress; retry later";
+                retry_after(Code::Aborted, message, after)
+            }
+            Operated::Decided(_, Decided::Failed(error)) if error.is_unavailable() => {
+                tracing::error!(key_hash = hash, %error, "idempotency: store unavailable");
+                retry_after(Code::Unavailable, "the idempotency store is unavailable", ONE_SECOND)
+            }
+            Operated::Decided(_, Decided::Failed(error)) => {
+                tracing::error!(key_hash = hash, %error, "idempotency: record not written by this layer");
+                answer(Status::internal("the idempotency record cannot be read"))
+            }
+        })
     }
-    // The limit is the message's, as tonic's: its frame has a five-byte prefix more.
-    let framed = match Limited::new(body, config.message_limit.saturating_add(5)).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => {
-            return Ok(answer(Status::resource_exhausted(
-                "the request message is over the idempotency layer's limit",
+
+    /// A call without a key: refused when the layer requires one, passed through otherwise.
+    async fn without_key(
+        self,
+        parts: Parts,
+        body: tonic::body::Body,
+    ) -> Result<Response<Body>, S::Error> {
+        if self.config.require_key {
+            return Ok(answer(Status::invalid_argument(
+                "this method needs an idempotency key: the idempotency-key metadata entry, or the request's id",
             )));
         }
-        Err(_) => return Ok(answer(Status::cancelled("the request's body failed"))),
-    };
-    let (message, framed) = match unary_message(&parts.headers, &framed, config.message_limit) {
-        Ok(Message::Plain(message)) => (message, framed),
-        Ok(Message::Decompressed(message)) => {
-            // The handler gets the message the fingerprint covers, uncompressed.
-            parts.headers.remove("grpc-encoding");
-            let mut frame = Vec::with_capacity(5 + message.len());
-            frame.push(0);
-            frame
-                .extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
-            frame.extend_from_slice(&message);
-            (message, Bytes::from(frame))
-        }
-        Err(refused) => return Ok(answer(refused)),
-    };
-    let path = parts.uri.path().to_owned();
+        let response = self.inner.oneshot(Request::from_parts(parts, body)).await?;
+        Ok(response.map(Body::new))
+    }
+}
+
+const ONE_SECOND: Duration = Duration::from_secs(1);
+
+/// The call's key, its message, and its frame as the handler gets it; or why it gets no
+/// claim.
+async fn read(
+    config: &Config,
+    parts: &mut Parts,
+    body: tonic::body::Body,
+) -> Result<(Vec<u8>, Bytes, Bytes), Early> {
+    let from_metadata = metadata_key(&parts.headers)?;
+    let from_message = config.key_from_message.as_ref();
+    if from_metadata.is_none() && from_message.is_none() {
+        return Err(Early::WithoutKey(body));
+    }
+    let (message, framed) = read_message(parts, body, config.limits.body).await?;
     let key = match from_metadata {
         Some(key) => key,
-        None => match config.key_from_message.as_ref().and_then(|find| find.key(&path, &message)) {
-            Some(key) if key.is_empty() || key.len() > MAX_KEY_LEN => {
-                return Ok(answer(Status::invalid_argument(
-                    "the request's idempotency key must be 1 to 255 bytes",
-                )));
-            }
+        None => match from_message.and_then(|find| find.key(parts.uri.path(), &message)) {
+            Some(key) if key.len() > MAX_KEY_LEN => Err(Status::invalid_argument(
+                "the request's idempotency key must be 1 to 255 bytes",
+            ))?,
             Some(key) => key.into_bytes(),
-            None if config.require_key => return Ok(answer(missing_key())),
-            None => {
-                let request = Request::from_parts(parts, Body::new(Full::new(framed)));
-                return inner.oneshot(request).await.map(into_body);
-            }
+            None => return Err(Early::WithoutKey(tonic::body::Body::new(Full::new(framed)))),
         },
     };
-    let scope = match config.scope.scope(&parts) {
-        Ok(scope) => scope,
-        Err(status) => return Ok(answer(status)),
-    };
-
-    // Claim, run, settle: the engine's.
-    let record_key = RecordKey::new(&config.prefix, &scope, &key);
-    let hash = record_key.hash().to_owned();
-    let span = tracing::Span::current();
-    span.record("key_hash", hash.as_str());
-    let route = Label::route(path.as_str());
-    let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
-    let door = GrpcDoor { config: config.clone(), route: route.clone(), span, body: PhantomData };
-    let claiming = Claiming { key: record_key, fingerprint, route: route.clone(), scope };
-    let recover = config.recover.clone();
-    let start = |(inner, mut parts, framed): (S, http::request::Parts, Bytes),
-                 context: IdempotencyContext,
-                 due| {
-        // The recovery hook's question, with the message, when it is due.
-        let lookup = recover
-            .filter(|_| due)
-            .map(|(ask, _)| ask(Lookup::new(context.clone(), Some(framed.slice(5..)))));
-        parts.extensions.insert(context);
-        // The handler answers uncompressed: what is stored is replayed to every client,
-        // whatever encodings each accepts (a gzip reply would be unreadable to one that
-        // accepts none). Compression belongs to the connection, not to the outcome.
-        parts.headers.remove("grpc-accept-encoding");
-        let operation = inner.oneshot(Request::from_parts(parts, Body::new(Full::new(framed))));
-        Start { operation, lookup }
-    };
-    let decided = match engine.operate(door, claiming, (inner, parts, framed), start).await {
-        Operated::Decided(_, decided) => decided,
-        Operated::Ended(Ended::Answered(response)) => return Ok(response),
-        Operated::Ended(Ended::Failed(error)) => return Err(error),
-        Operated::Ended(Ended::Mismatch) => return Ok(answer(mismatch())),
-        Operated::Ended(Ended::Refused | Ended::Cancelled) => {
-            return Ok(retry_after(Code::Unavailable, "the call did not run; retry", ONE_SECOND));
-        }
-    };
-    Ok(match decided {
-        Decided::Replay(stored) => replay(stored, &route, &hash),
-        Decided::InProgress { retry_after: after } => {
-            tracing::debug!(key_hash = hash, ?after, "idempotency: in progress");
-            let message = "a call with this idempotency key is in progress; retry later";
-            retry_after(Code::Aborted, message, after)
-        }
-        Decided::Failed(error) if error.is_unavailable() => {
-            tracing::error!(key_hash = hash, %error, "idempotency: store unavailable");
-            retry_after(Code::Unavailable, "the idempotency store is unavailable", ONE_SECOND)
-        }
-        Decided::Failed(error) => {
-            tracing::error!(key_hash = hash, %error, "idempotency: record not written by this layer");
-            answer(Status::internal("the idempotency record cannot be read"))
-        }
-    })
+    Ok((key, message, framed))
 }
 
-const ONE_SECOND: std::time::Duration = std::time::Duration::from_secs(1);
-
-fn into_body<B>(response: Response<B>) -> Response<Body>
-where
-    B: http_body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<BoxError>,
-{
-    response.map(Body::new)
+/// Why a call gets no claim: refused, or without a key (its body, to pass it through).
+enum Early {
+    Refused(Status),
+    WithoutKey(tonic::body::Body),
 }
 
-fn missing_key() -> Status {
-    Status::invalid_argument(
-        "this method needs an idempotency key: the idempotency-key metadata entry, or the request's id",
-    )
+impl From<Status> for Early {
+    fn from(status: Status) -> Self {
+        Self::Refused(status)
+    }
 }
 
 /// Another message under a key already used: `FAILED_PRECONDITION`, as for a state the
@@ -176,6 +180,70 @@ fn mismatch() -> Status {
     Status::failed_precondition(
         "the idempotency key was used with another method or request message; use a new key for a new request",
     )
+}
+
+/// A scope extractor's refusal, in gRPC's terms: its 401 `UNAUTHENTICATED`, its 403
+/// `PERMISSION_DENIED`, anything else `INVALID_ARGUMENT`; the message its problem's `detail`
+/// (or its text).
+async fn scope_refused(refused: Response<Body>) -> Status {
+    let code = match refused.status() {
+        StatusCode::UNAUTHORIZED => Code::Unauthenticated,
+        StatusCode::FORBIDDEN => Code::PermissionDenied,
+        _ => Code::InvalidArgument,
+    };
+    let text = Limited::new(refused.into_body(), 4096).collect().await;
+    let text = text.map(http_body_util::Collected::to_bytes);
+    let text = text.unwrap_or_default();
+    let detail = serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|problem| {
+        problem.get("detail").and_then(serde_json::Value::as_str).map(str::to_owned)
+    });
+    let detail = detail.unwrap_or_else(|| String::from_utf8_lossy(&text).into_owned());
+    Status::new(code, format!("the call's idempotency scope: {detail}"))
+}
+
+/// How long the call's own deadline (its `grpc-timeout`, as gRPC's HTTP/2 protocol writes it:
+/// up to 8 digits and a unit) leaves: a retry waits for its original within it, and answers
+/// `ABORTED` before the client gives up. `None` when there is none, or it is malformed.
+fn grpc_timeout(headers: &HeaderMap) -> Option<Duration> {
+    let value = headers.get("grpc-timeout")?.to_str().ok()?;
+    let (digits, unit) = value.split_at_checked(value.len().checked_sub(1)?)?;
+    let amount: u64 = digits.parse().ok().filter(|_| (1..=8).contains(&digits.len()))?;
+    Some(match unit {
+        "H" => Duration::from_secs(amount.checked_mul(3600)?),
+        "M" => Duration::from_secs(amount.checked_mul(60)?),
+        "S" => Duration::from_secs(amount),
+        "m" => Duration::from_millis(amount),
+        "u" => Duration::from_micros(amount),
+        "n" => Duration::from_nanos(amount),
+        _ => return None,
+    })
+}
+
+/// The call's one message, read whole (at most `limit` bytes, as tonic counts: its frame has
+/// a five-byte prefix more): its payload, and its frame as the handler gets it (uncompressed).
+async fn read_message(
+    parts: &mut Parts,
+    body: tonic::body::Body,
+    limit: usize,
+) -> Result<(Bytes, Bytes), Status> {
+    let framed = match Limited::new(body, limit.saturating_add(5)).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(error) if error.is::<LengthLimitError>() => {
+            return Err(Status::resource_exhausted(
+                "the request message is over the idempotency layer's limit",
+            ));
+        }
+        Err(_) => return Err(Status::cancelled("the request's body failed")),
+    };
+    match unary_message(&parts.headers, &framed, limit)? {
+        Message::Plain(message) => Ok((message, framed)),
+        Message::Decompressed(message) => {
+            // The handler gets the message the fingerprint covers, uncompressed.
+            parts.headers.remove("grpc-encoding");
+            let framed = frame(&message);
+            Ok((message, framed))
+        }
+    }
 }
 
 /// The `idempotency-key` metadata entry, by gRPC's rules for an ASCII metadata value: 1 to 255
@@ -226,14 +294,10 @@ fn unary_message(headers: &HeaderMap, framed: &Bytes, limit: usize) -> Result<Me
             "a unary call carries exactly one message: this method's idempotency needs it",
         )
     };
-    let Some((&[flag, a, b, c, d], _)) = framed.split_first_chunk::<5>() else {
-        return Err(not_one());
-    };
-    let len = u32::from_be_bytes([a, b, c, d]) as usize;
-    if framed.len() - 5 != len {
+    if framed_len(framed) != Some(framed.len()) {
         return Err(not_one());
     }
-    match flag {
+    match framed[0] {
         0 => Ok(Message::Plain(framed.slice(5..))),
         1 => match headers.get("grpc-encoding").and_then(|v| v.to_str().ok()) {
             Some("gzip") => gunzip(&framed[5..], limit).map(Message::Decompressed),

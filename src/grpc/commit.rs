@@ -1,17 +1,18 @@
 //! The gRPC door's side of a store's transaction: how it encodes the response a handler
-//! commits ([`Committable`] for `tonic::Response<M>`).
+//! commits ([`Committable`] for `tonic::Response<M>`), and the [`Reply`] a recovery hook finds.
 
 use std::sync::Arc;
 
-use bytes::{BufMut, Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, header};
+use bytes::Bytes;
+use http::HeaderMap;
 
 use super::{
     config::Config,
-    record::{self, OVER_STORED_LIMIT},
+    record::{self, Collected, OVER_STORED_LIMIT, frame},
 };
 use crate::{
     context::{Encoding, IdempotencyContext},
+    engine::Label,
     store::{Committable, EncodeError},
 };
 
@@ -22,68 +23,44 @@ impl Encoding for GrpcEncoding {
     /// A committed response, as `DurableOutcomes` hands it to the gRPC door's hook: its
     /// headers and its framed message (its trailers are `OK`'s).
     fn read_response(&self, stored: Bytes) -> Result<http::Response<Bytes>, String> {
-        match record::decode(stored, &crate::engine::Label::route("durable-outcomes")) {
-            Some(record::Stored::Response(stored)) => {
-                let mut response = http::Response::new(stored.body);
-                *response.headers_mut() = stored.head.headers;
-                Ok(response)
-            }
-            _ => Err("not a gRPC response this door stored".to_owned()),
-        }
+        let stored = record::decode(stored, &Label::route("durable-outcomes"))
+            .map_err(|_| "not a gRPC response this door stored".to_owned())?;
+        let mut response = http::Response::new(stored.body);
+        *response.headers_mut() = stored.head.headers;
+        Ok(response)
     }
 
-    fn grpc(&self, metadata: HeaderMap, message: Bytes) -> Result<Bytes, EncodeError> {
+    fn grpc(&self, metadata: HeaderMap, framed: Bytes) -> Result<Bytes, EncodeError> {
         if !self.0.store_policy.stores(tonic::Code::Ok) {
             return Err(EncodeError::NotStored("the store policy does not keep OK"));
         }
-        let stored = ok_record(metadata, &message);
-        if stored.len() > self.0.stored_limit {
+        let reply = Collected::ok(metadata, framed);
+        if self.0.over_limits(&reply) {
             return Err(EncodeError::NotStored(OVER_STORED_LIMIT));
         }
-        Ok(stored)
+        Ok(reply.encode(&self.0.filter))
     }
-}
-
-/// The record of an `OK` response with `metadata` and the `framed` message, as tonic sends it.
-pub(super) fn ok_record(mut metadata: HeaderMap, framed: &[u8]) -> Bytes {
-    metadata.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    let mut trailers = HeaderMap::new();
-    trailers.insert("grpc-status", HeaderValue::from_static("0"));
-    record::encode(&metadata, framed, Some(&trailers))
-}
-
-/// `message`, framed as a gRPC body carries it: uncompressed, after its five-byte prefix.
-fn framed(message: &impl prost::Message) -> Bytes {
-    let message = message.encode_to_vec();
-    let mut framed = BytesMut::with_capacity(5 + message.len());
-    framed.put_u8(0);
-    framed.put_u32(u32::try_from(message.len()).unwrap_or(u32::MAX));
-    framed.put_slice(&message);
-    framed.freeze()
 }
 
 /// A reply a recovery hook found in the system of record
 /// ([`GrpcIdempotencyLayer::recover`](super::GrpcIdempotencyLayer::recover)): its metadata and
 /// its message, made from the handler's own `tonic::Response`.
-#[derive(Debug, Clone)]
-pub struct Reply {
-    pub(super) metadata: HeaderMap,
-    pub(super) framed: Bytes,
-}
+#[derive(Debug)]
+pub struct Reply(pub(super) Collected);
 
 impl Reply {
     /// A committed response, as [`read_response`](Encoding::read_response) reads it.
     #[cfg(feature = "postgres")]
     pub(crate) fn from_stored(response: http::Response<Bytes>) -> Self {
         let (head, framed) = response.into_parts();
-        Self { metadata: head.headers, framed }
+        Self(Collected::ok(head.headers, framed))
     }
 }
 
 impl<M: prost::Message> From<tonic::Response<M>> for Reply {
     fn from(response: tonic::Response<M>) -> Self {
-        let framed = framed(response.get_ref());
-        Self { metadata: response.into_parts().0.into_headers(), framed }
+        let framed = frame(&response.get_ref().encode_to_vec());
+        Self(Collected::ok(response.into_parts().0.into_headers(), framed))
     }
 }
 
@@ -94,6 +71,7 @@ impl<M: prost::Message + Send + 'static> Committable for tonic::Response<M> {
     async fn encode(self, context: &IdempotencyContext) -> Result<(Bytes, Self), EncodeError> {
         let completion = context.completion().ok_or(EncodeError::NotClaimed)?;
         let metadata = self.metadata().clone().into_headers();
-        Ok((completion.encoding.grpc(metadata, framed(self.get_ref()))?, self))
+        let framed = frame(&self.get_ref().encode_to_vec());
+        Ok((completion.encoding.grpc(metadata, framed)?, self))
     }
 }

@@ -3,32 +3,12 @@
 use std::{collections::HashSet, fmt, sync::Arc};
 
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
 
-use super::{DefaultGrpcStorePolicy, GrpcScope, GrpcStorePolicy, KeyFromMessage, Reply};
+use super::{GrpcStorePolicy, KeyFromMessage, Reply};
 use crate::{
-    layer::scope::GlobalScope,
-    recovery::{BoxError, DurableTable, Lookup, Recover, Recovered},
+    layer::{Limits, record::HeaderFilter},
+    recovery::Hook,
 };
-
-/// The lookup of one call by the recovery hook, not yet started.
-pub(super) type HookFuture = BoxFuture<'static, Result<Recovered<Reply>, BoxError>>;
-
-/// The layer's recovery hook, its type erased, and whether it is durable
-/// ([`Recover::durable`]).
-pub(super) type Hook =
-    (Arc<dyn Fn(Lookup<Bytes>) -> HookFuture + Send + Sync>, Option<DurableTable>);
-
-/// `hook`, its type erased.
-pub(super) fn hook(hook: impl Recover<Bytes, Reply>) -> Hook {
-    let durable = hook.durable();
-    let hook = Arc::new(hook);
-    let ask = Arc::new(move |lookup| {
-        let hook = hook.clone();
-        Box::pin(async move { hook.recover(lookup).await }) as HookFuture
-    });
-    (ask, durable)
-}
 
 #[derive(Clone)]
 pub(super) struct Config {
@@ -37,11 +17,13 @@ pub(super) struct Config {
     pub(super) methods: HashSet<String>,
     pub(super) key_from_message: Option<Arc<dyn KeyFromMessage>>,
     pub(super) require_key: bool,
-    pub(super) scope: Arc<dyn GrpcScope>,
     pub(super) store_policy: Arc<dyn GrpcStorePolicy>,
-    pub(super) recover: Option<Hook>,
-    pub(super) message_limit: usize,
-    pub(super) stored_limit: usize,
+    pub(super) recover: Option<Hook<Bytes, Reply>>,
+    /// `body` is the request message's; `stored_body` the stored message's; `stored_headers`
+    /// the stored metadata's, headers and trailers.
+    pub(super) limits: Limits,
+    /// Which of a response's headers and trailers are stored: the HTTP layer's default.
+    pub(super) filter: HeaderFilter,
 }
 
 impl Default for Config {
@@ -51,12 +33,19 @@ impl Default for Config {
             methods: HashSet::new(),
             key_from_message: None,
             require_key: true,
-            scope: Arc::new(GlobalScope),
-            store_policy: Arc::new(DefaultGrpcStorePolicy),
+            store_policy: Arc::new(|code| code == tonic::Code::Ok),
             recover: None,
-            message_limit: 4 * 1024 * 1024,
-            stored_limit: 1024 * 1024,
+            limits: Limits::default(),
+            filter: HeaderFilter::default(),
         }
+    }
+}
+
+impl Config {
+    /// Whether a reply's record would be over the stored limits.
+    pub(super) fn over_limits(&self, reply: &super::record::Collected) -> bool {
+        let (message, metadata) = reply.stored_sizes(&self.filter);
+        message > self.limits.stored_body || metadata > self.limits.stored_headers
     }
 }
 
@@ -67,9 +56,8 @@ impl fmt::Debug for Config {
             .field("methods", &self.methods)
             .field("key_from_message", &self.key_from_message.is_some())
             .field("require_key", &self.require_key)
-            .field("recovers", &self.recover.is_some())
-            .field("message_limit", &self.message_limit)
-            .field("stored_limit", &self.stored_limit)
+            .field("recover", &self.recover)
+            .field("limits", &self.limits)
             .finish_non_exhaustive()
     }
 }

@@ -1,30 +1,26 @@
 //! [`GrpcIdempotencyLayer`], the builder, and [`GrpcIdempotency`], the middleware it makes.
 
 use std::{
-    fmt,
-    future::Future,
-    pin::Pin,
     sync::Arc,
     task::{Context, Poll},
 };
 
+use axum::body::Body;
 use bytes::Bytes;
-use futures_util::future::BoxFuture;
 use http::{Request, Response};
-use tonic::body::Body;
 use tower_layer::Layer;
 use tower_service::Service;
-use tracing::Instrument as _;
 
-use super::{
-    GrpcScope, GrpcStorePolicy, KeyFromMessage, Reply, call,
-    config::{self, Config},
-};
+use super::{GrpcStorePolicy, KeyFromMessage, Limits, Reply, call, config::Config};
 use crate::{
     engine::{
         DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
     },
-    recovery::{BoxError, Recover},
+    layer::{
+        ResponseFuture,
+        scope::{GlobalScope, ScopeExtractor},
+    },
+    recovery::{BoxError, Hook, Recover},
     store::Store,
 };
 
@@ -32,23 +28,14 @@ use crate::{
 ///
 /// See the [module](super) for what it answers and how to apply it.
 #[must_use]
-#[derive(Clone)]
-pub struct GrpcIdempotencyLayer<St> {
+#[derive(Clone, Debug)]
+pub struct GrpcIdempotencyLayer<St, Sc = GlobalScope> {
     store: St,
+    scope: Sc,
     settings: Arc<Settings>,
     config: Arc<Config>,
     /// Where the leases of this layer's running calls are renewed.
     renewals: RenewalsCell<St>,
-}
-
-impl<St: fmt::Debug> fmt::Debug for GrpcIdempotencyLayer<St> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GrpcIdempotencyLayer")
-            .field("store", &self.store)
-            .field("settings", &self.settings)
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
 }
 
 impl<St: Store> GrpcIdempotencyLayer<St> {
@@ -57,6 +44,7 @@ impl<St: Store> GrpcIdempotencyLayer<St> {
     pub fn new(store: St) -> Self {
         Self {
             store,
+            scope: GlobalScope,
             settings: Arc::new(Settings {
                 lease: DEFAULT_HTTP_LEASE,
                 wait: Some(DEFAULT_HTTP_WAIT),
@@ -68,7 +56,7 @@ impl<St: Store> GrpcIdempotencyLayer<St> {
     }
 }
 
-impl<St> GrpcIdempotencyLayer<St> {
+impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
     fn settings(&mut self) -> &mut Settings {
         // New settings, new renewals: a lease changed after a claim is renewed as set.
         self.renewals = RenewalsCell::default();
@@ -120,10 +108,15 @@ impl<St> GrpcIdempotencyLayer<St> {
         self
     }
 
-    /// Sets whose keys are whose: see [`GrpcScope`]. Defaults to one scope for every caller.
-    pub fn scope(mut self, scope: impl GrpcScope) -> Self {
-        self.config().scope = Arc::new(scope);
-        self
+    /// Sets whose keys are whose, as the HTTP layer's scopes do (see [`scope`](crate::layer::scope)):
+    /// [`HeaderScope`](super::HeaderScope) reads a metadata entry, a closure over the request's
+    /// parts or [`ExtractorScope`](crate::layer::scope::ExtractorScope) an authenticated
+    /// principal in its extensions. A call whose scope is not found is `INVALID_ARGUMENT` (the
+    /// extractor's 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`), with the reason.
+    /// Defaults to one scope for every caller.
+    pub fn scope<Sc2: ScopeExtractor>(self, scope: Sc2) -> GrpcIdempotencyLayer<St, Sc2> {
+        let Self { store, settings, config, renewals, .. } = self;
+        GrpcIdempotencyLayer { store, scope, settings, config, renewals }
     }
 
     /// Sets which statuses are stored and replayed: see [`GrpcStorePolicy`]. Defaults to `OK`
@@ -152,17 +145,8 @@ impl<St> GrpcIdempotencyLayer<St> {
     /// [`Recovered::Happened`]: crate::recovery::Recovered::Happened
     /// [`Recovered::Unknown`]: crate::recovery::Recovered::Unknown
     pub fn recover(mut self, hook: impl Recover<Bytes, Reply>) -> Self {
-        self.config().recover = Some(config::hook(hook));
+        self.config().recover = Some(Hook::new(hook));
         self.settings().recovering = true;
-        self
-    }
-
-    /// Releases the key of a response over the stored limit, so that a retry runs the
-    /// handler again. **The risk:** a client whose answer was lost retries, and the side
-    /// effect happens twice. Defaults to `false`: the key keeps a "completed, not replayable"
-    /// record, and every retry is `INTERNAL`, never a second run.
-    pub fn release_when_too_large(mut self, release: bool) -> Self {
-        self.settings().release_too_large = release;
         self
     }
 
@@ -172,43 +156,40 @@ impl<St> GrpcIdempotencyLayer<St> {
         self
     }
 
-    /// Sets the largest request message read, in bytes (its frame's five-byte prefix not
-    /// counted, as tonic counts): a larger one is `RESOURCE_EXHAUSTED`. Defaults to 4 MiB,
-    /// tonic's own limit for a decoded message.
-    pub fn message_limit(mut self, bytes: usize) -> Self {
-        self.config().message_limit = bytes;
-        self
-    }
-
-    /// Sets the largest stored response (headers, message and trailers), in bytes. A larger
-    /// one is answered, and its key keeps a record that the call ran: every retry gets
-    /// `INTERNAL`, never a second run
-    /// ([`release_when_too_large`](Self::release_when_too_large) releases the key instead).
-    /// Defaults to 1 MiB.
-    pub fn stored_limit(mut self, bytes: usize) -> Self {
-        self.config().stored_limit = bytes;
+    /// Sets what the layer reads and stores, as the HTTP layer's [`Limits`] do: `body` is the
+    /// request message (its frame's five-byte prefix not counted, as tonic counts; a larger one
+    /// is `RESOURCE_EXHAUSTED`); `stored_body` the stored message, and `stored_headers` the
+    /// stored metadata, headers and trailers (a reply over either is answered, and its key
+    /// keeps a record that the call ran: every retry gets `INTERNAL`, never a second run, unless
+    /// `release_when_too_large`). Defaults to [`Limits::default`]: 1 MiB a message, 64 KiB of
+    /// metadata. It sets the whole group.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.settings().release_too_large = limits.release_when_too_large;
+        self.config().limits = limits;
         self
     }
 }
 
-impl<S, St: Store> Layer<S> for GrpcIdempotencyLayer<St> {
-    type Service = GrpcIdempotency<S, St>;
+impl<S, St: Store, Sc: Clone> Layer<S> for GrpcIdempotencyLayer<St, Sc> {
+    type Service = GrpcIdempotency<S, St, Sc>;
 
     fn layer(&self, inner: S) -> Self::Service {
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        GrpcIdempotency { inner, engine, config: self.config.clone() }
+        let (scope, config) = (self.scope.clone(), self.config.clone());
+        GrpcIdempotency { inner, engine, scope, config }
     }
 }
 
 /// The middleware [`GrpcIdempotencyLayer`] makes.
-#[derive(Clone)]
-pub struct GrpcIdempotency<S, St> {
+#[derive(Clone, Debug)]
+pub struct GrpcIdempotency<S, St, Sc = GlobalScope> {
     inner: S,
     engine: Engine<St>,
+    scope: Sc,
     config: Arc<Config>,
 }
 
-impl<S, St> GrpcIdempotency<S, St> {
+impl<S, St, Sc> GrpcIdempotency<S, St, Sc> {
     /// The wrapped service.
     pub fn get_ref(&self) -> &S {
         &self.inner
@@ -225,22 +206,13 @@ impl<S, St> GrpcIdempotency<S, St> {
     }
 }
 
-impl<S: fmt::Debug, St: fmt::Debug> fmt::Debug for GrpcIdempotency<S, St> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("GrpcIdempotency")
-            .field("inner", &self.inner)
-            .field("store", self.engine.store())
-            .field("config", &self.config)
-            .finish()
-    }
-}
-
-impl<S, St, ReqBody, ResBody> Service<Request<ReqBody>> for GrpcIdempotency<S, St>
+impl<S, St, Sc, ReqBody, ResBody> Service<Request<ReqBody>> for GrpcIdempotency<S, St, Sc>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
+    S: Service<Request<tonic::body::Body>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     St: Store,
+    Sc: ScopeExtractor,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -248,16 +220,16 @@ where
 {
     type Response = Response<Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Error>;
+    type Future = ResponseFuture<S::Future, S::Error>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        let request = request.map(tonic::body::Body::new);
         if !self.config.methods.contains(request.uri().path()) {
-            let passed = self.inner.call(request.map(Body::new));
-            return ResponseFuture(Box::pin(async move { Ok(passed.await?.map(Body::new)) }));
+            return ResponseFuture::pass_through(self.inner.call(request));
         }
         // The clone is not ready; the one `poll_ready` readied goes with this call.
         let clone = self.inner.clone();
@@ -268,24 +240,12 @@ where
             key_hash = tracing::field::Empty,
             outcome = tracing::field::Empty,
         );
-        let handling = call::handle(inner, self.engine.clone(), self.config.clone(), request);
-        ResponseFuture(Box::pin(handling.instrument(span)))
-    }
-}
-
-/// The response future of [`GrpcIdempotency`].
-pub struct ResponseFuture<E>(BoxFuture<'static, Result<Response<Body>, E>>);
-
-impl<E> Future for ResponseFuture<E> {
-    type Output = Result<Response<Body>, E>;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.0.as_mut().poll(cx)
-    }
-}
-
-impl<E> fmt::Debug for ResponseFuture<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+        let call = call::Call {
+            inner,
+            engine: self.engine.clone(),
+            scope: self.scope.clone(),
+            config: self.config.clone(),
+        };
+        ResponseFuture::handled(call.handle(request), span)
     }
 }

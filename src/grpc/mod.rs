@@ -10,11 +10,11 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use axum_idempotency::{MemoryStore, grpc::{GrpcIdempotencyLayer, MetadataScope}};
+//! use axum_idempotency::{MemoryStore, grpc::{GrpcIdempotencyLayer, HeaderScope}};
 //!
 //! let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
 //!     .unary("/payments.v1.Payments/Charge")
-//!     .scope(MetadataScope::new("x-tenant-id").unwrap())
+//!     .scope(HeaderScope::new("x-tenant-id").unwrap())
 //!     .retention(Duration::from_secs(24 * 3600));
 //! // tonic::transport::Server::builder().layer(layer).add_service(PaymentsServer::new(svc))
 //! ```
@@ -26,8 +26,22 @@
 //!   255 printable ASCII characters, spaces and commas included, taken as they are; given once,
 //!   and not as `idempotency-key-bin`), or else the request message's own id, read by
 //!   [`key_from_message`](GrpcIdempotencyLayer::key_from_message) (AIP-155's `request_id`).
-//! - **the scope**: whose key it is ([`GrpcScope`]): a metadata entry, or the principal an
-//!   authentication layer put in the request's extensions.
+//! - **the scope**: whose key it is, as the HTTP layer's [scopes](crate::layer::scope) say it:
+//!   a metadata entry ([`HeaderScope`]), or the principal an authentication layer put in the
+//!   request's extensions (a closure over the request's parts, or an
+//!   [`ExtractorScope`](crate::layer::scope::ExtractorScope)):
+//!
+//! ```
+//! use axum_idempotency::{MemoryStore, grpc::GrpcIdempotencyLayer};
+//! use http::request::Parts;
+//!
+//! // The principal an authentication layer put in the request's extensions.
+//! #[derive(Clone)]
+//! struct Principal(String);
+//!
+//! let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
+//!     .scope(|parts: &Parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()));
+//! ```
 //! - **the fingerprint**: the method's full path and the request message's bytes (the
 //!   frame's payload), uncompressed: a gzip request is read uncompressed (at most the message
 //!   limit); another encoding is refused (`UNIMPLEMENTED`, with `grpc-accept-encoding: gzip,
@@ -36,9 +50,9 @@
 //!   `grpc-accept-encoding` away before the handler, so that a reply stored for a client that
 //!   accepts gzip is readable by a retry that accepts no compression.
 //! - **deadlines**: a retry waits for a running original up to the layer's wait
-//!   ([`waiting`](GrpcIdempotencyLayer::waiting)), not up to its own `grpc-timeout`: a client
-//!   whose deadline is shorter ends the call itself (`DEADLINE_EXCEEDED`, or tonic's
-//!   `CANCELLED`) before the layer's `ABORTED`. Keep the wait under your clients' deadlines.
+//!   ([`waiting`](GrpcIdempotencyLayer::waiting)), and within nine tenths of its own
+//!   `grpc-timeout`: its `ABORTED`, with when to retry, reaches the client before the client
+//!   gives up (`DEADLINE_EXCEEDED` would say nothing of the original).
 //! - **a takeover** (the holder's process died) runs the call again, or asks the recovery
 //!   hook first ([`recover`](GrpcIdempotencyLayer::recover)) whether it happened.
 //! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the
@@ -75,98 +89,22 @@ mod layer;
 mod record;
 mod status;
 
-use http::{HeaderName, header::InvalidHeaderName, request::Parts};
-use tonic::{Code, Status};
+use tonic::Code;
 
 pub use self::{
     commit::Reply,
-    layer::{GrpcIdempotency, GrpcIdempotencyLayer, ResponseFuture},
+    layer::{GrpcIdempotency, GrpcIdempotencyLayer},
 };
-pub use crate::layer::scope::GlobalScope;
+pub use crate::layer::{
+    Limits,
+    scope::{GlobalScope, HeaderScope},
+};
 
 /// The metadata entry that carries the key.
 pub const KEY_METADATA: &str = "idempotency-key";
 
 /// The metadata entry that marks a replayed response: `idempotency-replayed: true`.
 pub const REPLAYED_METADATA: &str = "idempotency-replayed";
-
-/// Finds a call's scope: whose keys are whose. A record lives under `hash(scope, key)`, so
-/// one tenant can never be replayed another's response.
-///
-/// Implemented by [`GlobalScope`] (the default), [`MetadataScope`], and closures
-/// `Fn(&http::request::Parts) -> Option<String>` (the HTTP layer's scope closures), whose
-/// `None` is answered `INVALID_ARGUMENT`:
-///
-/// ```
-/// use axum_idempotency::{MemoryStore, grpc::GrpcIdempotencyLayer};
-/// use http::request::Parts;
-///
-/// // The principal an authentication layer put in the request's extensions.
-/// #[derive(Clone)]
-/// struct Principal(String);
-///
-/// let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
-///     .scope(|parts: &Parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()));
-/// ```
-pub trait GrpcScope: Send + Sync + 'static {
-    /// The scope of the call with these parts, or the status to answer instead.
-    ///
-    /// # Errors
-    ///
-    /// The status the call is answered with; nothing runs.
-    fn scope(&self, parts: &Parts) -> Result<Vec<u8>, Status>;
-}
-
-impl GrpcScope for GlobalScope {
-    fn scope(&self, _parts: &Parts) -> Result<Vec<u8>, Status> {
-        Ok(Vec::new())
-    }
-}
-
-impl<F> GrpcScope for F
-where
-    F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
-{
-    fn scope(&self, parts: &Parts) -> Result<Vec<u8>, Status> {
-        self(parts)
-            .map(String::into_bytes)
-            .ok_or_else(|| Status::invalid_argument("the call has no idempotency scope"))
-    }
-}
-
-/// The scope is a metadata entry's value, such as `x-tenant-id`; a call without it, or with
-/// it twice, is `INVALID_ARGUMENT`.
-///
-/// Trusts the entry, which any client can set: use it behind a gateway that sets or checks
-/// it. To scope by an authenticated principal, use a closure over the request's extensions.
-#[derive(Debug, Clone)]
-pub struct MetadataScope {
-    name: HeaderName,
-}
-
-impl MetadataScope {
-    /// Scopes by the metadata entry `name`.
-    ///
-    /// # Errors
-    ///
-    /// When `name` is not a valid metadata key.
-    pub fn new(name: &str) -> Result<Self, InvalidHeaderName> {
-        Ok(Self { name: HeaderName::try_from(name)? })
-    }
-}
-
-impl GrpcScope for MetadataScope {
-    fn scope(&self, parts: &Parts) -> Result<Vec<u8>, Status> {
-        let mut values = parts.headers.get_all(&self.name).iter();
-        match (values.next(), values.next()) {
-            (Some(value), None) => Ok(value.as_bytes().to_vec()),
-            _ => Err(Status::invalid_argument(format!(
-                "the call needs exactly one `{}` metadata entry: its idempotency scope",
-                self.name
-            ))),
-        }
-    }
-}
 
 /// Reads the key from a request message: AIP-155's `request_id`.
 ///
@@ -189,8 +127,8 @@ where
 /// Decides whether a call's response is stored for replay (`true`), or its key released so
 /// that a retry runs the handler again (`false`), by its status code.
 ///
-/// Implemented for closures `Fn(tonic::Code) -> bool`; [`DefaultGrpcStorePolicy`] (`OK` only)
-/// is the default.
+/// Implemented for closures `Fn(tonic::Code) -> bool`. The default stores `OK` alone, as Go's
+/// `idemlease` does: every error releases the key.
 ///
 /// ```
 /// use axum_idempotency::{MemoryStore, grpc::GrpcIdempotencyLayer};
@@ -211,16 +149,5 @@ where
 {
     fn stores(&self, code: Code) -> bool {
         self(code)
-    }
-}
-
-/// The default [`GrpcStorePolicy`]: `OK` alone is stored, as Go's `idemlease` does; every
-/// error releases the key.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct DefaultGrpcStorePolicy;
-
-impl GrpcStorePolicy for DefaultGrpcStorePolicy {
-    fn stores(&self, code: Code) -> bool {
-        code == Code::Ok
     }
 }

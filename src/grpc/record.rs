@@ -1,36 +1,48 @@
-//! The stored form of a gRPC response: its headers, its body (the framed message, as the
-//! handler's server sent it) and its trailers; or the record of a call that completed without
-//! a replayable response. And the response rebuilt from either.
+//! A gRPC response read whole (its head, its body: the framed message, and its trailers),
+//! stored as the HTTP layer stores a response, with its trailers
+//! (`crate::layer::record::encode_with_trailers`); and the response rebuilt from its record.
 
 use std::convert::Infallible;
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http::{HeaderMap, HeaderName, HeaderValue, Response};
+use axum::body::Body;
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Response};
 use http_body::Frame;
 use http_body_util::{BodyExt as _, StreamBody};
-use tonic::{Code, body::Body};
+use tonic::{Code, Status};
 
-use super::REPLAYED_METADATA;
+use super::{REPLAYED_METADATA, status::answer};
 use crate::{
-    engine::{Label, envelope},
+    engine::{
+        Label,
+        envelope::{self, Format},
+    },
+    layer::record::{self, HeaderFilter, StoredResponse},
     recovery::BoxError,
 };
 
 /// Why a response was not kept for replay: its record would be over the stored limit.
 pub(super) const OVER_STORED_LIMIT: &str = "the response is over the stored limit";
 
-const RESPONSE: u8 = b'R';
-const NOT_REPLAYABLE: u8 = b'N';
-
 /// A whole gRPC response: its head, the bytes of its body, its trailers.
 #[derive(Debug)]
 pub(super) struct Collected {
     pub(super) head: http::response::Parts,
     pub(super) body: Bytes,
-    pub(super) trailers: Option<HeaderMap>,
+    pub(super) trailers: HeaderMap,
 }
 
 impl Collected {
+    /// An `OK` response with `metadata` and the `framed` message, as tonic sends it.
+    pub(super) fn ok(mut metadata: HeaderMap, framed: Bytes) -> Self {
+        metadata.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        let (mut head, ()) = Response::new(()).into_parts();
+        head.headers = metadata;
+        Self { head, body: framed, trailers }
+    }
+
     /// The call's status: the trailers' `grpc-status`, or the headers' in a trailers-only
     /// response; `UNKNOWN` when neither has one.
     pub(super) fn code(&self) -> Code {
@@ -38,19 +50,52 @@ impl Collected {
             let value = headers.get("grpc-status")?.to_str().ok()?;
             value.parse::<i32>().ok().map(Code::from_i32)
         };
-        let trailers = self.trailers.as_ref().and_then(code);
-        trailers.or_else(|| code(&self.head.headers)).unwrap_or(Code::Unknown)
+        code(&self.trailers).or_else(|| code(&self.head.headers)).unwrap_or(Code::Unknown)
+    }
+
+    /// The bytes its message, and its headers and trailers, take in its record: what the
+    /// stored limits count.
+    pub(super) fn stored_sizes(&self, filter: &HeaderFilter) -> (usize, usize) {
+        let metadata = record::stored_headers_len(&self.head.headers, filter)
+            + record::stored_headers_len(&self.trailers, filter);
+        (self.body.len(), metadata)
+    }
+
+    /// Its record.
+    pub(super) fn encode(&self, filter: &HeaderFilter) -> Bytes {
+        let (head, trailers) = (&self.head, &self.trailers);
+        record::encode_with_trailers(head.status, &head.headers, trailers, filter, &self.body)
     }
 
     /// The response again, its body and trailers sent as they came.
     pub(super) fn into_response(self) -> Response<Body> {
-        Response::from_parts(self.head, body(self.body, self.trailers))
+        let mut frames = Vec::with_capacity(2);
+        if !self.body.is_empty() {
+            frames.push(Ok::<_, Infallible>(Frame::data(self.body)));
+        }
+        // A trailers-only response (a status without a message) has none: its status is in
+        // its head, and it ends there.
+        if !self.trailers.is_empty() {
+            frames.push(Ok(Frame::trailers(self.trailers)));
+        }
+        let body = Body::new(StreamBody::new(futures_util::stream::iter(frames)));
+        Response::from_parts(self.head, body)
     }
+}
 
-    /// How it is stored.
-    pub(super) fn encode(&self) -> Bytes {
-        encode(&self.head.headers, &self.body, self.trailers.as_ref())
-    }
+/// `message`, framed as a gRPC body carries it: uncompressed, after its five-byte prefix.
+pub(super) fn frame(message: &[u8]) -> Bytes {
+    let mut framed = Vec::with_capacity(5 + message.len());
+    framed.push(0);
+    framed.extend_from_slice(&u32::try_from(message.len()).unwrap_or(u32::MAX).to_be_bytes());
+    framed.extend_from_slice(message);
+    Bytes::from(framed)
+}
+
+/// The length a frame's five-byte prefix gives it, prefix included.
+pub(super) fn framed_len(framed: &[u8]) -> Option<usize> {
+    let (&[_, a, b, c, d], _) = framed.split_first_chunk::<5>()?;
+    usize::try_from(u32::from_be_bytes([a, b, c, d])).ok()?.checked_add(5)
 }
 
 /// Reads a response whole, trailers included.
@@ -61,155 +106,74 @@ where
 {
     let (head, body) = response.into_parts();
     let collected = body.collect().await.map_err(Into::into)?;
-    let trailers = collected.trailers().cloned();
+    let trailers = collected.trailers().cloned().unwrap_or_default();
     Ok(Collected { head, body: collected.to_bytes(), trailers })
 }
 
-/// A body of `data` then `trailers`.
-fn body(data: Bytes, trailers: Option<HeaderMap>) -> Body {
-    let mut frames = Vec::with_capacity(2);
-    if !data.is_empty() {
-        frames.push(Ok::<_, Infallible>(Frame::data(data)));
+/// What a record holds: a response to replay, or why the call's response was not kept.
+pub(super) fn decode(stored: Bytes, route: &Label) -> Result<Collected, Status> {
+    let opened = envelope::parse(stored, route);
+    if let Some(opened) = opened.as_ref().filter(|opened| opened.format == Format::NotStored) {
+        let why = String::from_utf8_lossy(&opened.payload);
+        return Err(Status::internal(format!("the call completed; {why}")));
     }
-    if let Some(trailers) = trailers {
-        frames.push(Ok(Frame::trailers(trailers)));
+    let unreadable = || Status::internal("the idempotency record cannot be read");
+    let opened = opened.ok_or_else(unreadable)?;
+    let stored = record::decode_with_trailers(opened).map_err(|_| unreadable())?;
+    let StoredResponse { status, headers, body, trailers, .. } = stored;
+    let (mut head, ()) = Response::new(()).into_parts();
+    (head.status, head.headers) = (status, headers);
+    let reply = Collected { head, body, trailers: trailers.unwrap_or_default() };
+    // The body is one framed message (an error may have none): a record cut short inside it,
+    // or before it, is refused, not replayed as a shorter message.
+    let empty_error = reply.body.is_empty() && reply.code() != Code::Ok;
+    if !empty_error && framed_len(&reply.body) != Some(reply.body.len()) {
+        return Err(unreadable());
     }
-    Body::new(StreamBody::new(futures_util::stream::iter(frames)))
+    Ok(reply)
 }
 
-/// The headers a replay would get wrong if they were stored: the connection's, the time's,
-/// and the replay marker (set on each replay).
-fn kept(name: &HeaderName) -> bool {
-    !matches!(name.as_str(), "date" | "content-length" | "transfer-encoding" | "connection")
-        && name.as_str() != REPLAYED_METADATA
-}
-
-/// The record of a response with these headers, body and trailers.
-pub(super) fn encode(headers: &HeaderMap, body: &[u8], trailers: Option<&HeaderMap>) -> Bytes {
-    let mut out = envelope::begin(envelope::Format::Grpc, body.len() + 256);
-    out.put_u8(RESPONSE);
-    put_headers(&mut out, headers);
-    put_bytes(&mut out, body);
-    match trailers {
-        Some(trailers) => {
-            out.put_u8(1);
-            put_headers(&mut out, trailers);
-        }
-        None => out.put_u8(0),
-    }
-    out.freeze()
-}
-
-/// The record of a call that completed, whose response is not kept (`why`): a retry is told
-/// so, and the call does not run again.
+/// The record of a call whose response is not kept, because `why`: a retry is told so, and
+/// the call does not run again.
 pub(super) fn not_replayable(why: &str) -> Bytes {
-    let mut out = envelope::begin(envelope::Format::Grpc, why.len() + 1);
-    out.put_u8(NOT_REPLAYABLE);
-    out.put_slice(why.as_bytes());
-    out.freeze()
+    envelope::not_stored(&format!("its response cannot be replayed: {why}"))
 }
 
-fn put_bytes(out: &mut BytesMut, bytes: &[u8]) {
-    out.put_u32(u32::try_from(bytes.len()).unwrap_or(u32::MAX));
-    out.put_slice(bytes);
-}
-
-fn put_headers(out: &mut BytesMut, headers: &HeaderMap) {
-    let kept: Vec<_> = headers.iter().filter(|(name, _)| kept(name)).collect();
-    out.put_u32(u32::try_from(kept.len()).unwrap_or(u32::MAX));
-    for (name, value) in kept {
-        put_bytes(out, name.as_str().as_bytes());
-        put_bytes(out, value.as_bytes());
-    }
-}
-
-/// What a record holds.
-#[derive(Debug)]
-pub(super) enum Stored {
-    /// A response, to replay.
-    Response(Box<Collected>),
-    /// A call that completed without a replayable response: why.
-    NotReplayable(String),
-}
-
-/// Reads a record this door wrote; `None` for anything else.
-pub(super) fn decode(record: Bytes, route: &Label) -> Option<Stored> {
-    let opened = envelope::parse(record, route)?;
-    if opened.format != envelope::Format::Grpc {
-        return None;
-    }
-    let mut payload = opened.payload;
-    if !payload.has_remaining() {
-        return None;
-    }
-    match payload.get_u8() {
-        NOT_REPLAYABLE => {
-            Some(Stored::NotReplayable(String::from_utf8_lossy(&payload).into_owned()))
+/// The answer to a retry of a completed call: its stored response, marked as replayed.
+pub(super) fn replay(stored: Bytes, route: &Label, hash: &str) -> Response<Body> {
+    match decode(stored, route) {
+        Ok(mut stored) => {
+            let marker = HeaderValue::from_static("true");
+            stored.head.headers.insert(REPLAYED_METADATA, marker);
+            stored.into_response()
         }
-        RESPONSE => {
-            let headers = get_headers(&mut payload)?;
-            let body = get_bytes(&mut payload)?;
-            let trailers = match payload.has_remaining().then(|| payload.get_u8())? {
-                0 => None,
-                _ => Some(get_headers(&mut payload)?),
-            };
-            let mut response = Response::new(());
-            *response.headers_mut() = headers;
-            let (head, ()) = response.into_parts();
-            Some(Stored::Response(Box::new(Collected { head, body, trailers })))
+        Err(status) => {
+            tracing::error!(key_hash = hash, %status, "idempotency: no replayable response");
+            answer(status)
         }
-        _ => None,
     }
-}
-
-fn get_bytes(payload: &mut Bytes) -> Option<Bytes> {
-    if payload.remaining() < 4 {
-        return None;
-    }
-    let len = payload.get_u32() as usize;
-    (payload.remaining() >= len).then(|| payload.split_to(len))
-}
-
-fn get_headers(payload: &mut Bytes) -> Option<HeaderMap> {
-    if payload.remaining() < 4 {
-        return None;
-    }
-    let count = payload.get_u32();
-    let mut headers = HeaderMap::new();
-    for _ in 0..count {
-        let name = HeaderName::from_bytes(&get_bytes(payload)?).ok()?;
-        let value = HeaderValue::from_maybe_shared(get_bytes(payload)?).ok()?;
-        headers.append(name, value);
-    }
-    Some(headers)
-}
-
-/// A stored response, replayed: marked with `idempotency-replayed: true`.
-pub(super) fn replayed(mut stored: Box<Collected>) -> Response<Body> {
-    let marker = HeaderValue::from_static("true");
-    stored.head.headers.insert(HeaderName::from_static(REPLAYED_METADATA), marker);
-    stored.into_response()
 }
 
 #[cfg(test)]
 mod tests {
+    use http::StatusCode;
+
     use super::*;
+
+    fn route() -> Label {
+        Label::route("/s/M")
+    }
 
     #[test]
     fn a_response_reads_back_as_it_was_stored_without_the_connection_headers() {
-        let mut headers = HeaderMap::new();
-        headers.insert("content-type", HeaderValue::from_static("application/grpc"));
+        let mut reply = Collected::ok(HeaderMap::new(), Bytes::from_static(b"\0\0\0\0\x02hi"));
+        let headers = &mut reply.head.headers;
         headers.insert("date", HeaderValue::from_static("Thu, 01 Jan 1970 00:00:00 GMT"));
         headers.append("x-charge", HeaderValue::from_static("a"));
         headers.append("x-charge", HeaderValue::from_static("b"));
-        let mut trailers = HeaderMap::new();
-        trailers.insert("grpc-status", HeaderValue::from_static("0"));
-        let record = encode(&headers, b"\0\0\0\0\x02hi", Some(&trailers));
-        let Some(Stored::Response(read)) = decode(record, &Label::route("/s/M")) else {
-            panic!("not read back");
-        };
-        assert_eq!(read.body, Bytes::from_static(b"\0\0\0\0\x02hi"));
-        assert_eq!(read.trailers, Some(trailers));
+        let read = decode(reply.encode(&HeaderFilter::default()), &route()).expect("read back");
+        assert_eq!(read.body, reply.body);
+        assert_eq!(read.trailers, reply.trailers);
         assert_eq!(read.code(), Code::Ok);
         assert!(read.head.headers.get("date").is_none());
         let charges: Vec<_> = read.head.headers.get_all("x-charge").iter().collect();
@@ -218,29 +182,25 @@ mod tests {
 
     #[test]
     fn a_trailers_only_response_has_its_status_in_its_headers() {
-        let mut headers = HeaderMap::new();
-        headers.insert("grpc-status", HeaderValue::from_static("9"));
-        let Some(Stored::Response(read)) = decode(encode(&headers, b"", None), &Label::route("r"))
-        else {
-            panic!("not read back");
-        };
+        let mut reply = Collected::ok(HeaderMap::new(), Bytes::new());
+        reply.trailers.clear();
+        reply.head.headers.insert("grpc-status", HeaderValue::from_static("9"));
+        let read = decode(reply.encode(&HeaderFilter::default()), &route()).expect("read back");
         assert_eq!(read.code(), Code::FailedPrecondition);
-        assert!(read.trailers.is_none());
+        assert!(read.trailers.is_empty());
     }
 
     #[test]
     fn other_records_and_truncated_ones_are_not_read() {
-        let route = Label::route("r");
-        let whole = encode(&HeaderMap::new(), b"body", None);
+        let whole =
+            Collected::ok(HeaderMap::new(), frame(b"body")).encode(&HeaderFilter::default());
         for cut in 0..whole.len() {
-            assert!(
-                !matches!(decode(whole.slice(..cut), &route), Some(Stored::Response(_))),
-                "{cut}"
-            );
+            assert!(decode(whole.slice(..cut), &route()).is_err(), "{cut}");
         }
-        let Some(Stored::NotReplayable(why)) = decode(not_replayable("too big"), &route) else {
-            panic!("not read back");
-        };
-        assert_eq!(why, "too big");
+        let http = record::encode(StatusCode::OK, &HeaderMap::new(), &HeaderFilter::default(), b"");
+        assert!(decode(http, &route()).is_err(), "an HTTP record is not a gRPC response");
+        let not_kept = decode(not_replayable("too big"), &route()).expect_err("not a response");
+        assert_eq!(not_kept.code(), Code::Internal);
+        assert!(not_kept.message().ends_with("too big"), "{}", not_kept.message());
     }
 }

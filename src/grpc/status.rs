@@ -4,10 +4,13 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
+use axum::body::Body;
 use http::Response;
-use prost::Message as _;
-use tonic::{Code, Status, body::Body, metadata::MetadataValue};
+use tonic::{
+    Code, Status,
+    metadata::{MetadataMap, MetadataValue},
+};
+use tonic_types::{ErrorDetails, StatusExt as _};
 
 use crate::store::TransactionError;
 
@@ -16,60 +19,14 @@ pub(super) fn answer(status: Status) -> Response<Body> {
     status.into_http()
 }
 
-/// `code` with `message`, and a hint to retry after `retry_after`.
+/// `code` with `message`, and a hint to retry after `retry_after`: `google.rpc.RetryInfo`,
+/// and the `grpc-retry-pushback-ms` a gRPC client's retry policy honours.
 pub(super) fn retry_after(code: Code, message: &str, retry_after: Duration) -> Response<Body> {
-    let seconds = i64::try_from(retry_after.as_secs()).unwrap_or(i64::MAX);
-    let delay =
-        ProtoDuration { seconds, nanos: i32::try_from(retry_after.subsec_nanos()).unwrap_or(0) };
-    let retry_info = RetryInfo { retry_delay: Some(delay) };
-    let details = RpcStatus {
-        code: code as i32,
-        message: message.to_owned(),
-        details: vec![Any {
-            type_url: "type.googleapis.com/google.rpc.RetryInfo".to_owned(),
-            value: retry_info.encode_to_vec(),
-        }],
-    };
-    let mut status = Status::with_details(code, message, Bytes::from(details.encode_to_vec()));
     let millis = u64::try_from(retry_after.as_millis()).unwrap_or(u64::MAX).max(1);
-    status.metadata_mut().insert("grpc-retry-pushback-ms", MetadataValue::from(millis));
-    answer(status)
-}
-
-/// `google.rpc.Status`, the `grpc-status-details-bin` payload.
-#[derive(Clone, PartialEq, prost::Message)]
-struct RpcStatus {
-    #[prost(int32, tag = "1")]
-    code: i32,
-    #[prost(string, tag = "2")]
-    message: String,
-    #[prost(message, repeated, tag = "3")]
-    details: Vec<Any>,
-}
-
-/// `google.protobuf.Any`.
-#[derive(Clone, PartialEq, prost::Message)]
-struct Any {
-    #[prost(string, tag = "1")]
-    type_url: String,
-    #[prost(bytes = "vec", tag = "2")]
-    value: Vec<u8>,
-}
-
-/// `google.rpc.RetryInfo`.
-#[derive(Clone, PartialEq, prost::Message)]
-struct RetryInfo {
-    #[prost(message, optional, tag = "1")]
-    retry_delay: Option<ProtoDuration>,
-}
-
-/// `google.protobuf.Duration`.
-#[derive(Clone, PartialEq, prost::Message)]
-struct ProtoDuration {
-    #[prost(int64, tag = "1")]
-    seconds: i64,
-    #[prost(int32, tag = "2")]
-    nanos: i32,
+    let mut metadata = MetadataMap::new();
+    metadata.insert("grpc-retry-pushback-ms", MetadataValue::from(millis));
+    let details = ErrorDetails::with_retry_info(Some(retry_after));
+    answer(Status::with_error_details_and_metadata(code, message, details, metadata))
 }
 
 /// A transaction that did not commit, as a status, so that a handler answers it with `?`:
@@ -113,9 +70,7 @@ mod tests {
         let status = Status::from_header_map(response.headers()).expect("a status");
         assert_eq!(status.code(), Code::Aborted);
         assert_eq!(response.headers()["grpc-retry-pushback-ms"], "1500");
-        let details = RpcStatus::decode(status.details()).expect("google.rpc.Status");
-        assert_eq!(details.details[0].type_url, "type.googleapis.com/google.rpc.RetryInfo");
-        let info = RetryInfo::decode(&details.details[0].value[..]).expect("RetryInfo");
-        assert_eq!(info.retry_delay, Some(ProtoDuration { seconds: 1, nanos: 500_000_000 }));
+        let info = status.get_details_retry_info().expect("RetryInfo");
+        assert_eq!(info.retry_delay, Some(Duration::from_millis(1500)));
     }
 }

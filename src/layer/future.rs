@@ -35,17 +35,26 @@ pin_project_lite::pin_project! {
 }
 
 impl<F, E> ResponseFuture<F, E> {
-    pub(super) fn pass_through(future: F) -> Self {
+    pub(crate) fn pass_through(future: F) -> Self {
         Self { kind: Kind::PassThrough { future } }
     }
 
-    pub(super) fn ready(response: Response) -> Self {
+    pub(crate) fn ready(response: Response) -> Self {
         Self { kind: Kind::Ready { response: Some(response) } }
     }
 
-    pub(super) fn handled(
-        future: Pin<Box<dyn Future<Output = Result<Response, E>> + Send>>,
+    /// The answer of a handled request, `handling` in `span`. A span no subscriber records is
+    /// not entered: entering and leaving it on every poll still cost each poll (with tracing's
+    /// `log` feature, a look at `log`'s level each time), and its records go nowhere.
+    pub(crate) fn handled(
+        handling: impl Future<Output = Result<Response, E>> + Send + 'static,
+        span: tracing::Span,
     ) -> Self {
+        let future: Pin<Box<dyn Future<Output = _> + Send>> = if span.is_disabled() {
+            Box::pin(handling)
+        } else {
+            Box::pin(tracing::Instrument::instrument(handling, span))
+        };
         Self { kind: Kind::Handled { future } }
     }
 }

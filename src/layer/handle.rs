@@ -104,7 +104,13 @@ where
         // A clone shares the key's text: the logs below name its hash.
         let logged = record_key.clone();
         let hash = logged.hash();
-        let claiming = Claiming { key: record_key, fingerprint, route: route.clone(), scope };
+        let claiming = Claiming {
+            key: record_key,
+            fingerprint,
+            route: route.clone(),
+            scope,
+            wait_within: None,
+        };
         let recover = &config.recover;
         let start = |(inner, mut parts, body): (S, http::request::Parts, Bytes),
                      context: IdempotencyContext,

@@ -3,7 +3,7 @@
 //! of record ([`Minimal`], [`Rebuild`], `IdempotencyLayer::rebuild`): a
 //! [`Recover`] hook, asked with a [`Lookup`] of the [`Rebuild`].
 
-use std::{fmt, future::Future, panic::AssertUnwindSafe, pin::Pin, sync::Arc, time::Duration};
+use std::{fmt, panic::AssertUnwindSafe, time::Duration};
 
 use axum::response::{IntoResponseParts, ResponseParts};
 use bytes::Bytes;
@@ -13,7 +13,7 @@ use serde::Serialize;
 
 use crate::{
     context::IdempotencyContext,
-    recovery::{BoxError, Lookup, Recover, Recovered},
+    recovery::{Hook, Lookup, Recover, Recovered},
 };
 
 /// Marks a response to be stored minimally: its status, the headers the layer keeps, and this
@@ -94,20 +94,13 @@ pub struct Rebuild {
     pub route: String,
 }
 
-type RebuildFuture =
-    Pin<Box<dyn Future<Output = Result<Recovered<Response<Bytes>>, BoxError>> + Send>>;
-
 /// The layer's rebuild hook, its type erased: called on a replay of a minimal record alone.
-#[derive(Clone)]
-pub(super) struct RebuildHook(Arc<dyn Fn(Lookup<Rebuild>) -> RebuildFuture + Send + Sync>);
+#[derive(Clone, Debug)]
+pub(super) struct RebuildHook(Hook<Rebuild, Response<Bytes>>);
 
 impl RebuildHook {
     pub(super) fn new<H: Recover<Rebuild, Response<Bytes>>>(hook: H) -> Self {
-        let hook = Arc::new(hook);
-        Self(Arc::new(move |lookup| {
-            let hook = hook.clone();
-            Box::pin(async move { hook.recover(lookup).await })
-        }))
+        Self(Hook::new(hook))
     }
 
     /// The rebuilt response; an error naming why not (the hook failed, panicked, took more
@@ -118,7 +111,7 @@ impl RebuildHook {
         rebuild: Rebuild,
         timeout: Duration,
     ) -> Result<Response<Bytes>, String> {
-        let call = AssertUnwindSafe((self.0)(Lookup::new(context, Some(rebuild)))).catch_unwind();
+        let call = AssertUnwindSafe(self.0.ask(Lookup::new(context, Some(rebuild)))).catch_unwind();
         match tokio::time::timeout(timeout, call).await {
             Ok(Ok(Ok(Recovered::Happened(response)))) => Ok(response),
             Ok(Ok(Ok(Recovered::Unknown))) => {
@@ -131,11 +124,5 @@ impl RebuildHook {
             Ok(Err(_panic)) => Err("the rebuild hook panicked".to_owned()),
             Err(_) => Err(format!("no answer within {timeout:?}")),
         }
-    }
-}
-
-impl fmt::Debug for RebuildHook {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("RebuildHook(..)")
     }
 }

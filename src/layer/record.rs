@@ -9,6 +9,9 @@
 //!   | { u16 name len, name, u32 value len, value }* | body
 //! ```
 //!
+//! A response with trailers (format `HttpWithTrailers`, 4: the gRPC door's) has them after its
+//! headers, in the same form: `| u16 trailer count | { ... }* | body`.
+//!
 //! One blob in one hash field keeps a completed record small (see `BENCHMARKS.md`).
 
 use std::time::{Duration, SystemTime};
@@ -33,6 +36,8 @@ pub(crate) struct StoredResponse {
     pub(crate) body: Bytes,
     /// Stored minimally: `body` is the handler's value, and a hook rebuilds the replay.
     pub(crate) minimal: bool,
+    /// Its trailers, when it was stored with them (format `HttpWithTrailers`).
+    pub(crate) trailers: Option<HeaderMap>,
 }
 
 /// Why a stored blob could not be read back.
@@ -46,7 +51,20 @@ pub(crate) fn encode(
     filter: &HeaderFilter,
     body: &[u8],
 ) -> Bytes {
-    encode_as(Format::Http, status, headers, filter, body)
+    encode_as(Format::Http, status, headers, None, filter, body)
+}
+
+#[cfg(feature = "tonic")]
+/// Encodes a response with its trailers (a gRPC response): the headers and the trailers that
+/// `filter` lets through, and `body`.
+pub(crate) fn encode_with_trailers(
+    status: StatusCode,
+    headers: &HeaderMap,
+    trailers: &HeaderMap,
+    filter: &HeaderFilter,
+    body: &[u8],
+) -> Bytes {
+    encode_as(Format::HttpWithTrailers, status, headers, Some(trailers), filter, body)
 }
 
 /// Encodes a response as the layer stores it: whole, or minimally when the handler put a
@@ -74,7 +92,7 @@ fn encode_head(
     body: &[u8],
 ) -> Bytes {
     match extensions.get::<super::Minimal>() {
-        Some(minimal) => encode_as(Format::HttpMinimal, status, headers, filter, &minimal.0),
+        Some(minimal) => encode_as(Format::HttpMinimal, status, headers, None, filter, &minimal.0),
         None => encode(status, headers, filter, body),
     }
 }
@@ -83,24 +101,31 @@ fn encode_as(
     format: Format,
     status: StatusCode,
     headers: &HeaderMap,
+    trailers: Option<&HeaderMap>,
     filter: &HeaderFilter,
     body: &[u8],
 ) -> Bytes {
-    let kept: Vec<(&HeaderName, &HeaderValue)> = filter.kept(headers).collect();
-    let size =
-        4 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>() + body.len();
-    let mut out = envelope::begin(format, size);
-    out.extend_from_slice(&status.as_u16().to_be_bytes());
-    // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the casts
-    // cannot truncate.
-    out.extend_from_slice(&(kept.len() as u16).to_be_bytes());
-    for (name, value) in kept {
-        out.extend_from_slice(&(name.as_str().len() as u16).to_be_bytes());
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(&(value.len() as u32).to_be_bytes());
-        out.extend_from_slice(value.as_bytes());
+    type Kept<'a> = Vec<(&'a HeaderName, &'a HeaderValue)>;
+    let headers: Kept<'_> = filter.kept(headers).collect();
+    let trailers: Option<Kept<'_>> = trailers.map(|trailers| filter.kept(trailers).collect());
+    let size = |kept: &Kept<'_>| {
+        2 + kept.iter().map(|(n, v)| 6 + n.as_str().len() + v.len()).sum::<usize>()
+    };
+    let size = 2 + size(&headers) + trailers.as_ref().map_or(0, size);
+    let mut out = envelope::begin(format, size + body.len());
+    out.put_u16(status.as_u16());
+    for kept in std::iter::once(headers).chain(trailers) {
+        // HeaderMap caps itself far below u16::MAX entries and u32::MAX bytes per value; the
+        // casts cannot truncate.
+        out.put_u16(kept.len() as u16);
+        for (name, value) in kept {
+            out.put_u16(name.as_str().len() as u16);
+            out.put_slice(name.as_str().as_bytes());
+            out.put_u32(value.len() as u32);
+            out.put_slice(value.as_bytes());
+        }
     }
-    out.extend_from_slice(body);
+    out.put_slice(body);
     out.freeze()
 }
 
@@ -145,10 +170,7 @@ pub(crate) fn encoding_acceptable(stored: &HeaderMap, request: &HeaderMap) -> bo
 /// The record of a response that ran but is too large to keep: its status and why, no
 /// headers, no body. Every retry is answered that it ran (`response-not-replayable`).
 pub(crate) fn not_replayable(status: StatusCode, why: &str) -> Bytes {
-    let reason = format!("the request ran (status {}) but {why}", status.as_u16());
-    let mut out = envelope::begin(Format::NotStored, reason.len());
-    out.put_slice(reason.as_bytes());
-    out.freeze()
+    envelope::not_stored(&format!("the request ran (status {}) but {why}", status.as_u16()))
 }
 
 /// Decodes a blob written by [`encode`], observing its age for `route`. Never panics; the body
@@ -160,17 +182,39 @@ pub(crate) fn decode(blob: Bytes, route: &Label) -> Result<StoredResponse, Decod
     decode_parsed(opened)
 }
 
-/// Decodes a record whose envelope was read.
+/// Decodes a record whose envelope was read: a response without trailers (the HTTP layer's).
 pub(crate) fn decode_parsed(opened: Parsed) -> Result<StoredResponse, DecodeError> {
-    let (completed_at, mut blob) = match opened.format {
-        Format::Http | Format::HttpMinimal => (opened.completed_at, opened.payload),
+    decode_as(opened, false)
+}
+
+/// Decodes a record of a response with trailers (the gRPC door's) whose envelope was read.
+#[cfg(feature = "tonic")]
+pub(crate) fn decode_with_trailers(opened: Parsed) -> Result<StoredResponse, DecodeError> {
+    decode_as(opened, true)
+}
+
+fn decode_as(opened: Parsed, with_trailers: bool) -> Result<StoredResponse, DecodeError> {
+    let (completed_at, mut blob) = match (opened.format, with_trailers) {
+        (Format::Http | Format::HttpMinimal, false) | (Format::HttpWithTrailers, true) => {
+            (opened.completed_at, opened.payload)
+        }
         _ => return Err(DecodeError("unknown response format")),
     };
     let minimal = opened.format == Format::HttpMinimal;
-    if blob.remaining() < 4 {
+    if blob.remaining() < 2 {
         return Err(DecodeError("truncated header"));
     }
     let status = StatusCode::from_u16(blob.get_u16()).map_err(|_| DecodeError("invalid status"))?;
+    let headers = get_headers(&mut blob)?;
+    let trailers = if with_trailers { Some(get_headers(&mut blob)?) } else { None };
+    Ok(StoredResponse { completed_at, status, headers, body: blob, minimal, trailers })
+}
+
+/// Reads a count of headers, then each name and value, as [`encode_as`] writes them.
+fn get_headers(blob: &mut Bytes) -> Result<HeaderMap, DecodeError> {
+    if blob.remaining() < 2 {
+        return Err(DecodeError("truncated header"));
+    }
     let count = blob.get_u16();
     // Each header takes at least 6 bytes: a count the blob cannot hold is not trusted for the
     // allocation. A large blob can seem to hold more headers than `HeaderMap` takes, whose
@@ -181,14 +225,14 @@ pub(crate) fn decode_parsed(opened: Parsed) -> Result<StoredResponse, DecodeErro
     let mut headers = HeaderMap::try_with_capacity(usize::from(count))
         .map_err(|_| DecodeError("header count larger than a header map holds"))?;
     for _ in 0..count {
-        let name = take(&mut blob, 2)?;
+        let name = take(blob, 2)?;
         let name = HeaderName::from_bytes(&name).map_err(|_| DecodeError("invalid header name"))?;
-        let value = take(&mut blob, 4)?;
+        let value = take(blob, 4)?;
         let value = HeaderValue::from_maybe_shared(value)
             .map_err(|_| DecodeError("invalid header value"))?;
         headers.try_append(name, value).map_err(|_| DecodeError("too many headers"))?;
     }
-    Ok(StoredResponse { completed_at, status, headers, body: blob, minimal })
+    Ok(headers)
 }
 
 /// Takes one length-prefixed field whose length is `width` bytes wide.

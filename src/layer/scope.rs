@@ -53,13 +53,13 @@ impl ScopeExtractor for GlobalScope {
 
 /// The scope is the value of a request header, such as `X-Tenant-Id`. A request without it,
 /// or with more than one, gets 400 problem+json (`scope-missing`) whose `detail` names the
-/// header.
+/// header. (The gRPC door takes it too: a metadata entry, and `INVALID_ARGUMENT`.)
 ///
 /// Trusts the header, which any client can set: use it only behind a gateway that sets or
 /// verifies the header. To scope by an authenticated identity, use [`ExtractorScope`].
 #[derive(Debug, Clone)]
 pub struct HeaderScope {
-    name: HeaderName,
+    pub(crate) name: HeaderName,
 }
 
 impl HeaderScope {

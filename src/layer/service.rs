@@ -29,7 +29,6 @@ use bytes::Bytes;
 use http::{Request, StatusCode};
 use http_body::Body as HttpBody;
 use tower_service::Service;
-use tracing::Instrument as _;
 
 use super::{
     BoxError,
@@ -154,14 +153,6 @@ where
             outcome = tracing::field::Empty,
             replayed = tracing::field::Empty,
         );
-        let handling = request.handle(req, key);
-        // A span no subscriber records is not entered: entering and leaving it on every poll
-        // still cost each poll (with tracing's `log` feature, a look at `log`'s level each
-        // time), and its records go nowhere.
-        if span.is_disabled() {
-            ResponseFuture::handled(Box::pin(handling))
-        } else {
-            ResponseFuture::handled(Box::pin(handling.instrument(span)))
-        }
+        ResponseFuture::handled(request.handle(req, key), span)
     }
 }

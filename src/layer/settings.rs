@@ -18,10 +18,10 @@ use super::header_filter::HeaderFilter;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use]
 pub struct Limits {
-    pub(super) body: usize,
-    pub(super) stored_body: usize,
-    pub(super) stored_headers: usize,
-    pub(super) release_when_too_large: bool,
+    pub(crate) body: usize,
+    pub(crate) stored_body: usize,
+    pub(crate) stored_headers: usize,
+    pub(crate) release_when_too_large: bool,
 }
 
 impl Default for Limits {

@@ -17,6 +17,7 @@ use axum_idempotency::{
     IdempotencyContext,
     durable::DurableOutcomes,
     grpc::GrpcIdempotencyLayer,
+    layer::scope::ScopeExtractor,
     store::{
         PostgresStore, Store,
         sqlx::{self, PgConnection, PgPool},
@@ -45,7 +46,7 @@ pub const CHARGE_IN_TRANSACTION: &str = "/payments.v1.Payments/ChargeInTransacti
 /// handled, keyed by the `idempotency-key` metadata entry or the message's `request_id`;
 /// scoped by `x-tenant-id` when the call names one; `OK` and a declined charge
 /// (`FAILED_PRECONDITION`) stored and replayed, every other error retried.
-pub fn layer<St: Store>(store: St) -> GrpcIdempotencyLayer<St> {
+pub fn layer<St: Store>(store: St) -> GrpcIdempotencyLayer<St, impl ScopeExtractor> {
     GrpcIdempotencyLayer::new(store)
         .unary(CHARGE)
         .unary(CHARGE_IN_TRANSACTION)
@@ -231,9 +232,9 @@ impl Payments for Ledger {
 /// # Errors
 ///
 /// When the server fails.
-pub async fn serve<St: Store>(
+pub async fn serve<St: Store, Sc: ScopeExtractor>(
     listener: tokio::net::TcpListener,
-    layer: GrpcIdempotencyLayer<St>,
+    layer: GrpcIdempotencyLayer<St, Sc>,
     ledger: Ledger,
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()

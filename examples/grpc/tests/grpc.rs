@@ -8,7 +8,12 @@ mod common;
 
 use std::time::Duration;
 
-use axum_idempotency::{grpc::GrpcIdempotencyLayer, settings::Waiting, store::Store};
+use axum_idempotency::{
+    grpc::{GrpcIdempotencyLayer, HeaderScope, Limits},
+    layer::scope::ScopeExtractor,
+    settings::Waiting,
+    store::Store,
+};
 use common::*;
 use grpc_example::{
     Ledger, layer,
@@ -18,8 +23,8 @@ use grpc_example::{
 use tonic::{Code, Request, Response, Status, codec::CompressionEncoding, transport::Channel};
 
 /// A server on a free loopback port, and a client of it. The server stops with the test.
-async fn start<St: Store>(
-    layer: GrpcIdempotencyLayer<St>,
+async fn start<St: Store, Sc: ScopeExtractor>(
+    layer: GrpcIdempotencyLayer<St, Sc>,
     ledger: Ledger,
 ) -> PaymentsClient<Channel> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -136,6 +141,45 @@ async fn a_retry_past_the_wait_is_aborted_with_retry_info<H: Harness>(h: H) {
     let (after, was_replayed, _) = reply(client.charge(charge(Some("r"), "a", 7)).await);
     assert_eq!((after.call, was_replayed), (1, true));
     assert_eq!(ledger.calls(), 1);
+}
+
+/// A retry whose own deadline (`grpc-timeout`) is shorter than the layer's wait waits within
+/// it, and is answered `ABORTED` with when to retry: not `DEADLINE_EXCEEDED`, which says
+/// nothing of the original.
+async fn a_retry_waits_within_its_own_deadline<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let mut client = start(layer(h.store()), ledger.clone()).await;
+    let mut first = client.clone();
+    let running =
+        tokio::spawn(async move { first.charge(slow(charge(Some("t"), "a", 7), 3000)).await });
+    eventually("the first call runs", async || ledger.calls() == 1).await;
+    let mut retry = charge(Some("t"), "a", 7);
+    retry.set_timeout(Duration::from_millis(600));
+    let started = std::time::Instant::now();
+    let aborted = client.charge(retry).await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(aborted.code(), Code::Aborted, "{aborted:?}");
+    assert!(aborted.metadata().get("grpc-retry-pushback-ms").is_some(), "{aborted:?}");
+    assert!(took >= Duration::from_millis(400) && took < Duration::from_millis(600), "{took:?}");
+    assert_eq!(reply(running.await.unwrap()).0.call, 1);
+    assert_eq!(ledger.calls(), 1);
+}
+
+/// The HTTP layer's scopes serve the gRPC door: a metadata entry, and an extractor's refusal
+/// in gRPC's terms.
+async fn a_metadata_scope_keys_tenants_apart_and_refuses_a_call_without_it<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let tenants = layer(h.store()).scope(HeaderScope::new("x-tenant-id").unwrap());
+    let mut client = start(tenants, ledger.clone()).await;
+    let missing = client.charge(charge(Some("k"), "a", 1)).await.unwrap_err();
+    assert_eq!(missing.code(), Code::InvalidArgument, "{missing:?}");
+    assert!(missing.message().contains("x-tenant-id"), "{missing:?}");
+    for (tenant, runs) in [("t1", 1), ("t2", 2), ("t1", 2)] {
+        let mut request = charge(Some("k"), "a", 1);
+        request.metadata_mut().insert("x-tenant-id", tenant.parse().unwrap());
+        reply(client.charge(request).await);
+        assert_eq!(ledger.calls(), runs, "{tenant}");
+    }
 }
 
 async fn a_missing_or_malformed_key_is_invalid_argument<H: Harness>(h: H) {
@@ -314,7 +358,8 @@ async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: H
 
 async fn a_reply_over_the_stored_limit_is_not_run_again<H: Harness>(h: H) {
     let ledger = Ledger::new();
-    let mut client = start(layer(h.store()).stored_limit(64), ledger.clone()).await;
+    let mut client =
+        start(layer(h.store()).limits(Limits::default().stored_body(4)), ledger.clone()).await;
     let (first, first_replayed, _) = reply(client.charge(charge(Some("big"), "acct", 5)).await);
     assert_eq!((first.call, first_replayed), (1, false), "the caller gets its reply");
     let retried = client.charge(charge(Some("big"), "acct", 5)).await.unwrap_err();
@@ -332,6 +377,8 @@ every_store!(
     a_retry_while_the_call_runs_waits_and_gets_its_reply,
     a_retry_past_the_wait_is_aborted_with_retry_info,
     a_missing_or_malformed_key_is_invalid_argument,
+    a_retry_waits_within_its_own_deadline,
+    a_metadata_scope_keys_tenants_apart_and_refuses_a_call_without_it,
     the_request_id_in_the_message_is_the_key,
     a_declined_charge_is_replayed_and_a_busy_one_runs_again,
     scopes_keep_tenants_keys_apart,

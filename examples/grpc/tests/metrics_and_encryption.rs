@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use axum_idempotency::layer::scope::ScopeExtractor;
 use axum_idempotency::{MemoryStore, encryption::Keyring};
 use grpc_example::{
     Ledger, layer,
@@ -14,7 +15,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tonic::{Code, Request, transport::Channel};
 
 async fn start(
-    layer: axum_idempotency::grpc::GrpcIdempotencyLayer<MemoryStore>,
+    layer: axum_idempotency::grpc::GrpcIdempotencyLayer<MemoryStore, impl ScopeExtractor>,
 ) -> PaymentsClient<Channel> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
