@@ -41,7 +41,7 @@ pub(crate) use self::holder::{Asked, Holder, Panic};
 pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
-pub(crate) use self::setters::engine_setters;
+pub(crate) use self::setters::{engine_setters, inner_service_accessors};
 use self::settle::abandon;
 use crate::{
     at_rest::AtRest,
@@ -105,16 +105,24 @@ impl Settings {
 const FIRST_POLL: Duration = Duration::from_millis(50);
 const LAST_POLL: Duration = Duration::from_secs(1);
 
-/// The HTTP door's default for how long a duplicate waits for its in-progress original: long
+/// The default for how long a duplicate request waits for its in-progress original: long
 /// enough for the handlers of a payment or an order to finish, short of the 60 s that proxies
 /// (nginx's `proxy_read_timeout`, AWS ALB's idle timeout) and clients (stripe-python's 80 s)
 /// give a request.
-pub(crate) const DEFAULT_HTTP_WAIT: Duration = Duration::from_secs(10);
+const DEFAULT_HTTP_WAIT: Duration = Duration::from_secs(10);
 
-/// The HTTP door's default lease: no longer than its wait, so that a retry that waits for a
+/// The default lease of a request's door: no longer than its wait, so that a retry that waits for a
 /// holder that died takes its key over within the wait (the lease is renewed while the handler
 /// runs, so a handler may run longer).
-pub(crate) const DEFAULT_HTTP_LEASE: Duration = DEFAULT_HTTP_WAIT;
+const DEFAULT_HTTP_LEASE: Duration = DEFAULT_HTTP_WAIT;
+
+impl Settings {
+    /// The defaults of a door whose callers wait for their answer (the HTTP and gRPC doors): a
+    /// retry waits for a running original, and the lease is no longer than that wait.
+    pub(crate) fn for_requests() -> Self {
+        Self { lease: DEFAULT_HTTP_LEASE, wait: Some(DEFAULT_HTTP_WAIT), ..Self::default() }
+    }
+}
 
 impl Default for Settings {
     fn default() -> Self {

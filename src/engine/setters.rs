@@ -84,3 +84,26 @@ macro_rules! engine_setters {
 }
 
 pub(crate) use engine_setters;
+
+/// A middleware's accessors to the service it wraps (as tower-http's
+/// `define_inner_service_accessors!`), for a service struct with an `inner` field.
+macro_rules! inner_service_accessors {
+    () => {
+        /// The wrapped service.
+        pub fn get_ref(&self) -> &S {
+            &self.inner
+        }
+
+        /// The wrapped service, mutably.
+        pub fn get_mut(&mut self) -> &mut S {
+            &mut self.inner
+        }
+
+        /// The wrapped service, unwrapped.
+        pub fn into_inner(self) -> S {
+            self.inner
+        }
+    };
+}
+
+pub(crate) use inner_service_accessors;

@@ -11,13 +11,11 @@ use http::{Request, Response};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::{GrpcStorePolicy, KeyFromMessage, Limits, Reply, call, config::Config};
+use super::{GrpcStorePolicy, KeyFromMessage, Reply, call, config::Config};
 use crate::{
-    engine::{
-        DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
-    },
+    engine::{Engine, RenewalsCell, Settings, engine_setters, inner_service_accessors},
     layer::{
-        ResponseFuture,
+        ResponseFuture, request_door_setters,
         scope::{GlobalScope, ScopeExtractor},
     },
     recovery::{BoxError, Hook, Recover},
@@ -45,11 +43,7 @@ impl<St: Store> GrpcIdempotencyLayer<St> {
         Self {
             store,
             scope: GlobalScope,
-            settings: Arc::new(Settings {
-                lease: DEFAULT_HTTP_LEASE,
-                wait: Some(DEFAULT_HTTP_WAIT),
-                ..Settings::default()
-            }),
+            settings: Arc::new(Settings::for_requests()),
             config: Arc::new(Config::default()),
             renewals: RenewalsCell::default(),
         }
@@ -68,6 +62,31 @@ impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
     }
 
     engine_setters!();
+
+    request_door_setters! {
+        GrpcIdempotencyLayer;
+        /// Sets whose keys are whose, as the HTTP layer's scopes do (see [`scope`](crate::layer::scope)):
+        /// [`HeaderScope`](super::HeaderScope) reads a metadata entry, a closure over the request's
+        /// parts or [`ExtractorScope`](crate::layer::scope::ExtractorScope) an authenticated
+        /// principal in its extensions. A call whose scope is not found is `INVALID_ARGUMENT` (the
+        /// extractor's 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`), with the reason.
+        /// Defaults to one scope for every caller.
+        scope;
+        /// Whether a call of a listed method without a key is refused (`INVALID_ARGUMENT`), or
+        /// passed through without idempotency. Defaults to `true`: a listed method is a mutation
+        /// that must not run twice.
+        require_key;
+        /// Sets the prefix of every record key in the store. Defaults to `idempotency-grpc`.
+        key_prefix;
+        /// Sets what the layer reads and stores, as the HTTP layer's [`Limits`](super::Limits) do: `body` is the
+        /// request message (its frame's five-byte prefix not counted, as tonic counts; a larger one
+        /// is `RESOURCE_EXHAUSTED`); `stored_body` the stored message, and `stored_headers` the
+        /// stored metadata, headers and trailers (a reply over either is answered, and its key
+        /// keeps a record that the call ran: every retry gets `INTERNAL`, never a second run, unless
+        /// `release_when_too_large`). Defaults to [`Limits::default`](super::Limits::default): 1 MiB a message, 64 KiB of
+        /// metadata. It sets the whole group.
+        limits;
+    }
 
     /// Handles the unary method with this path (`/package.Service/Method`, as
     /// `tonic::GrpcMethod` and the `:path` of a call name it). Call once per method. Every
@@ -100,25 +119,6 @@ impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Whether a call of a listed method without a key is refused (`INVALID_ARGUMENT`), or
-    /// passed through without idempotency. Defaults to `true`: a listed method is a mutation
-    /// that must not run twice.
-    pub fn require_key(mut self, require: bool) -> Self {
-        self.config().require_key = require;
-        self
-    }
-
-    /// Sets whose keys are whose, as the HTTP layer's scopes do (see [`scope`](crate::layer::scope)):
-    /// [`HeaderScope`](super::HeaderScope) reads a metadata entry, a closure over the request's
-    /// parts or [`ExtractorScope`](crate::layer::scope::ExtractorScope) an authenticated
-    /// principal in its extensions. A call whose scope is not found is `INVALID_ARGUMENT` (the
-    /// extractor's 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`), with the reason.
-    /// Defaults to one scope for every caller.
-    pub fn scope<Sc2: ScopeExtractor>(self, scope: Sc2) -> GrpcIdempotencyLayer<St, Sc2> {
-        let Self { store, settings, config, renewals, .. } = self;
-        GrpcIdempotencyLayer { store, scope, settings, config, renewals }
-    }
-
     /// Sets which statuses are stored and replayed: see [`GrpcStorePolicy`]. Defaults to `OK`
     /// alone.
     pub fn store_policy(mut self, policy: impl GrpcStorePolicy) -> Self {
@@ -149,25 +149,6 @@ impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
         self.settings().recovering = true;
         self
     }
-
-    /// Sets the prefix of every record key in the store. Defaults to `idempotency-grpc`.
-    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.config().prefix = prefix.into();
-        self
-    }
-
-    /// Sets what the layer reads and stores, as the HTTP layer's [`Limits`] do: `body` is the
-    /// request message (its frame's five-byte prefix not counted, as tonic counts; a larger one
-    /// is `RESOURCE_EXHAUSTED`); `stored_body` the stored message, and `stored_headers` the
-    /// stored metadata, headers and trailers (a reply over either is answered, and its key
-    /// keeps a record that the call ran: every retry gets `INTERNAL`, never a second run, unless
-    /// `release_when_too_large`). Defaults to [`Limits::default`]: 1 MiB a message, 64 KiB of
-    /// metadata. It sets the whole group.
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.settings().release_too_large = limits.release_when_too_large;
-        self.config().limits = limits;
-        self
-    }
 }
 
 impl<S, St: Store, Sc: Clone> Layer<S> for GrpcIdempotencyLayer<St, Sc> {
@@ -190,20 +171,7 @@ pub struct GrpcIdempotency<S, St, Sc = GlobalScope> {
 }
 
 impl<S, St, Sc> GrpcIdempotency<S, St, Sc> {
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The wrapped service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// The wrapped service, unwrapped.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 impl<S, St, Sc, ReqBody, ResBody> Service<Request<ReqBody>> for GrpcIdempotency<S, St, Sc>

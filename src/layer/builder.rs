@@ -10,15 +10,13 @@ use super::{
     fingerprinting::Fingerprinting,
     operator::Operator,
     recover::Hook,
-    scope::{GlobalScope, ScopeExtractor},
+    scope::GlobalScope,
     service::Idempotency,
-    settings::{Answers, Limits},
+    settings::{Answers, request_door_setters},
     store_policy::Policy,
 };
 use crate::{
-    engine::{
-        DEFAULT_HTTP_LEASE, DEFAULT_HTTP_WAIT, Engine, RenewalsCell, Settings, engine_setters,
-    },
+    engine::{Engine, RenewalsCell, Settings, engine_setters},
     store::{Admin, Store},
 };
 
@@ -73,11 +71,7 @@ impl<St: Store> IdempotencyLayer<St> {
             store,
             scope: GlobalScope,
             config: Arc::new(Config::default()),
-            settings: Arc::new(Settings {
-                lease: DEFAULT_HTTP_LEASE,
-                wait: Some(DEFAULT_HTTP_WAIT),
-                ..Settings::default()
-            }),
+            settings: Arc::new(Settings::for_requests()),
             renewals: RenewalsCell::default(),
         }
     }
@@ -96,13 +90,6 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
 
     engine_setters!();
 
-    /// Sets how a request's scope is found (see [`ScopeExtractor`]). Defaults to
-    /// [`GlobalScope`].
-    pub fn scope<Sc2: ScopeExtractor>(self, scope: Sc2) -> IdempotencyLayer<St, Sc2> {
-        let Self { store, config, settings, renewals, .. } = self;
-        IdempotencyLayer { store, scope, config, settings, renewals }
-    }
-
     /// Sets the methods made idempotent. Defaults to POST and PATCH.
     pub fn methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         self.config().methods = methods.into_iter().collect();
@@ -115,26 +102,20 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
         self
     }
 
-    /// Answers a request without a key with 400 instead of passing it through. Defaults to
-    /// `false`. Use it with `route_layer` on the routes that must have a key.
-    pub fn require_key(mut self, require: bool) -> Self {
-        self.config().require_key = require;
-        self
-    }
-
-    /// Sets the prefix of every record key in the store. Defaults to `idempotency`.
-    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.config().prefix = prefix.into();
-        self
-    }
-
-    /// Sets what the layer buffers and stores: the request body, the stored response, and
-    /// what becomes of a response too large to keep. See [`Limits`]. Like each group's setter, it
-    /// sets the whole group: what the value leaves out is back to its default.
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.settings().release_too_large = limits.release_when_too_large;
-        self.config().limits = limits;
-        self
+    request_door_setters! {
+        IdempotencyLayer;
+        /// Sets how a request's scope is found (see [`ScopeExtractor`](super::scope::ScopeExtractor)). Defaults to
+        /// [`GlobalScope`].
+        scope;
+        /// Answers a request without a key with 400 instead of passing it through. Defaults to
+        /// `false`. Use it with `route_layer` on the routes that must have a key.
+        require_key;
+        /// Sets the prefix of every record key in the store. Defaults to `idempotency`.
+        key_prefix;
+        /// Sets what the layer buffers and stores: the request body, the stored response, and
+        /// what becomes of a response too large to keep. See [`Limits`](super::Limits). Like each group's setter, it
+        /// sets the whole group: what the value leaves out is back to its default.
+        limits;
     }
 
     /// Sets what a request's fingerprint covers (canonical JSON, members left out, request

@@ -37,6 +37,8 @@ mod service;
 mod settings;
 mod store_policy;
 
+#[cfg(feature = "tonic")]
+pub(crate) use self::settings::request_door_setters;
 pub use self::{
     builder::IdempotencyLayer,
     fingerprinting::{Fingerprinting, MakeFingerprint},

@@ -39,7 +39,10 @@ use super::{
     problem::{ProblemType, problem},
     scope::ScopeExtractor,
 };
-use crate::{engine::Engine, store::Store};
+use crate::{
+    engine::{Engine, inner_service_accessors},
+    store::Store,
+};
 
 /// Whether an axum router saw the request and no route matched it: it goes to the fallback
 /// (a 404), and must not use up its key. A router inserts `OriginalUri` before it routes, and
@@ -64,20 +67,7 @@ impl<S, St, Sc> Idempotency<S, St, Sc> {
         Self { inner, engine, scope, config }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    /// The inner service, mutably.
-    pub fn get_mut(&mut self) -> &mut S {
-        &mut self.inner
-    }
-
-    /// Consumes the middleware, returning the inner service.
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
+    inner_service_accessors!();
 }
 
 impl<S: fmt::Debug, St: fmt::Debug, Sc: fmt::Debug> fmt::Debug for Idempotency<S, St, Sc> {

@@ -156,3 +156,44 @@ impl Answers {
         self
     }
 }
+
+/// The setters the two request doors (this layer and the gRPC door) share, over a builder
+/// with `store`, `scope`, `settings`, `config` and `renewals` fields, and `fn settings` and
+/// `fn config`: whose keys are whose, whether a key is required, the keys' prefix, and the
+/// [`Limits`]. Each door writes its own docs.
+macro_rules! request_door_setters {
+    (
+        $layer:ident;
+        $(#[$scope:meta])* scope;
+        $(#[$require:meta])* require_key;
+        $(#[$prefix:meta])* key_prefix;
+        $(#[$limits:meta])* limits;
+    ) => {
+        $(#[$scope])*
+        pub fn scope<Sc2: $crate::layer::scope::ScopeExtractor>(self, scope: Sc2) -> $layer<St, Sc2> {
+            let Self { store, settings, config, renewals, .. } = self;
+            $layer { store, scope, settings, config, renewals }
+        }
+
+        $(#[$require])*
+        pub fn require_key(mut self, require: bool) -> Self {
+            self.config().require_key = require;
+            self
+        }
+
+        $(#[$prefix])*
+        pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+            self.config().prefix = prefix.into();
+            self
+        }
+
+        $(#[$limits])*
+        pub fn limits(mut self, limits: $crate::layer::Limits) -> Self {
+            self.settings().release_too_large = limits.release_when_too_large;
+            self.config().limits = limits;
+            self
+        }
+    };
+}
+
+pub(crate) use request_door_setters;
