@@ -373,6 +373,32 @@ mod tests {
         assert!(stored.headers.get(header::CONTENT_TYPE).is_none());
     }
 
+    #[cfg(feature = "tonic")]
+    #[test]
+    fn trailers_read_back_only_as_a_response_with_trailers() {
+        let mut trailers = HeaderMap::new();
+        trailers.insert("grpc-status", HeaderValue::from_static("0"));
+        trailers.insert("date", HeaderValue::from_static("Sun, 22 Nov 2026 00:00:00 GMT"));
+        let filter = HeaderFilter::default();
+        let blob =
+            encode_with_trailers(StatusCode::OK, &sample_headers(), &trailers, &filter, b"m");
+        let opened = || envelope::parse(blob.clone(), &r()).unwrap();
+        let stored = decode_with_trailers(opened()).unwrap();
+        let kept = stored.trailers.expect("its trailers");
+        assert_eq!(kept.len(), 1, "the filter applies to them: {kept:?}");
+        assert_eq!(kept["grpc-status"], "0");
+        assert_eq!(stored.headers.get(header::CONTENT_TYPE).unwrap(), "application/json");
+        assert_eq!(stored.body, Bytes::from_static(b"m"));
+        assert!(decode_parsed(opened()).is_err(), "the HTTP layer does not replay it");
+        let http = encode(StatusCode::OK, &HeaderMap::new(), &filter, b"m");
+        assert!(decode_with_trailers(envelope::parse(http, &r()).unwrap()).is_err());
+        for len in 9..blob.len() - 1 {
+            let cut = envelope::parse(blob.slice(..len), &r()).unwrap();
+            let read = decode_with_trailers(cut);
+            assert!(read.is_err() || read.unwrap().body.is_empty(), "prefix of {len} bytes");
+        }
+    }
+
     #[test]
     fn every_truncation_is_an_error_not_a_panic() {
         let blob = encode(StatusCode::OK, &sample_headers(), &HeaderFilter::default(), b"");
