@@ -300,7 +300,7 @@ impl<St: Store, H> Idempotent<St, H> {
         };
         let (route, scope_bytes) = (label.clone(), scope.as_bytes().to_vec());
         let claiming =
-            Claiming { key: record_key, fingerprint, route, scope: scope_bytes, wait_within: None };
+            Claiming { key: record_key, fingerprint, route, scope: scope_bytes, wait_until: None };
         let start = |operation: F, context: IdempotencyContext, due: bool| {
             let lookup = self.hook.as_ref().filter(|_| due).map(|hook| {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));

@@ -195,15 +195,15 @@ impl<St: Store> Engine<St> {
     /// was released.
     ///
     /// `route` labels the metrics (the matched route, or the consumer's scope): never a key.
-    /// `wait_within` bounds the wait further: the caller's own deadline.
+    /// `wait_until` ends the wait sooner: the caller's own deadline.
     async fn claim(
         &self,
         key: RecordKey,
         fingerprint: Fingerprint,
         route: Label,
-        wait_within: Option<Duration>,
+        wait_until: Option<tokio::time::Instant>,
     ) -> Result<Claimed<St>, StoreError> {
-        let claimed = self.claim_or_wait(&key, &fingerprint, &route, wait_within).await;
+        let claimed = self.claim_or_wait(&key, &fingerprint, &route, wait_until).await;
         let (claim, owner) = match claimed {
             Ok(claimed) => claimed,
             Err(error) => {
@@ -248,13 +248,16 @@ impl<St: Store> Engine<St> {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         route: &Label,
-        wait_within: Option<Duration>,
+        wait_until: Option<tokio::time::Instant>,
     ) -> Result<(Claim, OwnerToken), StoreError> {
         let (mut claim, mut owner) = self.claim_once(key, fingerprint, false).await?;
+        let left = |wait: Duration| match wait_until {
+            Some(until) => wait.min(until.saturating_duration_since(tokio::time::Instant::now())),
+            None => wait,
+        };
         if matches!(claim, Claim::InProgress { .. })
-            && let Some(wait) = self.settings.wait
+            && let Some(wait) = self.settings.wait.map(left).filter(|wait| !wait.is_zero())
         {
-            let wait = wait_within.map_or(wait, |within| wait.min(within));
             match self.settings.waiters.clone().try_acquire_owned() {
                 Ok(_place) => {
                     let started = tokio::time::Instant::now();

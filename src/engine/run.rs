@@ -88,9 +88,9 @@ pub(crate) struct Claiming {
     pub(crate) route: Label,
     /// The scope the operation's context names.
     pub(crate) scope: Vec<u8>,
-    /// The caller's own deadline, when it has one (a gRPC call's `grpc-timeout`): a wait for
-    /// the original ends before it, whatever the engine's wait.
-    pub(crate) wait_within: Option<std::time::Duration>,
+    /// When a wait for the original must end, whatever the engine's wait: the caller's own
+    /// deadline, less the time its answer takes (a gRPC call's `grpc-timeout`).
+    pub(crate) wait_until: Option<tokio::time::Instant>,
 }
 
 /// What a door starts once its claim is won: the operation, and the recovery hook's lookup
@@ -152,8 +152,8 @@ impl<St: Store> Engine<St> {
         F: Future<Output = Result<D::Output, E>> + Send + 'static,
         L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
     {
-        let Claiming { key, fingerprint, route, scope, wait_within } = claiming;
-        let claimed = self.claim(key, fingerprint, route, wait_within).await;
+        let Claiming { key, fingerprint, route, scope, wait_until } = claiming;
+        let claimed = self.claim(key, fingerprint, route, wait_until).await;
         door.claimed(outcome_name(&claimed));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,

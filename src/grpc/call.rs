@@ -6,7 +6,7 @@ use std::{marker::PhantomData, sync::Arc, time::Duration};
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode, request::Parts};
+use http::{HeaderMap, Request, Response, request::Parts};
 use http_body_util::{BodyExt as _, Full, LengthLimitError, Limited};
 use tonic::{Code, Status, metadata::MetadataValue};
 use tower::ServiceExt as _;
@@ -52,6 +52,13 @@ where
         request: Request<tonic::body::Body>,
     ) -> Result<Response<Body>, S::Error> {
         let (mut parts, body) = request.into_parts();
+        // A retry waits for its original within its own deadline, counted from its arrival,
+        // less a tenth of it (at least 50 ms) for the last claim and the answer: its `ABORTED`,
+        // with when to retry, reaches the client before the client gives up.
+        let wait_until = grpc_timeout(&parts.headers).and_then(|timeout| {
+            let margin = (timeout / 10).max(Duration::from_millis(50));
+            tokio::time::Instant::now().checked_add(timeout.saturating_sub(margin))
+        });
         let (key, message, framed) = match read(&self.config, &mut parts, body).await {
             Ok(read) => read,
             Err(Early::Refused(status)) => return Ok(answer(status)),
@@ -72,11 +79,8 @@ where
         let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
         let door =
             GrpcDoor { config: config.clone(), route: route.clone(), span, body: PhantomData };
-        // A retry waits for its original within nine tenths of its own deadline: its answer
-        // (`ABORTED`, with when to retry) reaches the client before the client gives up.
-        let wait_within = grpc_timeout(&parts.headers).map(|timeout| timeout * 9 / 10);
         let claiming =
-            Claiming { key: record_key, fingerprint, route: route.clone(), scope, wait_within };
+            Claiming { key: record_key, fingerprint, route: route.clone(), scope, wait_until };
         let start =
             |(inner, mut parts, framed): (S, Parts, Bytes), context: IdempotencyContext, due| {
                 // The recovery hook's question, with the message, when it is due.
@@ -148,15 +152,19 @@ async fn read(
         return Err(Early::WithoutKey(body));
     }
     let (message, framed) = read_message(parts, body, config.limits.body).await?;
-    let key = match from_metadata {
-        Some(key) => key,
-        None => match from_message.and_then(|find| find.key(parts.uri.path(), &message)) {
-            Some(key) if key.len() > MAX_KEY_LEN => Err(Status::invalid_argument(
-                "the request's idempotency key must be 1 to 255 bytes",
-            ))?,
-            Some(key) => key.into_bytes(),
-            None => return Err(Early::WithoutKey(tonic::body::Body::new(Full::new(framed)))),
-        },
+    let from_message = from_message.and_then(|find| find.key(parts.uri.path(), &message));
+    let key = match (from_metadata, from_message) {
+        // Two keys that differ would name two records: a retry that carries one of them
+        // alone would run again.
+        (Some(key), Some(id)) if key != id.as_bytes() => Err(Status::invalid_argument(
+            "the idempotency-key metadata entry and the request's id differ: send one key",
+        ))?,
+        (Some(key), _) => key,
+        (None, Some(id)) if id.len() > MAX_KEY_LEN => {
+            Err(Status::invalid_argument("the request's idempotency key must be 1 to 255 bytes"))?
+        }
+        (None, Some(id)) => id.into_bytes(),
+        (None, None) => return Err(Early::WithoutKey(tonic::body::Body::new(Full::new(framed)))),
     };
     Ok((key, message, framed))
 }
@@ -183,17 +191,21 @@ fn mismatch() -> Status {
 }
 
 /// A scope extractor's refusal, in gRPC's terms: its 401 `UNAUTHENTICATED`, its 403
-/// `PERMISSION_DENIED`, anything else `INVALID_ARGUMENT`; the message its problem's `detail`
-/// (or its text).
+/// `PERMISSION_DENIED`, its 429, 502, 503 and 504 `UNAVAILABLE` and any other 5xx `UNKNOWN`
+/// (as gRPC maps HTTP statuses), anything else `INVALID_ARGUMENT`; the message its problem's
+/// `detail` (or its text).
 async fn scope_refused(refused: Response<Body>) -> Status {
-    let code = match refused.status() {
-        StatusCode::UNAUTHORIZED => Code::Unauthenticated,
-        StatusCode::FORBIDDEN => Code::PermissionDenied,
+    let code = match refused.status().as_u16() {
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
+        // An extractor that could not ask (its backend down, busy): gRPC's own mapping.
+        429 | 502..=504 => Code::Unavailable,
+        500.. => Code::Unknown,
         _ => Code::InvalidArgument,
     };
-    let text = Limited::new(refused.into_body(), 4096).collect().await;
-    let text = text.map(http_body_util::Collected::to_bytes);
-    let text = text.unwrap_or_default();
+    let text = Limited::new(refused.into_body(), 64 * 1024).collect().await;
+    let too_long = |_| Bytes::from_static(b"(an answer too long to show)");
+    let text = text.map_or_else(too_long, http_body_util::Collected::to_bytes);
     let detail = serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|problem| {
         problem.get("detail").and_then(serde_json::Value::as_str).map(str::to_owned)
     });
@@ -247,9 +259,10 @@ async fn read_message(
 }
 
 /// The `idempotency-key` metadata entry, by gRPC's rules for an ASCII metadata value: 1 to 255
-/// printable ASCII characters (spaces included), taken as they are (a key is opaque: no quoting,
-/// no list). `None` when there is none; `INVALID_ARGUMENT` when it is empty, too long, not
-/// printable ASCII, given twice, or given in binary (`idempotency-key-bin`) only.
+/// printable ASCII characters (spaces included, not first or last), taken as they are (a key is
+/// opaque: no quoting, no list). `None` when there is none; `INVALID_ARGUMENT` when it is empty,
+/// too long, not printable ASCII, begins or ends with a space, given twice, or given in binary
+/// (`idempotency-key-bin`) only.
 fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Status> {
     let mut values = headers.get_all(KEY_METADATA).iter();
     let Some(value) = values.next() else {
@@ -272,6 +285,12 @@ fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Status> {
     if !key.iter().all(|b| (b' '..=b'~').contains(b)) {
         return Err(Status::invalid_argument(
             "the idempotency-key metadata entry must be printable ASCII",
+        ));
+    }
+    // HTTP/2 forbids it (RFC 9113 8.2.1), and a proxy may strip it: one key would be two.
+    if key.first() == Some(&b' ') || key.last() == Some(&b' ') {
+        return Err(Status::invalid_argument(
+            "the idempotency-key metadata entry must not begin or end with a space",
         ));
     }
     Ok(Some(key.to_vec()))
@@ -341,6 +360,46 @@ mod tests {
             Ok(Message::Plain(bytes)) => bytes,
             Ok(Message::Decompressed(_)) => panic!("decompressed"),
             Err(status) => panic!("{status:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_scope_refusal_is_told_in_grpc_terms_with_its_detail() {
+        let refusal = |status: u16| {
+            let problem = r#"{"type":"x","detail":"the tenant service is down"}"#;
+            let mut response = Response::new(Body::from(problem));
+            *response.status_mut() = http::StatusCode::from_u16(status).unwrap();
+            response
+        };
+        for (status, code) in [
+            (400, Code::InvalidArgument),
+            (401, Code::Unauthenticated),
+            (403, Code::PermissionDenied),
+            (429, Code::Unavailable),
+            (503, Code::Unavailable),
+            (500, Code::Unknown),
+        ] {
+            let refused = scope_refused(refusal(status)).await;
+            assert_eq!(refused.code(), code, "{status}");
+            assert!(refused.message().ends_with("the tenant service is down"), "{refused:?}");
+        }
+        let long = Response::new(Body::from(vec![b'x'; 100 * 1024]));
+        assert!(scope_refused(long).await.message().contains("too long"));
+    }
+
+    #[test]
+    fn a_grpc_timeout_is_read_as_the_protocol_writes_it() {
+        let timeout = |value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert("grpc-timeout", http::HeaderValue::from_static(value));
+            grpc_timeout(&headers)
+        };
+        assert_eq!(timeout("600m"), Some(Duration::from_millis(600)));
+        assert_eq!(timeout("2S"), Some(Duration::from_secs(2)));
+        assert_eq!(timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(timeout("99999999H"), Some(Duration::from_secs(99_999_999 * 3600)));
+        for bad in ["", "1", "abc", "5s", "-5S", "1.5S", "123456789S", " 5S"] {
+            assert_eq!(timeout(bad), None, "{bad:?}");
         }
     }
 

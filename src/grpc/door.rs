@@ -20,6 +20,9 @@ use crate::{
     recovery::{BoxError, DurableTable},
 };
 
+/// Why the reply of a streaming method listed as unary is not kept.
+const NOT_UNARY: &str = "its reply is not one message: list unary methods alone";
+
 /// One call's side of its claim: the layer's configuration, the method, the call's span.
 pub(super) struct GrpcDoor<ResBody> {
     pub(super) config: Arc<Config>,
@@ -65,6 +68,15 @@ where
         if !self.config.store_policy.stores(reply.code()) {
             let why = "the store policy does not keep its status";
             return Settlement::Release(why, reply.into_response());
+        }
+        if !reply.is_unary() {
+            // A streaming method listed as unary: it ran, and its reply cannot be replayed.
+            tracing::error!(
+                key_hash = held.key.hash(),
+                "idempotency: a listed method's reply is not one message"
+            );
+            let record = record::not_replayable(NOT_UNARY);
+            return Settlement::Store(record, reply.into_response());
         }
         if self.config.over_limits(&reply) {
             let record = record::not_replayable(OVER_STORED_LIMIT);

@@ -53,12 +53,18 @@ impl Collected {
         code(&self.trailers).or_else(|| code(&self.head.headers)).unwrap_or(Code::Unknown)
     }
 
-    /// The bytes its message, and its headers and trailers, take in its record: what the
-    /// stored limits count.
+    /// The bytes its message (without its frame's five-byte prefix, as the request's limit
+    /// counts), and its headers and trailers, take in its record: what the stored limits count.
     pub(super) fn stored_sizes(&self, filter: &HeaderFilter) -> (usize, usize) {
         let metadata = record::stored_headers_len(&self.head.headers, filter)
             + record::stored_headers_len(&self.trailers, filter);
-        (self.body.len(), metadata)
+        (self.body.len().saturating_sub(5), metadata)
+    }
+
+    /// Whether it is a unary reply: one framed message, or none with an error.
+    pub(super) fn is_unary(&self) -> bool {
+        let empty_error = self.body.is_empty() && self.code() != Code::Ok;
+        empty_error || framed_len(&self.body) == Some(self.body.len())
     }
 
     /// Its record.
@@ -73,12 +79,18 @@ impl Collected {
         if !self.body.is_empty() {
             frames.push(Ok::<_, Infallible>(Frame::data(self.body)));
         }
-        // A trailers-only response (a status without a message) has none: its status is in
-        // its head, and it ends there.
         if !self.trailers.is_empty() {
             frames.push(Ok(Frame::trailers(self.trailers)));
         }
-        let body = Body::new(StreamBody::new(futures_util::stream::iter(frames)));
+        // A trailers-only response (a status without a message) ends with its head: a body
+        // that says it is empty, so that HTTP/2 sends one HEADERS frame with END_STREAM. A
+        // stream of no frames would not say so, and its status would go in HEADERS followed by
+        // an empty DATA frame, which gRPC's C core, Go and Java clients read as `UNKNOWN`.
+        let body = if frames.is_empty() {
+            Body::empty()
+        } else {
+            Body::new(StreamBody::new(futures_util::stream::iter(frames)))
+        };
         Response::from_parts(self.head, body)
     }
 }
@@ -124,13 +136,9 @@ pub(super) fn decode(stored: Bytes, route: &Label) -> Result<Collected, Status> 
     let (mut head, ()) = Response::new(()).into_parts();
     (head.status, head.headers) = (status, headers);
     let reply = Collected { head, body, trailers: trailers.unwrap_or_default() };
-    // The body is one framed message (an error may have none): a record cut short inside it,
-    // or before it, is refused, not replayed as a shorter message.
-    let empty_error = reply.body.is_empty() && reply.code() != Code::Ok;
-    if !empty_error && framed_len(&reply.body) != Some(reply.body.len()) {
-        return Err(unreadable());
-    }
-    Ok(reply)
+    // A record cut short inside its message, or before it, is refused, not replayed as a
+    // shorter message.
+    reply.is_unary().then_some(reply).ok_or_else(unreadable)
 }
 
 /// The record of a call whose response is not kept, because `why`: a retry is told so, and
@@ -188,6 +196,30 @@ mod tests {
         let read = decode(reply.encode(&HeaderFilter::default()), &route()).expect("read back");
         assert_eq!(read.code(), Code::FailedPrecondition);
         assert!(read.trailers.is_empty());
+    }
+
+    /// A status without a message goes out as HTTP/2's trailers-only response: its head, and
+    /// a body that says at once that it is empty (END_STREAM on the HEADERS frame).
+    #[test]
+    fn a_trailers_only_reply_ends_with_its_head() {
+        use http_body::Body as _;
+        let mut status = Collected::ok(HeaderMap::new(), Bytes::new());
+        status.trailers.clear();
+        status.head.headers.insert("grpc-status", HeaderValue::from_static("9"));
+        let response = status.into_response();
+        assert!(response.body().is_end_stream(), "HEADERS with END_STREAM");
+        assert_eq!(response.body().size_hint().exact(), Some(0));
+        let reply = Collected::ok(HeaderMap::new(), frame(b"m")).into_response();
+        assert!(!reply.body().is_end_stream(), "a message and its trailers follow");
+    }
+
+    #[test]
+    fn the_stored_limits_count_the_message_without_its_prefix_and_the_metadata() {
+        let reply = Collected::ok(HeaderMap::new(), frame(b"12345"));
+        let filter = HeaderFilter::default();
+        let metadata = record::stored_headers_len(&reply.head.headers, &filter)
+            + record::stored_headers_len(&reply.trailers, &filter);
+        assert_eq!(reply.stored_sizes(&filter), (5, metadata));
     }
 
     #[test]

@@ -109,7 +109,7 @@ where
             fingerprint,
             route: route.clone(),
             scope,
-            wait_within: None,
+            wait_until: None,
         };
         let recover = &config.recover;
         let start = |(inner, mut parts, body): (S, http::request::Parts, Bytes),

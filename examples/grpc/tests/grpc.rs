@@ -324,6 +324,50 @@ async fn streaming_methods_and_compressed_calls<H: Harness>(h: H) {
     assert_eq!(ledger.calls(), 5);
 }
 
+/// A streaming method listed as unary runs, and its stream is answered; its retry is told
+/// that it ran and cannot be replayed: never a second run, never half a reply.
+async fn a_stream_listed_as_unary_runs_once_and_is_not_replayed<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let mut client =
+        start(layer(h.store()).unary("/payments.v1.Payments/Watch"), ledger.clone()).await;
+    let mut stream = client.watch(charge(Some("w"), "a", 1)).await.unwrap();
+    let mut replies = 0;
+    while stream.get_mut().message().await.unwrap().is_some() {
+        replies += 1;
+    }
+    // The example's stream counts a call a reply.
+    assert_eq!((replies, ledger.calls()), (2, 2));
+    let retried = client.watch(charge(Some("w"), "a", 1)).await.unwrap_err();
+    assert_eq!(retried.code(), Code::Internal, "{retried:?}");
+    assert!(retried.message().contains("not one message"), "{retried:?}");
+    assert_eq!(ledger.calls(), 2, "not run again");
+}
+
+/// One call, one key: a metadata key and a request id that differ are refused (a retry that
+/// carried one of them alone would name another record, and run again); so is a key with a
+/// space at either end, which HTTP/2 forbids and a proxy may strip.
+async fn two_different_keys_or_a_padded_key_are_refused<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let mut client = start(layer(h.store()), ledger.clone()).await;
+    let mut both = charge(Some("meta-1"), "a", 1);
+    both.get_mut().request_id = "req-1".into();
+    let refused = client.charge(both).await.unwrap_err();
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    assert!(refused.message().contains("differ"), "{refused:?}");
+    for padded in [" k", "k "] {
+        let refused = client.charge(charge(Some(padded), "a", 1)).await.unwrap_err();
+        assert_eq!(refused.code(), Code::InvalidArgument, "{padded:?}: {refused:?}");
+    }
+    assert_eq!(ledger.calls(), 0);
+    let mut same = charge(Some("k-1"), "a", 1);
+    same.get_mut().request_id = "k-1".into();
+    let (first, _, _) = reply(client.charge(same).await);
+    let mut by_id = charge(None, "a", 1);
+    by_id.get_mut().request_id = "k-1".into();
+    let (again, was_replayed, _) = reply(client.charge(by_id).await);
+    assert_eq!((first.call, again.call, was_replayed), (1, 1, true));
+}
+
 async fn a_recovery_hook_answers_what_happened_and_the_handler_does_not_run<H: Harness>(h: H) {
     use axum_idempotency::{
         grpc::Reply,
@@ -378,6 +422,8 @@ every_store!(
     a_retry_past_the_wait_is_aborted_with_retry_info,
     a_missing_or_malformed_key_is_invalid_argument,
     a_retry_waits_within_its_own_deadline,
+    a_stream_listed_as_unary_runs_once_and_is_not_replayed,
+    two_different_keys_or_a_padded_key_are_refused,
     a_metadata_scope_keys_tenants_apart_and_refuses_a_call_without_it,
     the_request_id_in_the_message_is_the_key,
     a_declined_charge_is_replayed_and_a_busy_one_runs_again,
