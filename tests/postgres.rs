@@ -892,3 +892,65 @@ async fn migrate_drops_the_previous_versions_state_check_and_keeps_the_rows() {
     let Ok(Claim::Replay { response, .. }) = replay else { panic!("no replay: {replay:?}") };
     assert_eq!(&response[..], b"done");
 }
+
+/// What the table holds under `key`, live or not: state, owner, response, and the time to its
+/// expiry in ms.
+async fn record(h: &PostgresHarness, key: &RecordKey) -> (String, Vec<u8>, Option<Vec<u8>>, i64) {
+    let sql = "SELECT state::text, owner, response, \
+               (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::int8 \
+               FROM idempotency_records WHERE key = $1";
+    let row = h.database.client().await.query_one(sql, &[&key.as_str()]).await.unwrap();
+    (row.get(0), row.get(1), row.get(2), row.get(3))
+}
+
+/// A claim's lease and recovery window, on the way of a new key (computed in its insert) and
+/// on the long way (a reclaim of an expired record, then a takeover): each keeps the record
+/// its window past the lease, so that a lapsed holder is taken over rather than claimed anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_claim_keeps_the_record_its_recovery_window_past_the_lease() {
+    let h = harness().await;
+    let store = h.store();
+    let fingerprint = Fingerprint::of_payload(b"1");
+    let window = Duration::from_secs(60);
+    let short = Lease::new(Duration::from_millis(50)).recovery_window(window);
+    let within = |left: i64| (59_000..=60_050).contains(&left);
+    // A new key.
+    let k = key("new");
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::Claimed
+    );
+    let left = record(&h, &k).await.3;
+    assert!(within(left), "a new key's claim: {left} ms");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::TakenOver
+    );
+    let left = record(&h, &k).await.3;
+    assert!(within(left), "a takeover: {left} ms");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::TakenOver
+    );
+    // An expired record, claimed anew the long way.
+    let k = key("reclaimed");
+    let gone = Lease::new(Duration::from_millis(50));
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), gone).await.unwrap(),
+        Claim::Claimed
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::Claimed
+    );
+    let left = record(&h, &k).await.3;
+    assert!(within(left), "a reclaim: {left} ms");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::TakenOver
+    );
+}
