@@ -24,6 +24,7 @@ PG = [["--test", "store_contract", "--test", "store_lost_answers", "--test", "co
        "--", "postgres"], ["--test", "postgres"]]
 PG_WAITING = [["--test", "waiting", "--", "postgres"], ["--test", "postgres"]]
 SQL = "sql/postgres.sql"
+SCHEMA_RS = "src/store/postgres/schema.rs"
 TXN = [["--test", "transactional"]]
 TXN_HTTP = [["--test", "transactional_http"]]
 OPERATOR_REDIS = ["--test", "operator", "--", "redis::", "cluster::"]
@@ -176,6 +177,23 @@ MUTANTS = [
     ("recovery points kept past the key's retention", "src/store/postgres/steps.rs",
      "            .bind(millis(context.retention()));",
      "            .bind(millis(Duration::from_secs(86_400)));", [["--test", "recovery_points"]]),
+    # The complete of the owner's live claim, a plain statement (the function's first update,
+    # which stays in the function for the previous version's instances: the mutants above of
+    # its owner comparison and its notification). Not mutated, being equivalent: dropping
+    # `expires_at > clock_timestamp()` from it, since the function completes an expired claim
+    # of any owner too (the update would only keep the row's `waited`, which a completed row
+    # ignores).
+    ("postgres complete of a live claim without the owner comparison", SCHEMA_RS,
+     "AND state = 'P' AND owner = $2 AND expires_at", "AND state = 'P' AND expires_at", PG),
+    ("postgres complete of a live claim over a completed record", SCHEMA_RS,
+     "WHERE key = $1 AND state = 'P' AND owner = $2", "WHERE key = $1 AND owner = $2", PG),
+    ("postgres complete of a live claim without its retention", SCHEMA_RS,
+     "expires_at = clock_timestamp() + $5 * INTERVAL '1 millisecond'",
+     "expires_at = clock_timestamp()", PG),
+    ("postgres complete of a live claim never notifying", SCHEMA_RS,
+     "RETURNING CASE WHEN waited THEN", "RETURNING CASE WHEN false THEN", PG_WAITING),
+    ("postgres complete of a live claim notifying for every record", SCHEMA_RS,
+     "RETURNING CASE WHEN waited THEN", "RETURNING CASE WHEN true THEN", PG_WAITING),
     ("postgres complete refusing its own response stored already", SQL,
      "THEN 2 ELSE 0 END", "THEN 0 ELSE 0 END", PG),
     ("postgres complete reading a marker as a record", SQL,

@@ -166,6 +166,10 @@ END $$;
 -- nobody took over). A completed row keeps the owner that completed it. outcome: 1 written;
 -- 2 this owner stored this very response already (an earlier attempt landed); 0 another
 -- owner or another response holds the key.
+-- The store sends this function's first update (the owner's live claim) as a plain statement
+-- of its own (src/store/postgres/schema.rs, `complete_live`), fenced exactly as here, and calls
+-- the function only when that statement updated nothing. The update stays here too: instances
+-- of the previous version call the function for every complete.
 CREATE OR REPLACE FUNCTION idempotency_records_complete(
     p_key TEXT, p_owner BYTEA, p_fingerprint BYTEA, p_response BYTEA, p_retention_ms BIGINT,
     OUT outcome INT)
