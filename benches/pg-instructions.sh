@@ -38,7 +38,7 @@ hex() { printf "'\\\\x%s'::bytea" "$(printf "$1%.0s" $(seq "$2"))"; }
 fp=$(hex ab 32) owner=$(hex cd 16) response=$(hex ef 350) short=$(hex ef 40)
 claim="SELECT (r).outcome, (r).response, (r).remaining_ms FROM (SELECT idempotency_records_claim(\$1, $fp, $owner, 30000, 60000, false, 0, 500) AS r) AS called"
 # The complete of a live claim, as this tree's store sends it (schema.rs, `complete_live`).
-complete="UPDATE idempotency_records SET state = 'C', fingerprint = $fp, response = $response, lease_until = NULL, expires_at = clock_timestamp() + 86400000 * INTERVAL '1 millisecond' WHERE key = \$1 AND state = 'P' AND owner = $owner AND expires_at > clock_timestamp() RETURNING CASE WHEN waited THEN pg_notify('idempotency_records_settled', \$1) IS NOT NULL END"
+complete="UPDATE idempotency_records SET state = 'C', fingerprint = $fp, response = $response, lease_until = NULL, expires_at = clock_timestamp() + 86400000 * INTERVAL '1 millisecond', waited = CASE WHEN waited THEN pg_notify('idempotency_records_settled', \$1) IS NOT NULL ELSE false END WHERE key = \$1 AND state = 'P' AND owner = $owner AND expires_at > clock_timestamp()"
 case ${CALL:-} in
   from)
     claim="SELECT * FROM idempotency_records_claim(\$1, $fp, $owner, 30000, 60000, false, 0, 500)"

@@ -359,7 +359,7 @@ impl Store for PostgresStore {
         // claim expired or abandoned, another owner's key) in a second round trip, to the
         // function. The command timeout bounds the two together.
         let decided = bounded(self.command_timeout, async {
-            if query(&statements.complete_live).fetch_optional(pool).await?.is_some() {
+            if query(&statements.complete_live).execute(pool).await?.rows_affected() == 1 {
                 return Ok(None);
             }
             query(&statements.complete).fetch_one(pool).await.map(Some)
