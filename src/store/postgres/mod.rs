@@ -38,11 +38,11 @@ const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
 /// `store::sqlx`): the durable authority.
 ///
 /// Each record is a row of one table (`idempotency_records` unless
-/// [`with_table`](Self::with_table) names another), and each transition is one statement (a
-/// call of a PL/pgSQL function that [`migrate`](Self::migrate) installs with the table, the
-/// SQL of [`PostgresStore::SCHEMA`]; the owner's complete of its live claim, a plain fenced
-/// `UPDATE`, and the rare complete that updates nothing then the function), decided by the
-/// database's clock. A handler that moves
+/// [`with_table`](Self::with_table) names another), and each transition is one statement,
+/// decided by the database's clock: a call of a PL/pgSQL function that
+/// [`migrate`](Self::migrate) installs with the table (the SQL is [`PostgresStore::SCHEMA`]),
+/// or, for the owner's complete of its live claim, a plain `UPDATE` fenced as that function
+/// fences it (a complete it does not apply goes on to the function). A handler that moves
 /// money commits its side effect and its record in one transaction the store owns:
 /// [`transaction`](Self::transaction).
 ///
