@@ -12,7 +12,9 @@
 #   SCHEMA=old.sql CALL=from benches/pg-instructions.sh  # another schema; functions called in FROM
 #
 # CALL=from calls the functions as `SELECT * FROM f(...)` (the store before issue 44's cut);
-# the default calls them as this tree's store does.
+# CALL=select calls both in the select list (the store at 08d1a57, the complete a function
+# call); the default sends the statements this tree's store sends: the claim function in the
+# select list, the complete of a live claim as a plain UPDATE.
 set -euo pipefail
 k=${1:-1000}
 bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
@@ -34,13 +36,16 @@ sql bench -c 'CREATE TABLE floor (key TEXT PRIMARY KEY, state "char" NOT NULL, r
 
 hex() { printf "'\\\\x%s'::bytea" "$(printf "$1%.0s" $(seq "$2"))"; }
 fp=$(hex ab 32) owner=$(hex cd 16) response=$(hex ef 350) short=$(hex ef 40)
-if [ "${CALL:-select}" = from ]; then
-  claim="SELECT * FROM idempotency_records_claim(\$1, $fp, $owner, 30000, 60000, false, 0, 500)"
-  complete="SELECT * FROM idempotency_records_complete(\$1, $owner, $fp, $response, 86400000)"
-else
-  claim="SELECT (r).outcome, (r).response, (r).remaining_ms FROM (SELECT idempotency_records_claim(\$1, $fp, $owner, 30000, 60000, false, 0, 500) AS r) AS called"
-  complete="SELECT idempotency_records_complete(\$1, $owner, $fp, $response, 86400000)"
-fi
+claim="SELECT (r).outcome, (r).response, (r).remaining_ms FROM (SELECT idempotency_records_claim(\$1, $fp, $owner, 30000, 60000, false, 0, 500) AS r) AS called"
+# The complete of a live claim, as this tree's store sends it (schema.rs, `complete_live`).
+complete="UPDATE idempotency_records SET state = 'C', fingerprint = $fp, response = $response, lease_until = NULL, expires_at = clock_timestamp() + 86400000 * INTERVAL '1 millisecond', waited = CASE WHEN waited THEN pg_notify('idempotency_records_settled', \$1) IS NOT NULL ELSE false END WHERE key = \$1 AND state = 'P' AND owner = $owner AND expires_at > clock_timestamp()"
+case ${CALL:-} in
+  from)
+    claim="SELECT * FROM idempotency_records_claim(\$1, $fp, $owner, 30000, 60000, false, 0, 500)"
+    complete="SELECT * FROM idempotency_records_complete(\$1, $owner, $fp, $response, 86400000)" ;;
+  select)
+    complete="SELECT idempotency_records_complete(\$1, $owner, $fp, $response, 86400000)" ;;
+esac
 declare -A store=([c]=$claim [d]=$complete [r]=$claim)
 declare -A floor=(
   [c]="INSERT INTO floor (key, state) VALUES (\$1, 'P') ON CONFLICT (key) DO UPDATE SET state = 'P'"

@@ -24,6 +24,7 @@ PG = [["--test", "store_contract", "--test", "store_lost_answers", "--test", "co
        "--", "postgres"], ["--test", "postgres"]]
 PG_WAITING = [["--test", "waiting", "--", "postgres"], ["--test", "postgres"]]
 SQL = "sql/postgres.sql"
+SCHEMA_RS = "src/store/postgres/schema.rs"
 TXN = [["--test", "transactional"]]
 TXN_HTTP = [["--test", "transactional_http"]]
 OPERATOR_REDIS = ["--test", "operator", "--", "redis::", "cluster::"]
@@ -171,11 +172,28 @@ MUTANTS = [
     ("postgres migrate without its advisory lock", "src/store/postgres/mod.rs",
      "\"SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\\n{schema}\"",
      "\"{schema}\"", [["--test", "postgres"]]),
-    ("recovery points resumed for another request", "src/store/postgres/steps.rs",
+    ("recovery points resumed for another request", "src/durable/checkpoints.rs",
      "SELECT result, fingerprint = $3 FROM", "SELECT result, true FROM", [["--test", "recovery_points"]]),
-    ("recovery points kept past the key's retention", "src/store/postgres/steps.rs",
+    ("recovery points kept past the key's retention", "src/durable/checkpoints.rs",
      "            .bind(millis(context.retention()));",
      "            .bind(millis(Duration::from_secs(86_400)));", [["--test", "recovery_points"]]),
+    # The complete of the owner's live claim, a plain statement (the function's first update,
+    # which stays in the function for the previous version's instances: the mutants above of
+    # its owner comparison and its notification). Not mutated, being equivalent: dropping
+    # `expires_at > clock_timestamp()` from it, since the function completes an expired claim
+    # of any owner too (the update would only keep the row's `waited`, which a completed row
+    # ignores).
+    ("postgres complete of a live claim without the owner comparison", SCHEMA_RS,
+     "AND state = 'P' AND owner = $2 AND expires_at", "AND state = 'P' AND expires_at", PG),
+    ("postgres complete of a live claim over a completed record", SCHEMA_RS,
+     "WHERE key = $1 AND state = 'P' AND owner = $2", "WHERE key = $1 AND owner = $2", PG),
+    ("postgres complete of a live claim without its retention", SCHEMA_RS,
+     "expires_at = clock_timestamp() + $5 * INTERVAL '1 millisecond'",
+     "expires_at = clock_timestamp()", PG),
+    ("postgres complete of a live claim never notifying", SCHEMA_RS,
+     "waited = CASE WHEN waited THEN", "waited = CASE WHEN false THEN", PG_WAITING),
+    ("postgres complete of a live claim notifying for every record", SCHEMA_RS,
+     "waited = CASE WHEN waited THEN", "waited = CASE WHEN true THEN", PG_WAITING),
     ("postgres complete refusing its own response stored already", SQL,
      "THEN 2 ELSE 0 END", "THEN 0 ELSE 0 END", PG),
     ("postgres complete reading a marker as a record", SQL,
@@ -201,19 +219,28 @@ MUTANTS = [
      "IF r.lease_until <= v_now THEN", "IF false THEN", PG),
     ("postgres claim answering a takeover as a plain claim", SQL,
      "            outcome := 5;", "            outcome := 0;", PG),
-    ("postgres claim keeping records no longer than their lease", SQL,
+    # A claim's lease, window and deadline are written twice: in the insert of a new key, and
+    # in the long way's variables (a takeover, a reclaim of an expired record or a marker).
+    ("postgres claim keeping records no longer than their lease, the long way", SQL,
      "    v_expires_at := v_lease_until + p_window_ms * INTERVAL '1 millisecond';",
      "    v_expires_at := v_lease_until;", PG),
+    ("postgres claim keeping a new key no longer than its lease", SQL,
+     "            v_now + p_lease_ms * INTERVAL '1 millisecond' + p_window_ms * INTERVAL '1 millisecond',\n",
+     "            v_now + p_lease_ms * INTERVAL '1 millisecond',\n", PG),
+    ("postgres claim inserting a new key with its lease over", SQL,
+     "NULL,\n            v_now + p_lease_ms * INTERVAL '1 millisecond',\n",
+     "NULL,\n            v_now,\n", PG),
     ("postgres claim taking over for another fingerprint", SQL,
      "        IF r.fingerprint <> p_fingerprint THEN\n            outcome := 2;\n            RETURN;\n        END IF;\n", "", PG),
     ("postgres claim replaying another fingerprint's response, unlocked", SQL,
      "        IF r.fingerprint <> p_fingerprint THEN\n            outcome := 2;\n        ELSE",
      "        IF false THEN\n            outcome := 2;\n        ELSE", PG),
     ("postgres claim replaying an expired record, unlocked", SQL,
-     "    IF NOT v_absent AND r.state = 'C' AND r.expires_at > v_now THEN",
-     "    IF NOT v_absent AND r.state = 'C' THEN", PG),
+     "    ELSIF r.state = 'C' AND r.expires_at > v_now THEN",
+     "    ELSIF r.state = 'C' THEN", PG),
     ("postgres claim inserting a new key past its deadline", SQL,
-     "    IF v_absent AND NOT v_late THEN", "    IF v_absent THEN", PG),
+     "        WHERE p_not_after_ms <= 0 OR extract(epoch FROM v_now) * 1000 <= p_not_after_ms\n",
+     "        WHERE true\n", PG),
     ("postgres claim answering an insert that found a row as a claim", SQL,
      "        ON CONFLICT (key) DO NOTHING;\n        IF FOUND THEN", "        ON CONFLICT (key) DO NOTHING;\n        IF true THEN", PG),
     ("postgres claim replaying an in-progress record", SQL,
@@ -255,13 +282,13 @@ MUTANTS = [
      "AND expires_at > clock_timestamp() ORDER BY", "ORDER BY", [["--test", "completer"]]),
     ("postgres abandoned claims newest first", "src/store/postgres/schema.rs",
      "ORDER BY lease_until LIMIT $2", "ORDER BY lease_until DESC LIMIT $2", [["--test", "completer"]]),
-    ("durable outcomes overwriting another holder's live outcome", "src/store/postgres/outcomes.rs",
+    ("durable outcomes overwriting another holder's live outcome", "src/durable/outcomes.rs",
      "WHERE t.expires_at <= clock_timestamp()", "WHERE true", [["--test", "durable"]]),
-    ("durable outcomes answering an expired outcome", "src/store/postgres/outcomes.rs",
+    ("durable outcomes answering an expired outcome", "src/durable/outcomes.rs",
      "WHERE key = $1 AND expires_at > clock_timestamp()", "WHERE key = $1", [["--test", "durable"]]),
-    ("recovery points marking a step twice", "src/store/postgres/steps.rs",
+    ("recovery points marking a step twice", "src/durable/checkpoints.rs",
      "WHERE t.expires_at <= clock_timestamp()", "WHERE true", [["--test", "durable"]]),
-    ("recovery points answering an expired step", "src/store/postgres/steps.rs",
+    ("recovery points answering an expired step", "src/durable/checkpoints.rs",
      "WHERE key_hash = $1 AND step = $2 AND expires_at > clock_timestamp()",
      "WHERE key_hash = $1 AND step = $2", [["--test", "durable"]]),
     ("MemoryStore sweep keeping only records expiring now", "src/store/memory/mod.rs",

@@ -62,11 +62,28 @@ DECLARE
     v_lease_until TIMESTAMPTZ;
     v_expires_at TIMESTAMPTZ;
 BEGIN
-    -- A completed record never changes until it expires: answer it from a plain read, so that
-    -- the replays of one key do not queue on its row lock.
     SELECT * INTO r FROM idempotency_records WHERE key = p_key;
-    v_absent := NOT FOUND;
-    IF NOT v_absent AND r.state = 'C' AND r.expires_at > v_now THEN
+    IF NOT FOUND THEN
+        -- A new key (every first attempt): an insert that finds no row claims it, with no row
+        -- lock taken to look first. Its deadline (in milliseconds: a deadline as far as
+        -- i64::MAX is no timestamp), lease and recovery window are the long way's below,
+        -- written in the insert itself, where they cost a claim less than variables do. A row
+        -- written since the read above, or a claim past its deadline, goes the long way.
+        INSERT INTO idempotency_records
+            (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
+        SELECT p_key, 'P', p_fingerprint, p_owner, NULL,
+            v_now + p_lease_ms * INTERVAL '1 millisecond',
+            v_now + p_lease_ms * INTERVAL '1 millisecond' + p_window_ms * INTERVAL '1 millisecond',
+            false
+        WHERE p_not_after_ms <= 0 OR extract(epoch FROM v_now) * 1000 <= p_not_after_ms
+        ON CONFLICT (key) DO NOTHING;
+        IF FOUND THEN
+            outcome := 0;
+            RETURN;
+        END IF;
+    ELSIF r.state = 'C' AND r.expires_at > v_now THEN
+        -- A completed record never changes until it expires: answered from the plain read
+        -- above, so that the replays of one key do not queue on its row lock.
         IF r.fingerprint <> p_fingerprint THEN
             outcome := 2;
         ELSE
@@ -80,18 +97,6 @@ BEGIN
     v_late := p_not_after_ms > 0 AND extract(epoch FROM v_now) * 1000 > p_not_after_ms;
     v_lease_until := v_now + p_lease_ms * INTERVAL '1 millisecond';
     v_expires_at := v_lease_until + p_window_ms * INTERVAL '1 millisecond';
-    -- A new key (every first attempt): an insert that finds no row claims it, with no row
-    -- lock taken to look first. A row written since the read above goes the long way.
-    IF v_absent AND NOT v_late THEN
-        INSERT INTO idempotency_records
-            (key, state, fingerprint, owner, response, lease_until, expires_at, waited)
-        VALUES (p_key, 'P', p_fingerprint, p_owner, NULL, v_lease_until, v_expires_at, false)
-        ON CONFLICT (key) DO NOTHING;
-        IF FOUND THEN
-            outcome := 0;
-            RETURN;
-        END IF;
-    END IF;
     PERFORM set_config('lock_timeout', p_lock_ms::text, true);
     LOOP
         BEGIN
@@ -161,6 +166,10 @@ END $$;
 -- nobody took over). A completed row keeps the owner that completed it. outcome: 1 written;
 -- 2 this owner stored this very response already (an earlier attempt landed); 0 another
 -- owner or another response holds the key.
+-- The store sends this function's first update (the owner's live claim) as a plain statement
+-- of its own (src/store/postgres/schema.rs, `complete_live`), fenced exactly as here, and calls
+-- the function only when that statement updated nothing. The update stays here too: instances
+-- of the previous version call the function for every complete.
 CREATE OR REPLACE FUNCTION idempotency_records_complete(
     p_key TEXT, p_owner BYTEA, p_fingerprint BYTEA, p_response BYTEA, p_retention_ms BIGINT,
     OUT outcome INT)

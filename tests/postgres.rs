@@ -420,15 +420,24 @@ async fn terminated_store_connections_run_no_key_twice_and_requests_succeed_agai
 }
 
 /// How many times each of the store's functions ran, from the server's own counters
-/// (`track_functions`): one call is one statement, one round trip. A backend publishes its
+/// (`track_functions`): one call is one statement, one round trip; and, under `"inserted"` and
+/// `"updated"`, the rows the table's statements inserted and updated. A backend publishes its
 /// counters within its idle interval (10 s), so this waits that long first.
 async fn calls_of_functions(h: &PostgresHarness) -> std::collections::BTreeMap<String, i64> {
     tokio::time::sleep(Duration::from_millis(11_000)).await;
+    let client = h.database.client().await;
     let sql = "SELECT funcname::text, calls FROM pg_stat_user_functions";
-    let rows = h.database.client().await.query(sql, &[]).await.unwrap();
-    rows.iter()
+    let rows = client.query(sql, &[]).await.unwrap();
+    let mut calls: std::collections::BTreeMap<String, i64> = rows
+        .iter()
         .map(|row| (row.get::<_, String>(0).replace("idempotency_records_", ""), row.get(1)))
-        .collect()
+        .collect();
+    let sql = "SELECT n_tup_ins, n_tup_upd FROM pg_stat_user_tables \
+               WHERE relname = 'idempotency_records'";
+    let row = client.query_one(sql, &[]).await.unwrap();
+    calls.insert("inserted".into(), row.get(0));
+    calls.insert("updated".into(), row.get(1));
+    calls
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -463,8 +472,12 @@ async fn round_trips_fresh_2_replay_1_in_progress_1_pass_through_0() {
     let after = calls_of_functions(&h).await;
     // 1 + 1 + (1 + 1): fresh, replay, and the in-progress retry beside its fresh original.
     assert_eq!(after.get("claim"), Some(&4), "{after:?}");
-    assert_eq!(after.get("complete"), Some(&2), "{after:?}");
-    for other in ["release", "touch", "abandon"] {
+    // Each complete of a live claim is one plain UPDATE, with no call of the function: the
+    // two fresh requests' claims inserted two rows, their completes updated them, and
+    // nothing else wrote the table (the in-progress retry does not wait, so marks nothing).
+    assert_eq!(after.get("inserted"), Some(&2), "{after:?}");
+    assert_eq!(after.get("updated"), Some(&2), "{after:?}");
+    for other in ["complete", "release", "touch", "abandon"] {
         assert_eq!(after.get(other).copied().unwrap_or(0), 0, "{other}: {after:?}");
     }
 }
@@ -891,4 +904,179 @@ async fn migrate_drops_the_previous_versions_state_check_and_keeps_the_rows() {
     let replay = store.claim(&k, &fingerprint, &OwnerToken::random(), lease).await;
     let Ok(Claim::Replay { response, .. }) = replay else { panic!("no replay: {replay:?}") };
     assert_eq!(&response[..], b"done");
+}
+
+/// What the table holds under `key`, live or not: state, owner, response, and the time to its
+/// expiry in ms.
+async fn record(h: &PostgresHarness, key: &RecordKey) -> (String, Vec<u8>, Option<Vec<u8>>, i64) {
+    let sql = "SELECT state::text, owner, response, \
+               (extract(epoch FROM expires_at - clock_timestamp()) * 1000)::int8 \
+               FROM idempotency_records WHERE key = $1";
+    let row = h.database.client().await.query_one(sql, &[&key.as_str()]).await.unwrap();
+    (row.get(0), row.get(1), row.get(2), row.get(3))
+}
+
+/// The complete of the owner's live claim is one plain `UPDATE`, fenced as the complete
+/// function fences it; every other complete updates nothing there and goes on to the function,
+/// which decides it as before: a complete landing after a takeover is refused and leaves the
+/// new holder's claim; one resent after its answer was lost is applied again and rewrites
+/// nothing; another response of the same owner is refused; an expired claim nobody took, and
+/// an abandoned claim's marker, are completed. The server's counters show which path each took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_claims_complete_is_one_update_and_every_other_complete_the_functions() {
+    let h = harness().await;
+    let admin = postgres::connect(&h.database.admin).await.unwrap();
+    let track = format!("ALTER DATABASE {} SET track_functions = 'pl'", h.database.name);
+    admin.batch_execute(&track).await.unwrap();
+    let store = PostgresStore::new(h.pool()).sweep_every(None);
+    let fingerprint = Fingerprint::of_payload(b"1");
+    let (long, day) = (Lease::new(Duration::from_secs(30)), Duration::from_secs(86_400));
+    let short = Lease::new(Duration::from_millis(50)).recovery_window(Duration::from_secs(60));
+    let complete = |k: RecordKey, owner: OwnerToken, response: &'static str| {
+        let (store, fingerprint) = (store.clone(), fingerprint.clone());
+        async move {
+            store.complete(&k, &owner, &fingerprint, Bytes::from(response), day).await.unwrap()
+        }
+    };
+
+    // The owner's live claim: the plain update.
+    let (k, owner) = (key("live"), OwnerToken::random());
+    assert_eq!(store.claim(&k, &fingerprint, &owner, long).await.unwrap(), Claim::Claimed);
+    assert_eq!(complete(k.clone(), owner.clone(), "first").await, Fenced::Applied);
+    let stored = record(&h, &k).await;
+    assert_eq!((stored.0.as_str(), stored.2.as_deref()), ("C", Some(&b"first"[..])));
+    assert!((86_300_000..=86_400_000).contains(&stored.3), "the retention: {} ms", stored.3);
+    // Resent, its answer lost: applied, and nothing rewritten (the retention runs as before).
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(complete(k.clone(), owner.clone(), "first").await, Fenced::Applied);
+    let again = record(&h, &k).await;
+    assert!(again.3 < stored.3, "the resent complete wrote the record again");
+    // Another response of the same owner: refused, and the first kept.
+    assert_eq!(complete(k.clone(), owner.clone(), "second").await, Fenced::Rejected);
+    assert_eq!(record(&h, &k).await.2.as_deref(), Some(&b"first"[..]));
+
+    // A holder whose lease lapsed and was taken over: refused, the new claim left as it was.
+    let (k, first, second) = (key("taken"), OwnerToken::random(), OwnerToken::random());
+    assert_eq!(store.claim(&k, &fingerprint, &first, short).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(store.claim(&k, &fingerprint, &second, long).await.unwrap(), Claim::TakenOver);
+    assert_eq!(complete(k.clone(), first, "stale").await, Fenced::Rejected);
+    let held = record(&h, &k).await;
+    assert_eq!((held.0.as_str(), held.1.as_slice(), held.2), ("P", second.as_bytes(), None));
+    // The new holder's complete: the plain update.
+    assert_eq!(complete(k.clone(), second, "new").await, Fenced::Applied);
+    assert_eq!(record(&h, &k).await.2.as_deref(), Some(&b"new"[..]));
+
+    // An abandoned claim with a recovery window is still its owner's: the plain update.
+    let (k, owner) = (key("abandoned"), OwnerToken::random());
+    assert_eq!(store.claim(&k, &fingerprint, &owner, short).await.unwrap(), Claim::Claimed);
+    assert_eq!(store.abandon(&k, &owner, &fingerprint, short).await.unwrap(), Fenced::Applied);
+    assert_eq!(complete(k.clone(), owner, "kept").await, Fenced::Applied);
+    assert_eq!(record(&h, &k).await.2.as_deref(), Some(&b"kept"[..]));
+
+    // A claim that expired with nobody taking it over, and an abandoned claim's marker (the
+    // key absent for any other owner): the function writes the record.
+    let (k, owner) = (key("expired"), OwnerToken::random());
+    let lease = Lease::new(Duration::from_millis(50));
+    assert_eq!(store.claim(&k, &fingerprint, &owner, lease).await.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(complete(k.clone(), owner, "late").await, Fenced::Applied);
+    assert_eq!(record(&h, &k).await.2.as_deref(), Some(&b"late"[..]));
+    let (k, owner) = (key("marker"), OwnerToken::random());
+    assert_eq!(store.abandon(&k, &owner, &fingerprint, long).await.unwrap(), Fenced::Applied);
+    assert_eq!(complete(k.clone(), OwnerToken::random(), "lapsed").await, Fenced::Applied);
+    assert_eq!(record(&h, &k).await.0, "C");
+
+    let calls = calls_of_functions(&h).await;
+    // The resent complete, the other response, the stale holder, the expired claim, the marker.
+    assert_eq!(calls.get("complete"), Some(&5), "{calls:?}");
+}
+
+/// Instances of the previous version complete every claim through the complete function:
+/// its own update of the owner's live claim (the statement the store now sends as a plain
+/// one) still completes it, refuses any other owner, and wakes the claim's waiters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_previous_versions_complete_through_the_function_is_fenced_and_notifies() {
+    let h = harness().await;
+    let store = h.store();
+    let mut heard = notifications(&h).await;
+    let fingerprint = Fingerprint::of_payload(b"1");
+    let lease = Lease::new(Duration::from_secs(30));
+    let (k, owner, waiter) = (key("previous"), OwnerToken::random(), OwnerToken::random());
+    assert_eq!(store.claim(&k, &fingerprint, &owner, lease).await.unwrap(), Claim::Claimed);
+    let waiting = store.claim_waiting(&k, &fingerprint, &waiter, lease).await.unwrap();
+    assert!(matches!(waiting, Claim::InProgress { .. }), "{waiting:?}");
+    let client = h.database.client().await;
+    let call = "SELECT idempotency_records_complete($1, $2, $3, $4, 86400000)";
+    let complete = |owner: &OwnerToken, response: &'static [u8]| {
+        let args = (
+            k.as_str().to_owned(),
+            owner.as_bytes().to_vec(),
+            fingerprint.as_bytes().to_vec(),
+            response.to_vec(),
+        );
+        let client = &client;
+        async move {
+            let (a, b, c, d) = args;
+            client.query_one(call, &[&a, &b, &c, &d]).await.unwrap().get::<_, i32>(0)
+        }
+    };
+    assert_eq!(complete(&waiter, b"stranger").await, 0, "another owner's complete was applied");
+    assert_eq!(record(&h, &k).await.0, "P");
+    assert_eq!(complete(&owner, b"done").await, 1);
+    assert_eq!(record(&h, &k).await.2.as_deref(), Some(&b"done"[..]));
+    let payload = tokio::time::timeout(Duration::from_secs(2), heard.recv()).await;
+    assert_eq!(payload.expect("no notification").as_deref(), Some(k.as_str()));
+}
+
+/// A claim's lease and recovery window, on the way of a new key (computed in its insert) and
+/// on the long way (a reclaim of an expired record, then a takeover): each keeps the record
+/// its window past the lease, so that a lapsed holder is taken over rather than claimed anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_claim_keeps_the_record_its_recovery_window_past_the_lease() {
+    let h = harness().await;
+    let store = h.store();
+    let fingerprint = Fingerprint::of_payload(b"1");
+    let window = Duration::from_secs(60);
+    let short = Lease::new(Duration::from_millis(50)).recovery_window(window);
+    let within = |left: i64| (59_000..=60_050).contains(&left);
+    // A new key.
+    let k = key("new");
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::Claimed
+    );
+    let left = record(&h, &k).await.3;
+    assert!(within(left), "a new key's claim: {left} ms");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::TakenOver
+    );
+    let left = record(&h, &k).await.3;
+    assert!(within(left), "a takeover: {left} ms");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::TakenOver
+    );
+    // An expired record, claimed anew the long way.
+    let k = key("reclaimed");
+    let gone = Lease::new(Duration::from_millis(50));
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), gone).await.unwrap(),
+        Claim::Claimed
+    );
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::Claimed
+    );
+    let left = record(&h, &k).await.3;
+    assert!(within(left), "a reclaim: {left} ms");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
+        Claim::TakenOver
+    );
 }

@@ -38,9 +38,11 @@ const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
 /// `store::sqlx`): the durable authority.
 ///
 /// Each record is a row of one table (`idempotency_records` unless
-/// [`with_table`](Self::with_table) names another), and each transition is one statement, a
-/// call of a PL/pgSQL function that [`migrate`](Self::migrate) installs with the table (the
-/// SQL is [`PostgresStore::SCHEMA`]), decided by the database's clock. A handler that moves
+/// [`with_table`](Self::with_table) names another), and each transition is one statement,
+/// decided by the database's clock: a call of a PL/pgSQL function that
+/// [`migrate`](Self::migrate) installs with the table (the SQL is [`PostgresStore::SCHEMA`]),
+/// or, for the owner's complete of its live claim, a plain `UPDATE` fenced as that function
+/// fences it (a complete it does not apply goes on to the function). A handler that moves
 /// money commits its side effect and its record in one transaction the store owns:
 /// [`transaction`](Self::transaction).
 ///
@@ -159,8 +161,7 @@ impl PostgresStore {
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<Fenced, StoreError> {
-        let outcome: i32 = self.fetch(query).await?.try_get(0).map_err(corrupt)?;
-        Ok(if outcome == 0 { Fenced::Rejected } else { Fenced::Applied })
+        fenced(&self.fetch(query).await?)
     }
 
     /// Samples the database's clock, for the claims' deadlines.
@@ -302,6 +303,12 @@ pub(crate) fn millis(duration: Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(LONGEST_MS).min(LONGEST_MS)
 }
 
+/// A fenced function's answer: 1 (or 2) when applied, 0 when another owner holds the key.
+fn fenced(row: &PgRow) -> Result<Fenced, StoreError> {
+    let outcome: i32 = row.try_get(0).map_err(corrupt)?;
+    Ok(if outcome == 0 { Fenced::Rejected } else { Fenced::Applied })
+}
+
 fn corrupt(error: sqlx::Error) -> StoreError {
     StoreError::CorruptRecord(format!("an answer of another shape: {error}"))
 }
@@ -339,13 +346,26 @@ impl Store for PostgresStore {
         response: Bytes,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
-        let query = sqlx::query(&self.inner.statements.complete)
-            .bind(key.as_str())
-            .bind(owner.as_bytes())
-            .bind(fingerprint.as_bytes())
-            .bind(&response[..])
-            .bind(millis(retention));
-        self.fenced(query).await
+        let (statements, pool) = (&self.inner.statements, &self.inner.pool);
+        let query = |statement| {
+            sqlx::query(statement)
+                .bind(key.as_str())
+                .bind(owner.as_bytes())
+                .bind(fingerprint.as_bytes())
+                .bind(&response[..])
+                .bind(millis(retention))
+        };
+        // The owner's live claim in one plain statement; anything else (its answer lost, the
+        // claim expired or abandoned, another owner's key) in a second round trip, to the
+        // function. The command timeout bounds the two together.
+        let decided = bounded(self.command_timeout, async {
+            if query(&statements.complete_live).execute(pool).await?.rows_affected() == 1 {
+                return Ok(None);
+            }
+            query(&statements.complete).fetch_one(pool).await.map(Some)
+        })
+        .await?;
+        decided.map_or(Ok(Fenced::Applied), |row| fenced(&row))
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {

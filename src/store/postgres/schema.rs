@@ -1,5 +1,5 @@
 //! The store's SQL, for its table name: the schema [`migrate`](super::PostgresStore::migrate)
-//! runs, and the one statement of each transition.
+//! runs, and the statements of the transitions.
 
 use std::fmt;
 
@@ -14,6 +14,7 @@ pub(super) struct Statements {
     pub(super) channel: String,
     pub(super) claim: String,
     pub(super) complete: String,
+    pub(super) complete_live: String,
     pub(super) commit: String,
     pub(super) release: String,
     pub(super) touch: String,
@@ -40,6 +41,26 @@ impl Statements {
         let channel = format!("{table}_settled");
         // A row past its expiry is absent, whatever it holds; so is an abandoned claim's marker.
         let live = "expires_at > clock_timestamp() AND state IN ('P', 'C')";
+        // The owner's live claim, the completion of every fresh request: the complete
+        // function's first update, fenced exactly as it is (the owner token, a claim in
+        // progress, not expired), sent as a plain statement, which costs the database about
+        // 33,000 instructions less than calling the function. Its count of rows says whether
+        // it wrote; none, and the function decides the rest (a claim that expired, an
+        // abandoned claim's marker, an earlier attempt's answer lost, another owner's key).
+        // No RETURNING (a row sent back costs about 14,000 more): a waited record's NOTIFY is
+        // sent from the SET, which leaves `waited` as it was. A SET is computed for the row
+        // version the update applies to, and again for a newer one (when a concurrent write
+        // landed first), so it never misses a waited record; when that newer version is no
+        // longer the owner's live claim (a takeover of a lapsed lease, a forced forget, a
+        // sweep, each mid-complete), the update writes nothing and the NOTIFY is still sent:
+        // a waiter woken so claims again and keeps waiting. Its arguments are the function's,
+        // in the function's order.
+        let complete_live = format!(
+            "UPDATE {table} SET state = 'C', fingerprint = $3, response = $4, \
+             lease_until = NULL, expires_at = clock_timestamp() + $5 * INTERVAL '1 millisecond', \
+             waited = CASE WHEN waited THEN pg_notify('{channel}', $1) IS NOT NULL ELSE false END \
+             WHERE key = $1 AND state = 'P' AND owner = $2 AND expires_at > clock_timestamp()"
+        );
         Self {
             table: table.to_owned(),
             schema: super::PostgresStore::SCHEMA.replace(DEFAULT_TABLE, table),
@@ -68,6 +89,7 @@ impl Statements {
                 call("claim", 8)
             ),
             complete: call("complete", 5),
+            complete_live,
             commit: call("commit", 6),
             release: call("release", 2),
             touch: call("touch", 4),
@@ -162,6 +184,8 @@ mod tests {
              (SELECT pay_keys_claim($1, $2, $3, $4, $5, $6, $7, $8) AS r) AS called"
         );
         assert_eq!(statements.commit, "SELECT pay_keys_commit($1, $2, $3, $4, $5, $6)");
+        assert!(statements.complete_live.starts_with("UPDATE pay_keys SET state = 'C'"));
+        assert!(statements.complete_live.contains("pg_notify('pay_keys_settled', $1)"));
         assert_eq!(statements.channel, "pay_keys_settled");
     }
 }
