@@ -50,9 +50,11 @@
 //!   `grpc-accept-encoding` away before the handler, so that a reply stored for a client that
 //!   accepts gzip is readable by a retry that accepts no compression.
 //! - **deadlines**: a retry waits for a running original up to the layer's wait
-//!   ([`waiting`](GrpcIdempotencyLayer::waiting)), and within nine tenths of its own
-//!   `grpc-timeout`: its `ABORTED`, with when to retry, reaches the client before the client
-//!   gives up (`DEADLINE_EXCEEDED` would say nothing of the original).
+//!   ([`waiting`](GrpcIdempotencyLayer::waiting)), and within its own `grpc-timeout`, counted
+//!   from its arrival, less a tenth of it (at least 50 ms) for the last claim and the answer:
+//!   its `ABORTED`, with when to retry, reaches the client before the client gives up. A
+//!   deadline shorter than a claim's round trip ends the call on the client's side first
+//!   (`DEADLINE_EXCEEDED`, or tonic's `CANCELLED`); nothing runs twice either way.
 //! - **a takeover** (the holder's process died) runs the call again, or asks the recovery
 //!   hook first ([`recover`](GrpcIdempotencyLayer::recover)) whether it happened.
 //! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the
@@ -66,12 +68,14 @@
 //! |---|---|
 //! | first call | the handler's response |
 //! | retry of a completed call | the stored response (metadata, message, trailers) with `idempotency-replayed: true` |
-//! | retry while the call runs | waits for it (up to 10 s by default), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
+//! | retry while the call runs | waits for it (up to 10 s by default, and within its own deadline), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
 //! | the same key with another message | `FAILED_PRECONDITION` |
-//! | no key on a listed method, a malformed key | `INVALID_ARGUMENT` |
+//! | no key on a listed method, a malformed key (a space first or last, too long, twice), a metadata key and a request id that differ | `INVALID_ARGUMENT` |
+//! | no scope: the scope extractor refused the call | `INVALID_ARGUMENT` with its reason; its 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`, its 429 and 502–504 `UNAVAILABLE`, another 5xx `UNKNOWN` |
+//! | a request message over [`Limits`]'s `body` (1 MiB) | `RESOURCE_EXHAUSTED` |
 //! | a request compressed with another encoding than gzip | `UNIMPLEMENTED`, `grpc-accept-encoding: gzip, identity` |
 //! | the store unavailable | `UNAVAILABLE`, with `RetryInfo` |
-//! | a response over the stored limit, retried | `INTERNAL` (the call ran; it does not run again) |
+//! | a response over the stored limits, or not one message (a streaming method listed as unary), retried | `INTERNAL` (the call ran; it does not run again) |
 //!
 //! Another message under a used key is `FAILED_PRECONDITION`, not `INVALID_ARGUMENT`: the
 //! message is valid in itself, and would succeed under a fresh key; what refuses it is the
