@@ -232,29 +232,18 @@ fn grpc_timeout(headers: &HeaderMap) -> Option<Duration> {
 }
 
 /// The call's one message, read whole (at most `limit` bytes, as tonic counts: its frame has
-/// a five-byte prefix more): its payload, and its frame as the handler gets it (uncompressed).
+/// a five-byte prefix more): its payload, and its frame as the handler gets it.
 async fn read_message(
     parts: &mut Parts,
     body: tonic::body::Body,
     limit: usize,
 ) -> Result<(Bytes, Bytes), Status> {
-    let framed = match Limited::new(body, limit.saturating_add(5)).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(error) if error.is::<LengthLimitError>() => {
-            return Err(Status::resource_exhausted(
-                "the request message is over the idempotency layer's limit",
-            ));
-        }
-        Err(_) => return Err(Status::cancelled("the request's body failed")),
-    };
-    match unary_message(&parts.headers, &framed, limit)? {
-        Message::Plain(message) => Ok((message, framed)),
-        Message::Decompressed(message) => {
-            // The handler gets the message the fingerprint covers, uncompressed.
-            parts.headers.remove("grpc-encoding");
-            let framed = frame(&message);
-            Ok((message, framed))
-        }
+    match Limited::new(body, limit.saturating_add(5)).collect().await {
+        Ok(collected) => unary_message(&mut parts.headers, collected.to_bytes(), limit),
+        Err(error) if error.is::<LengthLimitError>() => Err(Status::resource_exhausted(
+            "the request message is over the idempotency layer's limit",
+        )),
+        Err(_) => Err(Status::cancelled("the request's body failed")),
     }
 }
 
@@ -277,59 +266,53 @@ fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Status> {
         return Err(Status::invalid_argument("the idempotency-key metadata entry is given twice"));
     }
     let key = value.as_bytes();
-    if key.is_empty() || key.len() > MAX_KEY_LEN {
+    // No space first or last: HTTP/2 forbids it (RFC 9113 8.2.1), and a proxy may strip it,
+    // which would make one key two.
+    let printable = key.iter().all(|b| (b' '..=b'~').contains(b));
+    let padded = key.first() == Some(&b' ') || key.last() == Some(&b' ');
+    if key.is_empty() || key.len() > MAX_KEY_LEN || !printable || padded {
         return Err(Status::invalid_argument(
-            "the idempotency-key metadata entry must be 1 to 255 characters",
-        ));
-    }
-    if !key.iter().all(|b| (b' '..=b'~').contains(b)) {
-        return Err(Status::invalid_argument(
-            "the idempotency-key metadata entry must be printable ASCII",
-        ));
-    }
-    // HTTP/2 forbids it (RFC 9113 8.2.1), and a proxy may strip it: one key would be two.
-    if key.first() == Some(&b' ') || key.last() == Some(&b' ') {
-        return Err(Status::invalid_argument(
-            "the idempotency-key metadata entry must not begin or end with a space",
+            "the idempotency-key metadata entry must be 1 to 255 printable ASCII characters, no space first or last",
         ));
     }
     Ok(Some(key.to_vec()))
 }
 
-/// A unary call's message, as it came or decompressed.
-enum Message {
-    Plain(Bytes),
-    Decompressed(Bytes),
-}
-
-/// The one message of a unary call's body: its payload, after its five-byte prefix; a gzip
-/// one decompressed (at most `limit` bytes), so that the fingerprint is the message's, not its
-/// compression's. A call that is not one message is `INVALID_ARGUMENT`; another encoding
-/// `UNIMPLEMENTED` with `grpc-accept-encoding: gzip, identity`, as gRPC answers an encoding the
-/// server does not read.
-fn unary_message(headers: &HeaderMap, framed: &Bytes, limit: usize) -> Result<Message, Status> {
+/// The one message of a unary call's body, and its frame as the handler gets it: its payload,
+/// after its five-byte prefix; a gzip one decompressed (at most `limit` bytes, and its frame
+/// and `grpc-encoding` with it), so that the fingerprint is the message's, not its
+/// compression's, and the handler gets the same bytes. A call that is not one message is
+/// `INVALID_ARGUMENT`; another encoding `UNIMPLEMENTED` with `grpc-accept-encoding: gzip,
+/// identity`, as gRPC answers an encoding the server does not read.
+fn unary_message(
+    headers: &mut HeaderMap,
+    framed: Bytes,
+    limit: usize,
+) -> Result<(Bytes, Bytes), Status> {
     let not_one = || {
         Status::invalid_argument(
             "a unary call carries exactly one message: this method's idempotency needs it",
         )
     };
-    if framed_len(framed) != Some(framed.len()) {
+    if framed_len(&framed) != Some(framed.len()) {
         return Err(not_one());
     }
-    match framed[0] {
-        0 => Ok(Message::Plain(framed.slice(5..))),
-        1 => match headers.get("grpc-encoding").and_then(|v| v.to_str().ok()) {
-            Some("gzip") => gunzip(&framed[5..], limit).map(Message::Decompressed),
-            encoding => {
-                let mut refused = Status::unimplemented(format!(
-                    "the request is compressed ({}); the idempotency layer reads gzip or uncompressed messages",
-                    encoding.unwrap_or("no grpc-encoding")
-                ));
-                let accepted = MetadataValue::from_static("gzip, identity");
-                refused.metadata_mut().insert("grpc-accept-encoding", accepted);
-                Err(refused)
-            }
-        },
+    match (framed[0], headers.get("grpc-encoding").and_then(|v| v.to_str().ok())) {
+        (0, _) => Ok((framed.slice(5..), framed)),
+        (1, Some("gzip")) => {
+            let message = gunzip(&framed[5..], limit)?;
+            headers.remove("grpc-encoding");
+            Ok((message.clone(), frame(&message)))
+        }
+        (1, encoding) => {
+            let mut refused = Status::unimplemented(format!(
+                "the request is compressed ({}); the idempotency layer reads gzip or uncompressed messages",
+                encoding.unwrap_or("no grpc-encoding")
+            ));
+            let accepted = MetadataValue::from_static("gzip, identity");
+            refused.metadata_mut().insert("grpc-accept-encoding", accepted);
+            Err(refused)
+        }
         _ => Err(not_one()),
     }
 }
@@ -355,12 +338,13 @@ fn gunzip(compressed: &[u8], limit: usize) -> Result<Bytes, Status> {
 mod tests {
     use super::*;
 
-    fn plain(message: Result<Message, Status>) -> Bytes {
-        match message {
-            Ok(Message::Plain(bytes)) => bytes,
-            Ok(Message::Decompressed(_)) => panic!("decompressed"),
-            Err(status) => panic!("{status:?}"),
-        }
+    /// The message of a call with `headers` and this body, read uncompressed as it came.
+    fn plain(headers: &HeaderMap, framed: &[u8], limit: usize) -> Result<Bytes, Status> {
+        let mut headers = headers.clone();
+        let framed = Bytes::copy_from_slice(framed);
+        let (message, handed) = unary_message(&mut headers, framed.clone(), limit)?;
+        assert_eq!(handed, framed, "the handler gets the frame as it came");
+        Ok(message)
     }
 
     #[tokio::test]
@@ -406,21 +390,15 @@ mod tests {
     #[test]
     fn one_uncompressed_message_is_read_and_anything_else_refused() {
         let headers = HeaderMap::new();
-        let one = Bytes::from_static(b"\0\0\0\0\x03abc");
-        assert_eq!(plain(unary_message(&headers, &one, 16)), Bytes::from_static(b"abc"));
-        let empty = Bytes::from_static(b"\0\0\0\0\0");
-        assert_eq!(plain(unary_message(&headers, &empty, 16)), Bytes::new());
+        assert_eq!(plain(&headers, b"\0\0\0\0\x03abc", 16).unwrap(), Bytes::from_static(b"abc"));
+        assert_eq!(plain(&headers, b"\0\0\0\0\0", 16).unwrap(), Bytes::new());
         for bad in
             [&b""[..], b"\0\0\0", b"\0\0\0\0\x03ab", b"\0\0\0\0\x01a\0\0\0\0\x01b", b"\x07\0\0\0\0"]
         {
-            let Err(refused) = unary_message(&headers, &Bytes::copy_from_slice(bad), 16) else {
-                panic!("{bad:?} read");
-            };
+            let refused = plain(&headers, bad, 16).expect_err("not one message");
             assert_eq!(refused.code(), Code::InvalidArgument, "{bad:?}");
         }
-        let compressed = Bytes::from_static(b"\x01\0\0\0\x03abc");
-        let Err(refused) = unary_message(&headers, &compressed, 16) else { panic!("read") };
-        let refused = answer(refused);
+        let refused = answer(plain(&headers, b"\x01\0\0\0\x03abc", 16).expect_err("compressed"));
         assert_eq!(refused.headers()["grpc-status"], "12", "UNIMPLEMENTED");
         assert_eq!(refused.headers()["grpc-accept-encoding"], "gzip, identity");
     }
@@ -440,20 +418,20 @@ mod tests {
         };
         let mut headers = HeaderMap::new();
         headers.insert("grpc-encoding", http::HeaderValue::from_static("gzip"));
-        match unary_message(&headers, &gzip(b"hello"), 16) {
-            Ok(Message::Decompressed(message)) => assert_eq!(message, Bytes::from_static(b"hello")),
-            _ => panic!("not decompressed"),
-        }
+        let read = |headers: &mut HeaderMap, framed, limit| unary_message(headers, framed, limit);
+        let (message, handed) = read(&mut headers.clone(), gzip(b"hello"), 16).unwrap();
+        assert_eq!((message, handed), (Bytes::from_static(b"hello"), frame(b"hello")));
+        let mut decoded = headers.clone();
+        read(&mut decoded, gzip(b"hello"), 16).unwrap();
+        assert!(decoded.get("grpc-encoding").is_none(), "the handler's message is not compressed");
         // A small frame that inflates past the limit: refused, never read whole.
-        let Err(bomb) = unary_message(&headers, &gzip(&[0; 1 << 20]), 1024) else { panic!("read") };
+        let bomb = read(&mut headers.clone(), gzip(&[0; 1 << 20]), 1024).expect_err("a bomb");
         assert_eq!(bomb.code(), Code::ResourceExhausted);
         // Its checksum (the trailer's first four bytes) changed: the message is not what was sent.
         let mut corrupt = gzip(b"hello").to_vec();
         let crc = corrupt.len() - 8;
         corrupt[crc] ^= 0xff;
-        let Err(refused) = unary_message(&headers, &Bytes::from(corrupt), 16) else {
-            panic!("read")
-        };
+        let refused = read(&mut headers, Bytes::from(corrupt), 16).expect_err("corrupt");
         assert_eq!(refused.code(), Code::InvalidArgument);
     }
 }
