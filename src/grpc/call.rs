@@ -209,9 +209,19 @@ async fn scope_refused(refused: Response<Body>) -> Status {
     let detail = serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|problem| {
         problem.get("detail").and_then(serde_json::Value::as_str).map(str::to_owned)
     });
-    let detail = detail.unwrap_or_else(|| String::from_utf8_lossy(&text).into_owned());
+    let mut detail = detail.unwrap_or_else(|| String::from_utf8_lossy(&text).into_owned());
+    // `grpc-message` goes in a header block, percent-encoded (up to three bytes a byte), which
+    // clients cap at 8 to 16 KiB: past it a client drops the call, or its whole connection.
+    if detail.len() > DETAIL_MAX {
+        let end = (0..=DETAIL_MAX).rev().find(|&end| detail.is_char_boundary(end)).unwrap_or(0);
+        detail.truncate(end);
+        detail.push('…');
+    }
     Status::new(code, format!("the call's idempotency scope: {detail}"))
 }
+
+/// The longest detail of a scope refusal told to the client, in bytes.
+const DETAIL_MAX: usize = 1024;
 
 /// How long the call's own deadline (its `grpc-timeout`, as gRPC's HTTP/2 protocol writes it:
 /// up to 8 digits and a unit) leaves: a retry waits for its original within it, and answers
@@ -369,6 +379,14 @@ mod tests {
         }
         let long = Response::new(Body::from(vec![b'x'; 100 * 1024]));
         assert!(scope_refused(long).await.message().contains("too long"));
+        // A long detail is cut, at a character's boundary, to fit any client's header limit.
+        let detail = format!(r#"{{"detail":"{}"}}"#, "é".repeat(20_000));
+        let cut = scope_refused(Response::new(Body::from(detail))).await;
+        assert!(
+            cut.message().len() < 1100 && cut.message().ends_with("é…"),
+            "{}",
+            cut.message().len()
+        );
     }
 
     #[test]

@@ -21,7 +21,8 @@ use crate::{
 };
 
 /// Why the reply of a streaming method listed as unary is not kept.
-const NOT_UNARY: &str = "its reply is not one message: list unary methods alone";
+const NOT_UNARY: &str =
+    "its reply is not one message, as a unary call's is (is a streaming method listed as unary?)";
 
 /// One call's side of its claim: the layer's configuration, the method, the call's span.
 pub(super) struct GrpcDoor<ResBody> {
@@ -70,7 +71,8 @@ where
             return Settlement::Release(why, reply.into_response());
         }
         if !reply.is_unary() {
-            // A streaming method listed as unary: it ran, and its reply cannot be replayed.
+            // A streaming method listed as unary (or an OK without its message): it ran, and its
+            // reply cannot be replayed.
             tracing::error!(
                 key_hash = held.key.hash(),
                 "idempotency: a listed method's reply is not one message"

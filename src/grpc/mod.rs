@@ -75,7 +75,7 @@
 //! | a request message over [`Limits`]'s `body` (1 MiB) | `RESOURCE_EXHAUSTED` |
 //! | a request compressed with another encoding than gzip | `UNIMPLEMENTED`, `grpc-accept-encoding: gzip, identity` |
 //! | the store unavailable | `UNAVAILABLE`, with `RetryInfo` |
-//! | a response over the stored limits, or not one message (a streaming method listed as unary), retried | `INTERNAL` (the call ran; it does not run again) |
+//! | a response over the stored limits, or not one message (a streaming method listed as unary, whose status the store policy keeps: it is read whole first), retried | `INTERNAL` (the call ran; it does not run again) |
 //!
 //! Another message under a used key is `FAILED_PRECONDITION`, not `INVALID_ARGUMENT`: the
 //! message is valid in itself, and would succeed under a fresh key; what refuses it is the
