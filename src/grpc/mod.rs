@@ -23,9 +23,10 @@
 //!   by path. Every other call passes through untouched, streaming methods included: a
 //!   stream has no one message to fingerprint nor one response to replay.
 //! - **the key**: the `idempotency-key` metadata entry (an opaque ASCII metadata value: 1 to
-//!   255 printable ASCII characters, spaces and commas included, taken as they are; given once,
-//!   and not as `idempotency-key-bin`), or else the request message's own id, read by
-//!   [`key_from_message`](GrpcIdempotencyLayer::key_from_message) (AIP-155's `request_id`).
+//!   255 printable ASCII characters, spaces and commas included but not first or last, taken
+//!   as they are; given once, and not as `idempotency-key-bin`), or the request message's own
+//!   id, read by [`key_from_message`](GrpcIdempotencyLayer::key_from_message) (AIP-155's
+//!   `request_id`); a call that carries both carries the same key twice, or is refused.
 //! - **the scope**: whose key it is, as the HTTP layer's [scopes](crate::layer::scope) say it:
 //!   a metadata entry ([`HeaderScope`]), or the principal an authentication layer put in the
 //!   request's extensions (a closure over the request's parts, or an
