@@ -92,6 +92,7 @@ mod config;
 mod door;
 mod layer;
 mod record;
+mod request;
 mod status;
 
 use tonic::Code;
