@@ -44,8 +44,9 @@
 //!     .scope(|parts: &Parts| parts.extensions.get::<Principal>().map(|p| p.0.clone()));
 //! ```
 //! - **the fingerprint**: the method's full path and the request message's bytes (the
-//!   frame's payload), uncompressed: a gzip request is read uncompressed (at most the message
-//!   limit); another encoding is refused (`UNIMPLEMENTED`, with `grpc-accept-encoding: gzip,
+//!   frame's payload), uncompressed: tonic's decoder reads the frame, and a gzip or deflate
+//!   request uncompressed (at most the message limit, compressed and uncompressed); another
+//!   encoding is refused (`UNIMPLEMENTED`, with `grpc-accept-encoding: gzip, deflate,
 //!   identity`). The handler gets the same bytes, uncompressed.
 //! - **the reply** is stored, and replayed, uncompressed: the layer takes the call's
 //!   `grpc-accept-encoding` away before the handler, so that a reply stored for a client that
@@ -74,7 +75,7 @@
 //! | no key on a listed method, a malformed key (a space first or last, too long, twice), a metadata key and a request id that differ | `INVALID_ARGUMENT` |
 //! | no scope: the scope extractor refused the call | `INVALID_ARGUMENT` with its reason; its 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`, its 429 and 502–504 `UNAVAILABLE`, another 5xx `UNKNOWN` |
 //! | a request message over [`Limits`]'s `body` (1 MiB) | `RESOURCE_EXHAUSTED` |
-//! | a request compressed with another encoding than gzip | `UNIMPLEMENTED`, `grpc-accept-encoding: gzip, identity` |
+//! | a request compressed with another encoding than gzip or deflate | `UNIMPLEMENTED`, `grpc-accept-encoding: gzip, deflate, identity` |
 //! | the store unavailable | `UNAVAILABLE`, with `RetryInfo` |
 //! | a response over the stored limits, or not one message (a streaming method listed as unary, whose status the store policy keeps: it is read whole first), retried | `INTERNAL` (the call ran; it does not run again) |
 //!

@@ -1,17 +1,18 @@
 //! What a unary call carries, read by gRPC's rules: its `idempotency-key` metadata entry, its
-//! one message (unframed, and read uncompressed when gzip), and its deadline (`grpc-timeout`).
+//! one message (unframed, and read uncompressed when gzip or deflate), and its deadline
+//! (`grpc-timeout`).
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{HeaderMap, request::Parts};
-use http_body_util::{BodyExt as _, LengthLimitError, Limited};
-use tonic::{Status, metadata::MetadataValue};
-
-use super::{
-    KEY_METADATA,
-    record::{frame, framed_len},
+use bytes::{Buf as _, Bytes};
+use http::{HeaderMap, HeaderValue, request::Parts};
+use tonic::{
+    Code, Status,
+    codec::{CompressionEncoding, DecodeBuf, Decoder, Streaming},
+    metadata::MetadataValue,
 };
+
+use super::{KEY_METADATA, record::frame};
 use crate::layer::MAX_KEY_LEN;
 
 /// How long the call's own deadline (its `grpc-timeout`, as gRPC's HTTP/2 protocol writes it:
@@ -32,19 +33,61 @@ pub(super) fn grpc_timeout(headers: &HeaderMap) -> Option<Duration> {
     })
 }
 
-/// The call's one message, read whole (at most `limit` bytes, as tonic counts: its frame has
-/// a five-byte prefix more): its payload, and its frame as the handler gets it.
+/// The call's one message, read by tonic (its frame, and its compression when gzip or
+/// deflate), at most `limit` bytes (uncompressed, and compressed as it came): its payload, and
+/// its frame, uncompressed, as the handler gets it.
 pub(super) async fn read_message(
     parts: &mut Parts,
     body: tonic::body::Body,
     limit: usize,
 ) -> Result<(Bytes, Bytes), Status> {
-    match Limited::new(body, limit.saturating_add(5)).collect().await {
-        Ok(collected) => unary_message(&mut parts.headers, collected.to_bytes(), limit),
-        Err(error) if error.is::<LengthLimitError>() => Err(Status::resource_exhausted(
-            "the request message is over the idempotency layer's limit",
+    // Another encoding is refused before anything is read, as tonic's own server does.
+    let encoding = match parts.headers.remove("grpc-encoding").as_ref().map(HeaderValue::as_bytes) {
+        None | Some(b"identity") => None,
+        Some(b"gzip") => Some(CompressionEncoding::Gzip),
+        Some(b"deflate") => Some(CompressionEncoding::Deflate),
+        Some(other) => {
+            let other = String::from_utf8_lossy(other);
+            let mut refused = Status::unimplemented(format!(
+                "the request is compressed with {other}; the idempotency layer reads gzip, deflate or uncompressed messages"
+            ));
+            let accepted = MetadataValue::from_static("gzip, deflate, identity");
+            refused.metadata_mut().insert("grpc-accept-encoding", accepted);
+            return Err(refused);
+        }
+    };
+    let mut messages = Streaming::new_request(Payload, body, encoding, Some(limit));
+    let one = match messages.message().await {
+        Ok(Some(message)) => messages.message().await.map(|next| next.is_none().then_some(message)),
+        read => read,
+    };
+    match one {
+        Ok(Some(message)) => {
+            let framed = frame(&message);
+            Ok((framed.slice(5..), framed))
+        }
+        Ok(None) => Err(Status::invalid_argument(
+            "a unary call carries exactly one message: this method's idempotency needs it",
         )),
-        Err(_) => Err(Status::cancelled("the request's body failed")),
+        Err(over) if matches!(over.code(), Code::OutOfRange | Code::ResourceExhausted) => Err(
+            Status::resource_exhausted("the request message is over the idempotency layer's limit"),
+        ),
+        Err(unreadable) => Err(Status::invalid_argument(format!(
+            "the request message cannot be read: {}",
+            unreadable.message()
+        ))),
+    }
+}
+
+/// A message's bytes as they are.
+struct Payload;
+
+impl Decoder for Payload {
+    type Item = Bytes;
+    type Error = Status;
+
+    fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
+        Ok(Some(buf.copy_to_bytes(buf.remaining())))
     }
 }
 
@@ -79,83 +122,49 @@ pub(super) fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Statu
     Ok(Some(key.to_vec()))
 }
 
-/// The one message of a unary call's body, and its frame as the handler gets it: its payload,
-/// after its five-byte prefix; a gzip one decompressed (at most `limit` bytes, and its frame
-/// and `grpc-encoding` with it), so that the fingerprint is the message's, not its
-/// compression's, and the handler gets the same bytes. A call that is not one message is
-/// `INVALID_ARGUMENT`; another encoding `UNIMPLEMENTED` with `grpc-accept-encoding: gzip,
-/// identity`, as gRPC answers an encoding the server does not read.
-fn unary_message(
-    headers: &mut HeaderMap,
-    framed: Bytes,
-    limit: usize,
-) -> Result<(Bytes, Bytes), Status> {
-    let not_one = || {
-        Status::invalid_argument(
-            "a unary call carries exactly one message: this method's idempotency needs it",
-        )
-    };
-    if framed_len(&framed) != Some(framed.len()) {
-        return Err(not_one());
-    }
-    match (framed[0], headers.get("grpc-encoding").and_then(|v| v.to_str().ok())) {
-        (0, _) => Ok((framed.slice(5..), framed)),
-        (1, Some("gzip")) => {
-            let message = gunzip(&framed[5..], limit)?;
-            headers.remove("grpc-encoding");
-            Ok((message.clone(), frame(&message)))
-        }
-        (1, encoding) => {
-            let mut refused = Status::unimplemented(format!(
-                "the request is compressed ({}); the idempotency layer reads gzip or uncompressed messages",
-                encoding.unwrap_or("no grpc-encoding")
-            ));
-            let accepted = MetadataValue::from_static("gzip, identity");
-            refused.metadata_mut().insert("grpc-accept-encoding", accepted);
-            Err(refused)
-        }
-        _ => Err(not_one()),
-    }
-}
-
-/// A gzip message decompressed, at most `limit` bytes of it (a small message may inflate to
-/// any size).
-fn gunzip(compressed: &[u8], limit: usize) -> Result<Bytes, Status> {
-    use std::io::Read as _;
-    let mut message = Vec::new();
-    let read = flate2::read::GzDecoder::new(compressed)
-        .take(u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1))
-        .read_to_end(&mut message);
-    match read {
-        Err(_) => Err(Status::invalid_argument("the gzip request message is corrupt")),
-        Ok(_) if message.len() > limit => Err(Status::resource_exhausted(
-            "the request message is over the idempotency layer's limit",
-        )),
-        Ok(_) => Ok(Bytes::from(message)),
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use tonic::Code;
+    use std::io::Write as _;
+
+    use http_body_util::Full;
 
     use super::*;
     use crate::grpc::status::answer;
 
-    /// The message of a call with `headers` and this body, read uncompressed as it came.
-    fn plain(headers: &HeaderMap, framed: &[u8], limit: usize) -> Result<Bytes, Status> {
-        let mut headers = headers.clone();
-        let framed = Bytes::copy_from_slice(framed);
-        let (message, handed) = unary_message(&mut headers, framed.clone(), limit)?;
-        assert_eq!(handed, framed, "the handler gets the frame as it came");
+    /// The message of a call with `encoding` and this body; checks that the handler's frame is
+    /// it, uncompressed.
+    async fn read(
+        encoding: Option<&'static str>,
+        body: &[u8],
+        limit: usize,
+    ) -> Result<Bytes, Status> {
+        let mut request = http::Request::new(());
+        if let Some(encoding) = encoding {
+            request.headers_mut().insert("grpc-encoding", HeaderValue::from_static(encoding));
+        }
+        let (mut parts, ()) = request.into_parts();
+        let body = tonic::body::Body::new(Full::new(Bytes::copy_from_slice(body)));
+        let (message, handed) = read_message(&mut parts, body, limit).await?;
+        assert_eq!(handed, frame(&message), "the handler gets the message uncompressed");
+        assert!(parts.headers.get("grpc-encoding").is_none(), "nor told it is compressed");
         Ok(message)
+    }
+
+    fn gzip(payload: &[u8]) -> Vec<u8> {
+        let mut encoder = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        encoder.write_all(payload).unwrap();
+        let body = encoder.finish().unwrap();
+        let mut frame = vec![1];
+        frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
+        frame.extend_from_slice(&body);
+        frame
     }
 
     #[test]
     fn a_grpc_timeout_is_read_as_the_protocol_writes_it() {
         let timeout = |value: &'static str| {
             let mut headers = HeaderMap::new();
-            headers.insert("grpc-timeout", http::HeaderValue::from_static(value));
+            headers.insert("grpc-timeout", HeaderValue::from_static(value));
             grpc_timeout(&headers)
         };
         assert_eq!(timeout("600m"), Some(Duration::from_millis(600)));
@@ -167,51 +176,40 @@ mod tests {
         }
     }
 
-    #[test]
-    fn one_uncompressed_message_is_read_and_anything_else_refused() {
-        let headers = HeaderMap::new();
-        assert_eq!(plain(&headers, b"\0\0\0\0\x03abc", 16).unwrap(), Bytes::from_static(b"abc"));
-        assert_eq!(plain(&headers, b"\0\0\0\0\0", 16).unwrap(), Bytes::new());
-        for bad in
-            [&b""[..], b"\0\0\0", b"\0\0\0\0\x03ab", b"\0\0\0\0\x01a\0\0\0\0\x01b", b"\x07\0\0\0\0"]
-        {
-            let refused = plain(&headers, bad, 16).expect_err("not one message");
+    #[tokio::test]
+    async fn one_message_is_read_and_anything_else_refused() {
+        assert_eq!(read(None, b"\0\0\0\0\x03abc", 16).await.unwrap(), Bytes::from_static(b"abc"));
+        assert_eq!(read(None, b"\0\0\0\0\0", 16).await.unwrap(), Bytes::new());
+        assert_eq!(read(Some("identity"), b"\0\0\0\0\x01a", 16).await.unwrap(), "a");
+        // None, cut short, two, an unknown flag, compressed without saying how.
+        for bad in [
+            &b""[..],
+            b"\0\0\0",
+            b"\0\0\0\0\x03ab",
+            b"\0\0\0\0\x01a\0\0\0\0\x01b",
+            b"\x07\0\0\0\0",
+            b"\x01\0\0\0\x01a",
+        ] {
+            let refused = read(None, bad, 16).await.expect_err("not one message");
             assert_eq!(refused.code(), Code::InvalidArgument, "{bad:?}");
         }
-        let refused = answer(plain(&headers, b"\x01\0\0\0\x03abc", 16).expect_err("compressed"));
+        let over = read(None, b"\0\0\0\0\x03abc", 2).await.expect_err("over the limit");
+        assert_eq!(over.code(), Code::ResourceExhausted);
+        let refused = answer(read(Some("zstd"), b"\0\0\0\0\x01a", 16).await.expect_err("zstd"));
         assert_eq!(refused.headers()["grpc-status"], "12", "UNIMPLEMENTED");
-        assert_eq!(refused.headers()["grpc-accept-encoding"], "gzip, identity");
+        assert_eq!(refused.headers()["grpc-accept-encoding"], "gzip, deflate, identity");
     }
 
-    #[test]
-    fn a_gzip_message_is_read_uncompressed_within_the_limit() {
-        use std::io::Write as _;
-        let gzip = |payload: &[u8]| {
-            let mut encoder =
-                flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-            encoder.write_all(payload).unwrap();
-            let body = encoder.finish().unwrap();
-            let mut frame = vec![1];
-            frame.extend_from_slice(&u32::try_from(body.len()).unwrap().to_be_bytes());
-            frame.extend_from_slice(&body);
-            Bytes::from(frame)
-        };
-        let mut headers = HeaderMap::new();
-        headers.insert("grpc-encoding", http::HeaderValue::from_static("gzip"));
-        let read = |headers: &mut HeaderMap, framed, limit| unary_message(headers, framed, limit);
-        let (message, handed) = read(&mut headers.clone(), gzip(b"hello"), 16).unwrap();
-        assert_eq!((message, handed), (Bytes::from_static(b"hello"), frame(b"hello")));
-        let mut decoded = headers.clone();
-        read(&mut decoded, gzip(b"hello"), 16).unwrap();
-        assert!(decoded.get("grpc-encoding").is_none(), "the handler's message is not compressed");
-        // A small frame that inflates past the limit: refused, never read whole.
-        let bomb = read(&mut headers.clone(), gzip(&[0; 1 << 20]), 1024).expect_err("a bomb");
+    #[tokio::test]
+    async fn a_gzip_message_is_read_uncompressed_within_the_limit() {
+        // The limit counts the message and, as tonic counts, its compressed form.
+        assert_eq!(read(Some("gzip"), &gzip(b"hello"), 64).await.unwrap(), "hello");
+        let bomb = read(Some("gzip"), &gzip(&[0; 1 << 20]), 1024).await.expect_err("a bomb");
         assert_eq!(bomb.code(), Code::ResourceExhausted);
-        // Its checksum (the trailer's first four bytes) changed: the message is not what was sent.
-        let mut corrupt = gzip(b"hello").to_vec();
+        let mut corrupt = gzip(b"hello");
         let crc = corrupt.len() - 8;
         corrupt[crc] ^= 0xff;
-        let refused = read(&mut headers, Bytes::from(corrupt), 16).expect_err("corrupt");
+        let refused = read(Some("gzip"), &corrupt, 64).await.expect_err("corrupt");
         assert_eq!(refused.code(), Code::InvalidArgument);
     }
 }

@@ -318,9 +318,13 @@ async fn streaming_methods_and_compressed_calls<H: Harness>(h: H) {
     assert!(!first_replayed);
     assert_eq!(ledger.calls(), 5);
     let (_, was_replayed, id) = reply(client.charge(charge(Some("z"), "a", 1)).await);
-    assert_eq!((was_replayed, id), (true, first_id));
+    assert_eq!((was_replayed, id), (true, first_id.clone()));
     let other = gzip.charge(charge(Some("z"), "a", 2)).await.unwrap_err();
     assert_eq!(other.code(), Code::FailedPrecondition, "{other:?}");
+    // So is a deflate request.
+    let mut deflate = client.clone().send_compressed(CompressionEncoding::Deflate);
+    let (_, was_replayed, id) = reply(deflate.charge(charge(Some("z"), "a", 1)).await);
+    assert_eq!((was_replayed, id), (true, first_id));
     assert_eq!(ledger.calls(), 5);
 }
 
