@@ -80,7 +80,9 @@ impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
         key_prefix;
         /// Sets what the layer reads and stores, as the HTTP layer's [`Limits`](super::Limits) do: `body` is the
         /// request message (its frame's five-byte prefix not counted, as tonic counts; a larger one
-        /// is `RESOURCE_EXHAUSTED`); `stored_body` the stored message (its prefix not counted
+        /// is `RESOURCE_EXHAUSTED`; while it is read, a call holds up to twice it, as tonic's
+        /// own server does: its decoder sets aside a message's declared length, and a second
+        /// message is read to be refused); `stored_body` the stored message (its prefix not counted
         /// either), and `stored_headers` the
         /// stored metadata, headers and trailers (a reply over either is answered, and its key
         /// keeps a record that the call ran: every retry gets `INTERNAL`, never a second run, unless

@@ -75,6 +75,9 @@
 //! | no key on a listed method, a malformed key (a space first or last, too long, twice), a metadata key and a request id that differ | `INVALID_ARGUMENT` |
 //! | no scope: the scope extractor refused the call | `INVALID_ARGUMENT` with its reason; its 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`, its 429 and 502–504 `UNAVAILABLE`, another 5xx `UNKNOWN` |
 //! | a request message over [`Limits`]'s `body` (1 MiB) | `RESOURCE_EXHAUSTED` |
+//! | no request message, or two | `INVALID_ARGUMENT` |
+//! | a request message that cannot be read (cut short, an unknown flag, corrupt compression, compressed without its `grpc-encoding`) | `INTERNAL`, as tonic's server answers |
+//! | a call whose client resets its stream after its message | `CANCELLED`; the handler does not run |
 //! | a request compressed with another encoding than gzip or deflate | `UNIMPLEMENTED`, `grpc-accept-encoding: gzip, deflate, identity` |
 //! | the store unavailable | `UNAVAILABLE`, with `RetryInfo` |
 //! | a response over the stored limits, or not one message (a streaming method listed as unary, whose status the store policy keeps: it is read whole first), retried | `INTERNAL` (the call ran; it does not run again) |

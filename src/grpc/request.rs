@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use bytes::{Buf as _, Bytes};
 use http::{HeaderMap, HeaderValue, request::Parts};
+use http_body_util::BodyExt as _;
 use tonic::{
     Code, Status,
     codec::{CompressionEncoding, DecodeBuf, Decoder, Streaming},
@@ -56,6 +57,10 @@ pub(super) async fn read_message(
             return Err(refused);
         }
     };
+    // A body that fails is no end of the call: tonic's decoder reads a client's reset
+    // (`CANCELLED`) as one, and the message before it would run. Told to the decoder as
+    // `UNKNOWN`, which it never answers itself, and answered `CANCELLED`, as tonic's server would.
+    let body = body.map_err(|_| Status::unknown("the request's body failed"));
     let mut messages = Streaming::new_request(Payload, body, encoding, Some(limit));
     let one = match messages.message().await {
         Ok(Some(message)) => messages.message().await.map(|next| next.is_none().then_some(message)),
@@ -69,13 +74,17 @@ pub(super) async fn read_message(
         Ok(None) => Err(Status::invalid_argument(
             "a unary call carries exactly one message: this method's idempotency needs it",
         )),
+        Err(failed) if failed.code() == Code::Unknown => Err(Status::cancelled(failed.message())),
         Err(over) if matches!(over.code(), Code::OutOfRange | Code::ResourceExhausted) => Err(
             Status::resource_exhausted("the request message is over the idempotency layer's limit"),
         ),
-        Err(unreadable) => Err(Status::invalid_argument(format!(
-            "the request message cannot be read: {}",
-            unreadable.message()
-        ))),
+        // A frame cut short, an unknown flag, corrupt compression, a compressed message with no
+        // encoding: `INTERNAL`, as tonic's server answers (gRPC's compression spec asks it for
+        // the last).
+        Err(unreadable) => Err(Status::new(
+            unreadable.code(),
+            format!("the request message cannot be read: {}", unreadable.message()),
+        )),
     }
 }
 
@@ -181,17 +190,15 @@ mod tests {
         assert_eq!(read(None, b"\0\0\0\0\x03abc", 16).await.unwrap(), Bytes::from_static(b"abc"));
         assert_eq!(read(None, b"\0\0\0\0\0", 16).await.unwrap(), Bytes::new());
         assert_eq!(read(Some("identity"), b"\0\0\0\0\x01a", 16).await.unwrap(), "a");
-        // None, cut short, two, an unknown flag, compressed without saying how.
-        for bad in [
-            &b""[..],
-            b"\0\0\0",
-            b"\0\0\0\0\x03ab",
-            b"\0\0\0\0\x01a\0\0\0\0\x01b",
-            b"\x07\0\0\0\0",
-            b"\x01\0\0\0\x01a",
-        ] {
+        // None, or two: not a unary call.
+        for bad in [&b""[..], b"\0\0\0\0\x01a\0\0\0\0\x01b"] {
             let refused = read(None, bad, 16).await.expect_err("not one message");
             assert_eq!(refused.code(), Code::InvalidArgument, "{bad:?}");
+        }
+        // Cut short, an unknown flag, compressed without saying how: `INTERNAL`, as tonic says.
+        for bad in [&b"\0\0\0"[..], b"\0\0\0\0\x03ab", b"\x07\0\0\0\0", b"\x01\0\0\0\x01a"] {
+            let refused = read(None, bad, 16).await.expect_err("not one message");
+            assert_eq!(refused.code(), Code::Internal, "{bad:?}");
         }
         let over = read(None, b"\0\0\0\0\x03abc", 2).await.expect_err("over the limit");
         assert_eq!(over.code(), Code::ResourceExhausted);
@@ -210,6 +217,20 @@ mod tests {
         let crc = corrupt.len() - 8;
         corrupt[crc] ^= 0xff;
         let refused = read(Some("gzip"), &corrupt, 64).await.expect_err("corrupt");
-        assert_eq!(refused.code(), Code::InvalidArgument);
+        assert_eq!(refused.code(), Code::Internal);
+    }
+
+    /// A client that sends its message and then resets the stream cancelled its call: the
+    /// message is not read as a whole call (tonic's decoder would end the stream there).
+    #[tokio::test]
+    async fn a_body_that_fails_after_its_message_is_cancelled_not_read() {
+        let frames: [Result<http_body::Frame<Bytes>, Status>; 2] = [
+            Ok(http_body::Frame::data(frame(b"charge"))),
+            Err(Status::cancelled("the client reset its stream")),
+        ];
+        let body = http_body_util::StreamBody::new(futures_util::stream::iter(frames));
+        let (mut parts, ()) = http::Request::new(()).into_parts();
+        let read = read_message(&mut parts, tonic::body::Body::new(body), 64).await;
+        assert_eq!(read.expect_err("cancelled").code(), Code::Cancelled);
     }
 }
