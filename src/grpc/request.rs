@@ -179,6 +179,9 @@ mod tests {
         assert_eq!(timeout("600m"), Some(Duration::from_millis(600)));
         assert_eq!(timeout("2S"), Some(Duration::from_secs(2)));
         assert_eq!(timeout("1H"), Some(Duration::from_secs(3600)));
+        assert_eq!(timeout("3M"), Some(Duration::from_secs(180)));
+        assert_eq!(timeout("250u"), Some(Duration::from_micros(250)));
+        assert_eq!(timeout("70n"), Some(Duration::from_nanos(70)));
         assert_eq!(timeout("99999999H"), Some(Duration::from_secs(99_999_999 * 3600)));
         for bad in ["", "1", "abc", "5s", "-5S", "1.5S", "123456789S", " 5S"] {
             assert_eq!(timeout(bad), None, "{bad:?}");
