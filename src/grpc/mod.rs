@@ -64,7 +64,10 @@
 //!   its `tonic::Response` in the store's transaction with its side effect
 //!   (`PostgresStore::transaction`, or `DurableOutcomes::transaction` with Redis in front and
 //!   the outcomes as the layer's [`recover`](GrpcIdempotencyLayer::recover) hook); a [`TransactionError`](crate::store::TransactionError)
-//!   converts to a `tonic::Status` with `?`.
+//!   converts to a `tonic::Status` with `?`. The lease is not renewed while the transaction
+//!   runs: a transaction that outlives it may be taken over by a retry, which runs; of the two
+//!   only one commits, and the other's caller gets `UNAVAILABLE` ("rolled back: …"). Give the
+//!   layer a [`lease`](GrpcIdempotencyLayer::lease) longer than the longest transaction.
 //!
 //! | situation | answer |
 //! |---|---|
@@ -72,7 +75,7 @@
 //! | retry of a completed call | the stored response (metadata, message, trailers) with `idempotency-replayed: true` |
 //! | retry while the call runs | waits for it (up to 10 s by default, and within its own deadline), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
 //! | the same key with another message | `FAILED_PRECONDITION` |
-//! | no key on a listed method, a malformed key (a space first or last, too long, twice), a metadata key and a request id that differ | `INVALID_ARGUMENT` |
+//! | no key on a listed method, a malformed key (the `idempotency-key` entry: 1 to 255 printable ASCII characters, no space first or last, once, never `idempotency-key-bin`; a request id: 1 to 255 bytes of any text), a metadata key and a request id that differ | `INVALID_ARGUMENT` |
 //! | no scope: the scope extractor refused the call | `INVALID_ARGUMENT` with its reason; its 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`, its 429 and 502–504 `UNAVAILABLE`, another 5xx `UNKNOWN` |
 //! | a request message over [`Limits`]'s `body` (1 MiB) | `RESOURCE_EXHAUSTED` |
 //! | no request message, or two | `INVALID_ARGUMENT` |

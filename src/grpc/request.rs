@@ -104,15 +104,16 @@ impl Decoder for Payload {
 /// printable ASCII characters (spaces included, not first or last), taken as they are (a key is
 /// opaque: no quoting, no list). `None` when there is none; `INVALID_ARGUMENT` when it is empty,
 /// too long, not printable ASCII, begins or ends with a space, given twice, or given in binary
-/// (`idempotency-key-bin`) only.
+/// (`idempotency-key-bin`), alone or beside it.
 pub(super) fn metadata_key(headers: &HeaderMap) -> Result<Option<Vec<u8>>, Status> {
+    // A binary entry is refused, beside an ASCII one too: the two could name two keys.
+    if headers.contains_key("idempotency-key-bin") {
+        return Err(Status::invalid_argument(
+            "send the idempotency key as the ASCII `idempotency-key` metadata entry, not in binary",
+        ));
+    }
     let mut values = headers.get_all(KEY_METADATA).iter();
     let Some(value) = values.next() else {
-        if headers.contains_key("idempotency-key-bin") {
-            return Err(Status::invalid_argument(
-                "send the idempotency key as the ASCII `idempotency-key` metadata entry, not in binary",
-            ));
-        }
         return Ok(None);
     };
     if values.next().is_some() {
