@@ -189,6 +189,22 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_metadata_key_is_one_to_255_printable_characters() {
+        let key = |value: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(KEY_METADATA, HeaderValue::from_str(value).unwrap());
+            metadata_key(&headers)
+        };
+        for good in ["k", "a b,c", &"k".repeat(255)] {
+            assert_eq!(key(good).unwrap(), Some(good.as_bytes().to_vec()), "{good}");
+        }
+        for bad in ["", " k", "k ", "k\t", &"k".repeat(256)] {
+            assert_eq!(key(bad).unwrap_err().code(), Code::InvalidArgument, "{bad:?}");
+        }
+        assert_eq!(metadata_key(&HeaderMap::new()).unwrap(), None);
+    }
+
     #[tokio::test]
     async fn one_message_is_read_and_anything_else_refused() {
         assert_eq!(read(None, b"\0\0\0\0\x03abc", 16).await.unwrap(), Bytes::from_static(b"abc"));
