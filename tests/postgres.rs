@@ -1040,43 +1040,25 @@ async fn every_claim_keeps_the_record_its_recovery_window_past_the_lease() {
     let window = Duration::from_secs(60);
     let short = Lease::new(Duration::from_millis(50)).recovery_window(window);
     let within = |left: i64| (59_000..=60_050).contains(&left);
+    // A claim of `k` by a new owner, after `pause`.
+    let claim = async |k: &RecordKey, lease: Lease, pause: u64| {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        store.claim(k, &fingerprint, &OwnerToken::random(), lease).await.unwrap()
+    };
     // A new key.
     let k = key("new");
-    assert_eq!(
-        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
-        Claim::Claimed
-    );
+    assert_eq!(claim(&k, short, 0).await, Claim::Claimed);
     let left = record(&h, &k).await.3;
     assert!(within(left), "a new key's claim: {left} ms");
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    assert_eq!(
-        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
-        Claim::TakenOver
-    );
+    assert_eq!(claim(&k, short, 150).await, Claim::TakenOver);
     let left = record(&h, &k).await.3;
     assert!(within(left), "a takeover: {left} ms");
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    assert_eq!(
-        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
-        Claim::TakenOver
-    );
+    assert_eq!(claim(&k, short, 150).await, Claim::TakenOver);
     // An expired record, claimed anew the long way.
     let k = key("reclaimed");
-    let gone = Lease::new(Duration::from_millis(50));
-    assert_eq!(
-        store.claim(&k, &fingerprint, &OwnerToken::random(), gone).await.unwrap(),
-        Claim::Claimed
-    );
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    assert_eq!(
-        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
-        Claim::Claimed
-    );
+    assert_eq!(claim(&k, Lease::new(Duration::from_millis(50)), 0).await, Claim::Claimed);
+    assert_eq!(claim(&k, short, 150).await, Claim::Claimed);
     let left = record(&h, &k).await.3;
     assert!(within(left), "a reclaim: {left} ms");
-    tokio::time::sleep(Duration::from_millis(150)).await;
-    assert_eq!(
-        store.claim(&k, &fingerprint, &OwnerToken::random(), short).await.unwrap(),
-        Claim::TakenOver
-    );
+    assert_eq!(claim(&k, short, 150).await, Claim::TakenOver);
 }
