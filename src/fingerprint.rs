@@ -60,6 +60,11 @@ impl Fingerprint {
         &self.0
     }
 
+    /// The fingerprint whose digest is `digest`.
+    pub(crate) const fn from_digest(digest: [u8; 32]) -> Self {
+        Self(digest)
+    }
+
     /// A fingerprint as a store holds it, read back; `None` unless it is 32 bytes.
     #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
     pub(crate) fn from_stored(bytes: &[u8]) -> Option<Self> {

@@ -45,21 +45,27 @@ impl RecordKey {
     #[must_use]
     pub fn new(prefix: &str, scope: &[u8], key: &[u8]) -> Self {
         let digest = Fingerprint::of_fields(&[prefix.as_bytes(), scope, key]);
-        let digest = digest.as_bytes();
-        let mut full = String::with_capacity(prefix.len() + 3 + 2 * digest.len());
         // Most prefixes need no escape: written whole, not a character at a time.
-        if prefix.contains(['{', '}', '%']) {
-            for c in prefix.chars() {
-                match c {
-                    '{' => full.push_str("%7B"),
-                    '}' => full.push_str("%7D"),
-                    '%' => full.push_str("%25"),
-                    c => full.push(c),
-                }
-            }
-        } else {
-            full.push_str(prefix);
+        if !prefix.contains(['{', '}', '%']) {
+            return Self::with_digest(prefix, digest.as_bytes());
         }
+        let mut escaped = String::with_capacity(prefix.len() + 8);
+        for c in prefix.chars() {
+            match c {
+                '{' => escaped.push_str("%7B"),
+                '}' => escaped.push_str("%7D"),
+                '%' => escaped.push_str("%25"),
+                c => escaped.push(c),
+            }
+        }
+        Self::with_digest(&escaped, digest.as_bytes())
+    }
+
+    /// The key `{escaped}:{<digest in hex>}`: `escaped` is a prefix as [`new`](Self::new)
+    /// writes it, or as [`prefix`](Self::prefix) reads it back.
+    pub(crate) fn with_digest(escaped: &str, digest: &[u8; 32]) -> Self {
+        let mut full = String::with_capacity(escaped.len() + 3 + 2 * digest.len());
+        full.push_str(escaped);
         full.push_str(":{");
         let hash_start = full.len();
         const HEX: &[u8; 16] = b"0123456789abcdef";

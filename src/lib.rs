@@ -24,6 +24,7 @@ mod engine;
 mod fingerprint;
 #[cfg(feature = "tonic")]
 pub mod grpc;
+pub mod hashing;
 mod key;
 pub mod layer;
 pub mod recovery;

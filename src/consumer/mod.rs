@@ -287,9 +287,9 @@ impl<St: Store, H> Idempotent<St, H> {
             return Err(Error::EmptyKey);
         }
         let engine = Engine::new(self.store.clone(), self.settings.clone(), &self.renewals);
-        let record_key = self.record_key(scope, key.as_ref());
-        let hash = record_key.hash().to_owned();
-        let fingerprint = self.fingerprint.of(payload.as_ref());
+        let named = engine
+            .name(self.record_key(scope, key.as_ref()), self.fingerprint.of(payload.as_ref()));
+        let hash = named.key.hash().to_owned();
         // The metrics' label, and the name a record this door cannot read is logged under.
         let label = Label::scope(scope);
         let door = ConsumerDoor {
@@ -299,8 +299,7 @@ impl<St: Store, H> Idempotent<St, H> {
             result: PhantomData,
         };
         let (route, scope_bytes) = (label.clone(), scope.as_bytes().to_vec());
-        let claiming =
-            Claiming { key: record_key, fingerprint, route, scope: scope_bytes, wait_until: None };
+        let claiming = Claiming { named, route, scope: scope_bytes, wait_until: None };
         let start = |operation: F, context: IdempotencyContext, due: bool| {
             let lookup = self.hook.as_ref().filter(|_| due).map(|hook| {
                 let (hook, payload) = (hook.clone(), Bytes::copy_from_slice(payload.as_ref()));

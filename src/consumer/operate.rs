@@ -85,7 +85,7 @@ impl<St: Admin> Operator<St> {
         key: impl AsRef<[u8]>,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.engine.store().forget(&self.record_key(scope, key.as_ref()), force).await
+        self.engine.forget(&self.record_key(scope, key.as_ref()), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over,

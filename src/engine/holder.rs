@@ -362,7 +362,11 @@ mod tests {
                 let (key, fingerprint) =
                     (RecordKey::new("p", b"", b"k"), Fingerprint::of_payload(b"{}"));
                 let Ok(Claimed::Run(holder)) = engine
-                    .claim(key.clone(), fingerprint.clone(), crate::engine::Label::route("r"), None)
+                    .claim(
+                        engine.name(key.clone(), fingerprint.clone()),
+                        crate::engine::Label::route("r"),
+                        None,
+                    )
                     .await
                 else {
                     panic!("not claimed")

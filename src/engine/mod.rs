@@ -42,13 +42,14 @@ pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::{engine_setters, inner_service_accessors};
-use self::settle::abandon;
+use self::settle::{abandon, release};
 use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
+    hashing::Named,
     key::RecordKey,
     settings::DEFAULT_MAX_WAITERS,
-    store::{Claim, Lease, OwnerToken, Store, StoreError, later},
+    store::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, later},
 };
 
 /// What the engine needs to know of a front door's configuration.
@@ -79,6 +80,8 @@ pub(crate) struct Settings {
     /// Release the key of an outcome too large to keep, rather than keep a "completed, not
     /// replayable" record of it.
     pub(crate) release_too_large: bool,
+    /// How records are named in the store: plain or keyed hashes.
+    pub(crate) hashing: crate::hashing::Hashing,
 }
 
 impl Settings {
@@ -138,6 +141,7 @@ impl Default for Settings {
             recovering: false,
             at_rest: AtRest::default(),
             release_too_large: false,
+            hashing: crate::hashing::Hashing::default(),
         }
     }
 }
@@ -174,6 +178,12 @@ impl<St: Clone> Engine<St> {
 }
 
 impl<St> Engine<St> {
+    /// A request's names in the store, from its plain record key and fingerprint: what a
+    /// front door claims, logs and gives its operation's context.
+    pub(crate) fn name(&self, key: RecordKey, fingerprint: Fingerprint) -> Named {
+        self.settings.hashing.name(key, fingerprint)
+    }
+
     pub(crate) fn store(&self) -> &St {
         &self.store
     }
@@ -198,11 +208,11 @@ impl<St: Store> Engine<St> {
     /// `wait_until` ends the wait sooner: the caller's own deadline.
     async fn claim(
         &self,
-        key: RecordKey,
-        fingerprint: Fingerprint,
+        named: Named,
         route: Label,
         wait_until: Option<tokio::time::Instant>,
     ) -> Result<Claimed<St>, StoreError> {
+        let Named { key, fingerprint, alongside } = named;
         let claimed = self.claim_or_wait(&key, &fingerprint, &route, wait_until).await;
         let (claim, owner) = match claimed {
             Ok(claimed) => claimed,
@@ -213,6 +223,12 @@ impl<St: Store> Engine<St> {
         };
         Ok(match claim {
             Claim::Claimed | Claim::TakenOver => {
+                if let Some(other) = alongside
+                    && let Some(decided) =
+                        self.look_alongside((&key, &fingerprint, &owner), other, &route).await?
+                {
+                    return Ok(decided);
+                }
                 let taken_over = claim == Claim::TakenOver;
                 if taken_over {
                     tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
@@ -240,6 +256,70 @@ impl<St: Store> Engine<St> {
                 Claimed::Mismatch
             }
         })
+    }
+
+    /// While a service moves from one naming to another ([`crate::hashing`]): after a claim
+    /// won under `ours`, the request's other name, claimed for a moment, decides. Nothing there
+    /// (or a record of ours that lapsed): the claim stands (`None`). A completed request there
+    /// is replayed, and copied under our name; one running there is in progress; another
+    /// request there is a mismatch; a lapsed holder there is taken over under that name, so
+    /// that the operation is recovered under the names it started with. Except when the claim
+    /// stands, ours is released.
+    async fn look_alongside(
+        &self,
+        (our_key, our_fingerprint, our_owner): (&RecordKey, &Fingerprint, &OwnerToken),
+        (key, fingerprint): (RecordKey, Fingerprint),
+        route: &Label,
+    ) -> Result<Option<Claimed<St>>, StoreError> {
+        let ours = |why| release(&self.store, our_key, our_owner, None, why);
+        let (claim, owner) = match self.claim_once(&key, &fingerprint, false).await {
+            Ok(found) => found,
+            Err(error) => {
+                observe::store_error(route, "claim");
+                ours("the names alongside could not be looked at").await;
+                return Err(error);
+            }
+        };
+        let decided = match claim {
+            Claim::Claimed => {
+                release(&self.store, &key, &owner, None, "looked at alongside").await;
+                return Ok(None);
+            }
+            Claim::TakenOver => {
+                ours("a lapsed claim under the names alongside is taken over").await;
+                tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
+                observe::claim(route, "taken_over");
+                Claimed::Run(Holder::new(self, key, fingerprint, owner, route.clone(), true))
+            }
+            Claim::Replay { response, remaining } => {
+                let opened = self.settings.at_rest.open(&key, &fingerprint, response);
+                let Ok(outcome) = opened else {
+                    ours("the record alongside cannot be read").await;
+                    return opened.map(|_| None);
+                };
+                // Copied under our name, for as long as the original is kept (a second at
+                // least: a store refuses a zero expiry), so that the names alone find it.
+                let sealed = self.settings.at_rest.seal(our_key, our_fingerprint, outcome.clone());
+                let kept = remaining.max(Duration::from_secs(1));
+                let copied = self.store.complete(our_key, our_owner, our_fingerprint, sealed, kept);
+                if !matches!(copied.await, Ok(Fenced::Applied)) {
+                    ours("the copy of the record alongside was not stored").await;
+                }
+                observe::claim(route, "replayed");
+                Claimed::Replay(outcome)
+            }
+            Claim::InProgress { remaining } => {
+                ours("the request runs under the names alongside").await;
+                observe::claim(route, "in_progress");
+                Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
+            }
+            Claim::Mismatch => {
+                ours("another request holds the names alongside").await;
+                observe::claim(route, "mismatch");
+                Claimed::Mismatch
+            }
+        };
+        Ok(Some(decided))
     }
 
     /// One claim and, when the request is in progress and waiting is on, the wait.

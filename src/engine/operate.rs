@@ -9,7 +9,7 @@ use super::{
 };
 use crate::{
     key::RecordKey,
-    store::{Admin, KeyReport, StoreError},
+    store::{Admin, Forgotten, KeyReport, StoreError},
 };
 
 impl<St: Admin> Engine<St> {
@@ -17,13 +17,22 @@ impl<St: Admin> Engine<St> {
     /// envelope read) when it is completed. The outcome is read to tell its age, even when the
     /// caller does not ask for it; `reader` turns it into what the door answers, and is
     /// called only when `with_outcome`.
+    ///
+    /// `plain` is the key's plain record key: the record is looked for under the names the
+    /// door claims with, then under the names alongside ([`crate::hashing`]).
     pub(crate) async fn report<T>(
         &self,
-        key: &RecordKey,
+        plain: &RecordKey,
         with_outcome: bool,
         reader: impl FnOnce(Parsed) -> Result<T, StoreError>,
     ) -> Result<Option<KeyReport<T>>, StoreError> {
-        let Some(mut record) = self.store().inspect(key, true).await? else { return Ok(None) };
+        let (ours, alongside) = self.settings.hashing.record_keys(plain);
+        let mut found = self.store().inspect(&ours, true).await?.map(|record| (ours, record));
+        if let (None, Some(other)) = (&found, alongside) {
+            found = self.store().inspect(&other, true).await?.map(|record| (other, record));
+        }
+        let Some((key, mut record)) = found else { return Ok(None) };
+        let key = &key;
         let stored = record.outcome.take();
         // Only a completed record has an outcome.
         let opened = match stored {
@@ -44,5 +53,26 @@ impl<St: Admin> Engine<St> {
             _ => None,
         };
         Ok(Some(KeyReport { key_hash: key.hash().to_owned(), record, completed_ago, outcome }))
+    }
+
+    /// Deletes the record of the key whose plain record key is `plain`, under the names the
+    /// door claims with and under the names alongside ([`crate::hashing`]): a record left under
+    /// either would still answer the key. One whose lease runs is refused
+    /// ([`Forgotten::Running`]) unless `force`: under the names claimed with, before anything
+    /// is deleted; under the names alongside, after the first is.
+    pub(crate) async fn forget(
+        &self,
+        plain: &RecordKey,
+        force: bool,
+    ) -> Result<Forgotten, StoreError> {
+        let (ours, alongside) = self.settings.hashing.record_keys(plain);
+        let forgotten = self.store().forget(&ours, force).await?;
+        let Some(other) = alongside.filter(|_| forgotten != Forgotten::Running) else {
+            return Ok(forgotten);
+        };
+        Ok(match self.store().forget(&other, force).await? {
+            Forgotten::Absent => forgotten,
+            other => other,
+        })
     }
 }

@@ -25,8 +25,7 @@ use super::{
 };
 use crate::{
     context::IdempotencyContext,
-    fingerprint::Fingerprint,
-    key::RecordKey,
+    hashing::Named,
     recovery::{BoxError, Recovered},
     store::{Commit, Store, StoreError},
 };
@@ -82,8 +81,8 @@ pub(crate) enum Ended<A, E> {
 
 /// Who a claim is for: the record key, the fingerprint, the metrics label and the scope.
 pub(crate) struct Claiming {
-    pub(crate) key: RecordKey,
-    pub(crate) fingerprint: Fingerprint,
+    /// The names in the store ([`Engine::name`]).
+    pub(crate) named: Named,
     /// The metrics label: a route or a scope, never a key.
     pub(crate) route: Label,
     /// The scope the operation's context names.
@@ -152,8 +151,8 @@ impl<St: Store> Engine<St> {
         F: Future<Output = Result<D::Output, E>> + Send + 'static,
         L: Future<Output = Result<Recovered<D::Recovered>, BoxError>> + Send + 'static,
     {
-        let Claiming { key, fingerprint, route, scope, wait_until } = claiming;
-        let claimed = self.claim(key, fingerprint, route, wait_until).await;
+        let Claiming { named, route, scope, wait_until } = claiming;
+        let claimed = self.claim(named, route, wait_until).await;
         door.claimed(outcome_name(&claimed));
         let holder = match claimed {
             Ok(Claimed::Run(holder)) => holder,

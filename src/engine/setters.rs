@@ -80,6 +80,15 @@ macro_rules! engine_setters {
             self.settings().at_rest = crate::at_rest::AtRest::encrypted(keyring);
             self
         }
+
+        /// Names records in the store with keyed hashes (HMAC-SHA256 under a secret), so that
+        /// what is stored cannot confirm a guessed key or request, or moves a running service
+        /// from one naming to another. Plain SHA-256 by default. See
+        /// [`hashing`](crate::hashing): turning it on in a running service takes three deploys.
+        pub fn hashing(mut self, hashing: crate::hashing::Hashing) -> Self {
+            self.settings().hashing = hashing;
+            self
+        }
     };
 }
 

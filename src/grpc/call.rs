@@ -71,16 +71,15 @@ where
         let (config, path) = (self.config.clone(), parts.uri.path().to_owned());
 
         // Claim, run, settle: the engine's.
-        let record_key = RecordKey::new(&config.prefix, &scope, &key);
-        let hash = record_key.hash().to_owned();
+        let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
+        let named = self.engine.name(RecordKey::new(&config.prefix, &scope, &key), fingerprint);
+        let hash = named.key.hash().to_owned();
         let span = tracing::Span::current();
         span.record("key_hash", hash.as_str());
         let route = Label::route(path.as_str());
-        let fingerprint = Fingerprint::of_fields(&[path.as_bytes(), &message]);
         let door =
             GrpcDoor { config: config.clone(), route: route.clone(), span, body: PhantomData };
-        let claiming =
-            Claiming { key: record_key, fingerprint, route: route.clone(), scope, wait_until };
+        let claiming = Claiming { named, route: route.clone(), scope, wait_until };
         let start =
             |(inner, mut parts, framed): (S, Parts, Bytes), context: IdempotencyContext, due| {
                 // The recovery hook's question, with the message, when it is due.

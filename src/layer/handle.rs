@@ -86,7 +86,8 @@ where
         // 5. claim, run, settle: the engine's.
         let config = &self.config;
         let span = tracing::Span::current();
-        span.record("key_hash", record_key.hash());
+        let named = self.engine.name(record_key, fingerprint);
+        span.record("key_hash", named.key.hash());
         let route = Label::route(
             parts.extensions.get::<MatchedPath>().map_or("unrouted", MatchedPath::as_str),
         );
@@ -100,17 +101,11 @@ where
             body: PhantomData,
         };
         // Whose record a replay answers, should the claim find one.
-        let (replay_fingerprint, replay_scope) = (fingerprint.clone(), scope.clone());
+        let (replay_fingerprint, replay_scope) = (named.fingerprint.clone(), scope.clone());
         // A clone shares the key's text: the logs below name its hash.
-        let logged = record_key.clone();
+        let logged = named.key.clone();
         let hash = logged.hash();
-        let claiming = Claiming {
-            key: record_key,
-            fingerprint,
-            route: route.clone(),
-            scope,
-            wait_until: None,
-        };
+        let claiming = Claiming { named, route: route.clone(), scope, wait_until: None };
         let recover = &config.recover;
         let start = |(inner, mut parts, body): (S, http::request::Parts, Bytes),
                      context: IdempotencyContext,

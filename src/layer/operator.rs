@@ -83,7 +83,7 @@ impl<St: Admin> Operator<St> {
         key: &str,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
-        self.engine.store().forget(&self.record_key(scope, key), force).await
+        self.engine.forget(&self.record_key(scope, key), force).await
     }
 
     /// The claims whose lease lapsed at least `lapsed_for` ago and that nobody took over, oldest

@@ -1,0 +1,271 @@
+//! How a record is named in the store: the record key's hash and the stored fingerprint, plain
+//! SHA-256 or keyed with a secret ([`Hashing`]), and how a running service moves from one to
+//! the other.
+//!
+//! A plain name is SHA-256 over the prefix, the scope and the key, and a plain fingerprint
+//! SHA-256 over the request: anyone who can read the store (or the logs, which name the key
+//! hash) can confirm a guessed key or body by hashing it. Keyed, each is HMAC-SHA256 under a
+//! secret of the service's, over the plain digest: without the secret, what is stored confirms
+//! nothing. The recovery context's [`key_hash`](crate::IdempotencyContext::key_hash), and the
+//! keys derived from it, are the keyed name's.
+//!
+//! ```
+//! use axum_idempotency::{IdempotencyLayer, MemoryStore, hashing::Hashing};
+//!
+//! # let secret = [7; 32];
+//! // `secret`: 32 random bytes, kept as the encryption keyring's keys are.
+//! let layer = IdempotencyLayer::new(MemoryStore::new()).hashing(Hashing::keyed(secret));
+//! ```
+//!
+//! # Turning it on, or rotating the secret, in a running service
+//!
+//! A request is one record only while every instance names it alike: an instance that names
+//! keys anew beside one that names them as before would run a retry of the other's request
+//! again. [`alongside`](Hashing::alongside) bridges the two, in three deploys, each a rolling
+//! one:
+//!
+//! 1. `Hashing::plain().alongside(Hashing::keyed(secret))?`: keys are still claimed under their
+//!    plain names; after each claim, the keyed name is looked at too.
+//! 2. Once no instance of the previous version runs: `Hashing::keyed(secret).alongside(Hashing::plain())?`:
+//!    keys are claimed under their keyed names, and the plain name is looked at after each
+//!    claim.
+//! 3. Once a retention has passed since deploy 2 ended: `Hashing::keyed(secret)`.
+//!
+//! After each claim won under one name, the other is claimed for a moment and let go, with
+//! what it held deciding: a completed request there is replayed (and copied under the name
+//! the claim won, so that deploy 3 finds it), one running there is answered as in progress,
+//! another request there is a mismatch, and a holder there whose lease lapsed is taken over
+//! under that name (so that the recovery hook, the recovery points and the derived keys are
+//! asked under the names the operation started with). Two instances of deploys 1 and 2 each
+//! hold the name they claim while they look at the other's: one of the two sees the other.
+//! Between deploys, each claim won costs a claim and a release more. A secret is rotated the
+//! same way: `Hashing::keyed(old).alongside(Hashing::keyed(new))?`, then
+//! `Hashing::keyed(new).alongside(Hashing::keyed(old))?`, then `Hashing::keyed(new)`.
+
+use std::fmt;
+
+use hmac::{Hmac, KeyInit, Mac};
+use sha2::Sha256;
+
+use crate::{fingerprint::Fingerprint, key::RecordKey};
+
+/// How record keys and stored fingerprints are hashed: plain SHA-256 (the default) or
+/// HMAC-SHA256 under a secret, and optionally the other names looked at after each claim while
+/// a running service moves from one to the other (see [the module](self)).
+///
+/// Its `Debug` output never shows a secret.
+#[derive(Clone, Default)]
+pub struct Hashing {
+    names: Names,
+    alongside: Option<Names>,
+}
+
+/// One way of naming records.
+#[derive(Clone, Default)]
+enum Names {
+    /// The plain digests.
+    #[default]
+    Plain,
+    /// HMAC-SHA256 under a secret, keyed once; its state is cleared from memory when dropped.
+    Keyed(Hmac<Sha256>),
+}
+
+impl Hashing {
+    /// Plain SHA-256 names: the default, and the names records had before keyed hashing.
+    #[must_use]
+    pub fn plain() -> Self {
+        Self::default()
+    }
+
+    /// Names keyed with `secret` (HMAC-SHA256): 32 random bytes, kept secret and kept for as
+    /// long as the records they name. This copy of `secret` is cleared here.
+    #[must_use]
+    pub fn keyed(mut secret: [u8; 32]) -> Self {
+        let mac = Hmac::<Sha256>::new_from_slice(&secret);
+        zeroize_secret(&mut secret);
+        match mac {
+            Ok(mac) => Self { names: Names::Keyed(mac), alongside: None },
+            // HMAC takes a key of any length: never reached.
+            Err(_) => Self::default(),
+        }
+    }
+
+    /// Also looks at `other`'s names after each claim: for the deploys that move a running
+    /// service from one naming to another (see [the module](self)).
+    ///
+    /// # Errors
+    ///
+    /// [`HashingError::SameNames`] when `other` names records as `self` does (the same secret,
+    /// or both plain); [`HashingError::Nested`] when `other` has names alongside already.
+    pub fn alongside(mut self, other: Hashing) -> Result<Self, HashingError> {
+        if other.alongside.is_some() {
+            return Err(HashingError::Nested);
+        }
+        let probe = Fingerprint::from_digest([0; 32]);
+        if self.names.fingerprint(&probe) == other.names.fingerprint(&probe) {
+            return Err(HashingError::SameNames);
+        }
+        self.alongside = Some(other.names);
+        Ok(self)
+    }
+
+    /// Whether names are keyed with a secret.
+    #[must_use]
+    pub fn is_keyed(&self) -> bool {
+        matches!(self.names, Names::Keyed(_))
+    }
+
+    /// The names a record is claimed and stored under, from the plain ones.
+    pub(crate) fn name(&self, key: RecordKey, fingerprint: Fingerprint) -> Named {
+        let alongside = self
+            .alongside
+            .as_ref()
+            .map(|other| (other.record_key(&key), other.fingerprint(&fingerprint)));
+        let (key, fingerprint) = match &self.names {
+            Names::Plain => (key, fingerprint),
+            names => (names.record_key(&key), names.fingerprint(&fingerprint)),
+        };
+        Named { key, fingerprint, alongside }
+    }
+}
+
+impl Hashing {
+    /// The record keys of a plain one: the key claimed under, and the key alongside.
+    pub(crate) fn record_keys(&self, plain: &RecordKey) -> (RecordKey, Option<RecordKey>) {
+        (self.names.record_key(plain), self.alongside.as_ref().map(|other| other.record_key(plain)))
+    }
+}
+
+/// A request's names in the store: the ones it is claimed under, and the ones looked at after
+/// a claim while a service moves between namings.
+#[derive(Debug, Clone)]
+pub(crate) struct Named {
+    pub(crate) key: RecordKey,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) alongside: Option<(RecordKey, Fingerprint)>,
+}
+
+impl Names {
+    fn record_key(&self, plain: &RecordKey) -> RecordKey {
+        match self {
+            Self::Plain => plain.clone(),
+            Self::Keyed(_) => {
+                RecordKey::with_digest(plain.prefix(), &self.mac(b'K', plain.hash().as_bytes()))
+            }
+        }
+    }
+
+    fn fingerprint(&self, plain: &Fingerprint) -> Fingerprint {
+        match self {
+            Self::Plain => plain.clone(),
+            Self::Keyed(_) => Fingerprint::from_digest(self.mac(b'F', plain.as_bytes())),
+        }
+    }
+
+    /// HMAC over `digest`, after a byte that tells a key's name from a fingerprint.
+    fn mac(&self, kind: u8, digest: &[u8]) -> [u8; 32] {
+        let Self::Keyed(keyed) = self else { return [0; 32] };
+        let mut mac = keyed.clone();
+        mac.update(&[kind]);
+        mac.update(digest);
+        mac.finalize().into_bytes().into()
+    }
+}
+
+fn zeroize_secret(secret: &mut [u8; 32]) {
+    use hmac::digest::zeroize::Zeroize;
+    secret.zeroize();
+}
+
+impl fmt::Debug for Hashing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = |names: &Names| match names {
+            Names::Plain => "plain",
+            Names::Keyed(_) => "keyed",
+        };
+        f.debug_struct("Hashing")
+            .field("names", &name(&self.names))
+            .field("alongside", &self.alongside.as_ref().map(name))
+            .finish()
+    }
+}
+
+/// Why [`Hashing::alongside`] refused its names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HashingError {
+    /// The names alongside are the names themselves: the look after each claim would find the
+    /// claim itself, and answer every request as in progress.
+    SameNames,
+    /// The names alongside have names alongside of their own: a move is between two namings.
+    Nested,
+}
+
+impl fmt::Display for HashingError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::SameNames => {
+                "the names alongside are the names themselves (the same secret, or both plain)"
+            }
+            Self::Nested => "the names alongside have names alongside of their own",
+        })
+    }
+}
+
+impl std::error::Error for HashingError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plain() -> (RecordKey, Fingerprint) {
+        (RecordKey::new("p{x}", b"tenant", b"k1"), Fingerprint::new("POST", "/pay", "", b"{}"))
+    }
+
+    #[test]
+    fn keyed_names_hide_the_plain_digests_and_depend_on_the_secret() {
+        let (key, fingerprint) = plain();
+        let same = Hashing::plain().name(key.clone(), fingerprint.clone());
+        assert_eq!((&same.key, &same.fingerprint), (&key, &fingerprint));
+        let keyed = Hashing::keyed([1; 32]).name(key.clone(), fingerprint.clone());
+        assert_ne!(keyed.key.hash(), key.hash());
+        assert_eq!(keyed.key.prefix(), key.prefix(), "the prefix and its escapes are kept");
+        assert!(keyed.key.as_str().starts_with("p%7Bx%7D:{"), "{}", keyed.key.as_str());
+        assert_eq!(RecordKey::from_stored(keyed.key.as_str().to_owned()), Some(keyed.key.clone()));
+        assert_ne!(keyed.fingerprint, fingerprint);
+        let again = Hashing::keyed([1; 32]).name(key.clone(), fingerprint.clone());
+        assert_eq!((&again.key, &again.fingerprint), (&keyed.key, &keyed.fingerprint));
+        let other = Hashing::keyed([2; 32]).name(key, fingerprint);
+        assert_ne!(other.key, keyed.key);
+        assert_ne!(other.fingerprint, keyed.fingerprint);
+        assert!(keyed.alongside.is_none());
+    }
+
+    #[test]
+    fn alongside_names_the_other_way_and_refuses_the_same_or_nested() {
+        let (key, fingerprint) = plain();
+        let moving = Hashing::keyed([1; 32]).alongside(Hashing::plain()).unwrap();
+        let named = moving.name(key.clone(), fingerprint.clone());
+        assert_eq!(named.alongside, Some((key.clone(), fingerprint.clone())));
+        let keyed = Hashing::keyed([1; 32]).name(key.clone(), fingerprint.clone());
+        let back = Hashing::plain().alongside(Hashing::keyed([1; 32])).unwrap();
+        assert_eq!(back.name(key, fingerprint).alongside, Some((keyed.key, keyed.fingerprint)));
+
+        let same = Hashing::keyed([1; 32]).alongside(Hashing::keyed([1; 32]));
+        assert_eq!(same.unwrap_err(), HashingError::SameNames);
+        assert_eq!(
+            Hashing::plain().alongside(Hashing::plain()).unwrap_err(),
+            HashingError::SameNames
+        );
+        let nested = Hashing::keyed([1; 32]).alongside(moving).unwrap_err();
+        assert_eq!(nested, HashingError::Nested);
+        assert!(Hashing::keyed([3; 32]).alongside(Hashing::keyed([4; 32])).is_ok());
+    }
+
+    #[test]
+    fn a_secret_is_never_printed() {
+        let printed =
+            format!("{:?}", Hashing::keyed([0xAB; 32]).alongside(Hashing::plain()).unwrap());
+        assert_eq!(printed, r#"Hashing { names: "keyed", alongside: Some("plain") }"#);
+    }
+}
