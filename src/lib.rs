@@ -8,8 +8,8 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
-// Front doors → engine → store; `key`, `fingerprint` and `at_rest` are the vocabulary all three
-// share.
+// Front doors → engine → store; `key`, `fingerprint`, `hashing` and `at_rest` are the
+// vocabulary all three share.
 mod at_rest;
 pub mod completer;
 #[cfg(feature = "conformance")]
