@@ -62,7 +62,7 @@ pub struct Hashing {
 
 /// One way of naming records.
 #[derive(Clone, Default)]
-enum Names {
+pub(crate) enum Names {
     /// The plain digests.
     #[default]
     Plain,
@@ -130,6 +130,11 @@ impl Hashing {
 }
 
 impl Hashing {
+    /// The namings in use: the one claimed under, then the one alongside.
+    pub(crate) fn namings(&self) -> impl Iterator<Item = &Names> {
+        std::iter::once(&self.names).chain(&self.alongside)
+    }
+
     /// The record keys of a plain one: the key claimed under, and the key alongside.
     pub(crate) fn record_keys(&self, plain: &RecordKey) -> (RecordKey, Option<RecordKey>) {
         (self.names.record_key(plain), self.alongside.as_ref().map(|other| other.record_key(plain)))
@@ -146,7 +151,8 @@ pub(crate) struct Named {
 }
 
 impl Names {
-    fn record_key(&self, plain: &RecordKey) -> RecordKey {
+    /// The record key this naming gives a plain one.
+    pub(crate) fn record_key(&self, plain: &RecordKey) -> RecordKey {
         match self {
             Self::Plain => plain.clone(),
             Self::Keyed(_) => {
@@ -155,7 +161,8 @@ impl Names {
         }
     }
 
-    fn fingerprint(&self, plain: &Fingerprint) -> Fingerprint {
+    /// The fingerprint this naming stores for a plain one.
+    pub(crate) fn fingerprint(&self, plain: &Fingerprint) -> Fingerprint {
         match self {
             Self::Plain => plain.clone(),
             Self::Keyed(_) => Fingerprint::from_digest(self.mac(b'F', plain.as_bytes())),

@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum_idempotency::{
     dedup::{Dedup, Strategy},
+    hashing::Hashing,
     store::{DedupStore, StoreError},
 };
 use proptest::prop_assert;
@@ -119,6 +120,44 @@ async fn a_configuration_change_keeps_deduplicating_against_the_previous_one<St:
         assert_eq!(after.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [true]);
         // An old instance, still running, sees what the new ones saw meanwhile.
         assert_eq!(before.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [false]);
+    }
+}
+
+/// Keyed names (`Dedup::hashing`) deduplicate as plain ones do, apart from them: a plain
+/// instance's ids are new to a keyed one. Moving a running stream to them is one rolling
+/// deploy with the plain names alongside, which keeps every id the plain instances saw, and
+/// which they see in turn.
+async fn keyed_names_deduplicate_and_a_move_to_them_keeps_deduplicating<St: DedupStore>(store: St) {
+    let strategies = [
+        Strategy::markers(WINDOW),
+        Strategy::buckets(WINDOW),
+        Strategy::bloom(WINDOW, 10_000, 1e-6),
+    ];
+    for (i, strategy) in strategies.into_iter().enumerate() {
+        let scope = format!("clicks-{i}");
+        let ids: Vec<String> = (0..200).map(|n| format!("evt-{n}")).collect();
+        let plain = Dedup::new(store.clone(), strategy);
+        let keyed = Dedup::new(store.clone(), strategy).hashing(Hashing::keyed([9; 32]));
+        let moving = Dedup::new(store.clone(), strategy)
+            .hashing(Hashing::keyed([9; 32]).alongside(Hashing::plain()).unwrap());
+        assert!(plain.first_seen_batch(&scope, &ids).await.unwrap().iter().all(|&new| new));
+        // Under its own names only, a keyed instance has seen none of them.
+        assert_eq!(
+            keyed.first_seen_batch(&scope, &ids[..1]).await.unwrap(),
+            [true],
+            "{strategy:?}"
+        );
+        assert_eq!(
+            keyed.first_seen_batch(&scope, &ids[..1]).await.unwrap(),
+            [false],
+            "{strategy:?}"
+        );
+        let again = moving.first_seen_batch(&scope, &ids).await.unwrap();
+        assert_eq!(again.iter().filter(|&&new| new).count(), 0, "{strategy:?}: seen ids new");
+        assert_eq!(moving.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [true]);
+        // Plain instances still running and the keyed ones after the move see it.
+        assert_eq!(plain.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [false]);
+        assert_eq!(keyed.first_seen_batch(&scope, &["fresh"]).await.unwrap(), [false]);
     }
 }
 
@@ -238,7 +277,8 @@ on_every_dedup_store!(
     a_bloom_filter_never_forgets_and_rarely_drops_a_new_event,
     a_bloom_variant_of_zero_size_still_answers,
     a_backfill_past_the_horizon_is_refused_never_answered_new,
-    a_configuration_change_keeps_deduplicating_against_the_previous_one
+    a_configuration_change_keeps_deduplicating_against_the_previous_one,
+    keyed_names_deduplicate_and_a_move_to_them_keeps_deduplicating
 );
 
 fn bucket_of(at: SystemTime) -> u128 {
@@ -400,6 +440,17 @@ async fn redis_holds_a_key_per_event_for_markers_and_a_set_per_shard_for_buckets
     let markers = Dedup::new(server.store(), Strategy::markers(WINDOW));
     assert!(markers.first_seen_batch("s", &ids).await.unwrap().iter().all(|new| *new));
     assert_eq!(dbsize(&mut control).await, 1000);
+    let () = ::redis::cmd("FLUSHALL").query_async(&mut control).await.unwrap();
+
+    // Keyed: a marker per event too, none under the plain hash of its id.
+    let keyed =
+        Dedup::new(server.store(), Strategy::markers(WINDOW)).hashing(Hashing::keyed([3; 32]));
+    assert!(keyed.first_seen_batch("s", &ids).await.unwrap().iter().all(|new| *new));
+    assert_eq!(dbsize(&mut control).await, 1000);
+    let plain = axum_idempotency::store::RecordKey::new("dedup:m", b"s", b"evt_0");
+    let exists: i64 =
+        ::redis::cmd("EXISTS").arg(plain.as_str()).query_async(&mut control).await.unwrap();
+    assert_eq!(exists, 0, "a marker under the plain hash of evt_0");
     let () = ::redis::cmd("FLUSHALL").query_async(&mut control).await.unwrap();
 
     let buckets = Dedup::new(server.store(), Strategy::buckets(WINDOW));

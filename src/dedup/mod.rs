@@ -49,6 +49,7 @@ use std::{
 
 use crate::{
     fingerprint::Fingerprint,
+    hashing::{Hashing, Names},
     key::RecordKey,
     store::{BucketBatch, DedupStore, FilterBatch, StoreError},
 };
@@ -162,12 +163,34 @@ pub struct Dedup<St> {
     /// against its buckets too.
     previous: Option<Strategy>,
     prefix: String,
+    /// How event ids are named in the store: plain or keyed, and the names alongside.
+    hashing: Hashing,
 }
 
 impl<St: DedupStore> Dedup<St> {
     /// A door over `store`, remembering events by `strategy`, under the key prefix `dedup`.
     pub fn new(store: St, strategy: Strategy) -> Self {
-        Self { store, strategy, previous: None, prefix: "dedup".to_owned() }
+        Self {
+            store,
+            strategy,
+            previous: None,
+            prefix: "dedup".to_owned(),
+            hashing: Hashing::default(),
+        }
+    }
+
+    /// Names event ids in the store with keyed hashes (HMAC-SHA256 under a secret), so that
+    /// what is stored cannot confirm a guessed event id (see [`crate::hashing`]). Plain SHA-256
+    /// by default. A naming alongside ([`Hashing::alongside`]) is checked too, as a previous
+    /// configuration is ([`during_change_from`](Self::during_change_from)): an event is new
+    /// only if it is new under both namings, and is remembered under both. Turning keyed names
+    /// on in a running service is one rolling deploy of `Hashing::keyed(secret)
+    /// .alongside(Hashing::plain())`, then, a window after the last plain instance stopped,
+    /// one of `Hashing::keyed(secret)`.
+    #[must_use]
+    pub fn hashing(mut self, hashing: Hashing) -> Self {
+        self.hashing = hashing;
+        self
     }
 
     /// Keeps deduplicating against `previous`, the strategy this door's instances ran before a
@@ -235,16 +258,23 @@ impl<St: DedupStore> Dedup<St> {
         ids: &[impl AsRef<[u8]>],
         at: SystemTime,
     ) -> Result<Vec<bool>, StoreError> {
-        let fresh = self.check(self.strategy, scope, ids, at).await?;
-        let Some(previous) = self.previous else { return Ok(fresh) };
-        let before = self.check(previous, scope, ids, at).await?;
-        Ok(fresh.iter().zip(before).map(|(&now, before)| now && before).collect())
+        // Every configuration instances may run: the strategy and the one before it, under
+        // every naming. An event is new only if it is new to all of them.
+        let mut fresh = vec![true; ids.len()];
+        for strategy in std::iter::once(self.strategy).chain(self.previous) {
+            for names in self.hashing.namings() {
+                let checked = self.check(strategy, names, scope, ids, at).await?;
+                fresh.iter_mut().zip(checked).for_each(|(fresh, new)| *fresh &= new);
+            }
+        }
+        Ok(fresh)
     }
 
     /// Whether each of `ids` is new to `strategy`'s sets or filters, remembered there.
     async fn check(
         &self,
         strategy: Strategy,
+        names: &Names,
         scope: &str,
         ids: &[impl AsRef<[u8]>],
         at: SystemTime,
@@ -253,20 +283,21 @@ impl<St: DedupStore> Dedup<St> {
             Strategy::Markers { window } => {
                 let prefix = format!("{}:m", self.prefix);
                 let keys = ids.iter().map(|id| {
-                    RecordKey::new(&prefix, scope.as_bytes(), id.as_ref()).as_str().to_owned()
+                    let plain = RecordKey::new(&prefix, scope.as_bytes(), id.as_ref());
+                    names.record_key(&plain).as_str().to_owned()
                 });
                 let (keys, firsts) = once_each(keys);
                 let marked = self.store.mark(&keys, window).await?;
                 return answers(&firsts, &marked);
             }
             Strategy::Buckets { window, shards } => {
-                let events = Events::of(scope, ids, shards);
+                let events = Events::of(names, scope, ids, shards);
                 let bucket = Bucket::within_horizon(at, window)?;
                 let batches: Vec<BucketBatch> = events
                     .shards
                     .iter()
                     .map(|(shard, members)| BucketBatch {
-                        sets: self.keys("b", scope, &shard.to_be_bytes(), bucket.number),
+                        sets: self.keys(names, "b", scope, &shard.to_be_bytes(), bucket.number),
                         members: members.iter().map(|&i| member(&events.hashes[i])).collect(),
                         expire_at: bucket.expire_at,
                     })
@@ -277,7 +308,7 @@ impl<St: DedupStore> Dedup<St> {
                 // A variant built by hand is held to what `Strategy::bloom` makes.
                 let (bits, hashes) =
                     (bits.clamp(64, bloom::MAX_BITS), hashes.clamp(1, bloom::MAX_HASHES));
-                let events = Events::of(scope, ids, shards);
+                let events = Events::of(names, scope, ids, shards);
                 let bucket = Bucket::within_horizon(at, window)?;
                 // A filter resized is another filter: its positions would not match.
                 let mut sizing = [0; 14];
@@ -293,7 +324,7 @@ impl<St: DedupStore> Dedup<St> {
                             bloom::positions(&events.hashes[i], bits, hashes, &mut positions);
                         }
                         FilterBatch {
-                            filters: self.keys("f", scope, &sizing, bucket.number),
+                            filters: self.keys(names, "f", scope, &sizing, bucket.number),
                             bits,
                             hashes,
                             positions,
@@ -310,8 +341,16 @@ impl<St: DedupStore> Dedup<St> {
 
     /// The keys of the sets (`kind` `b`) or filters (`f`) of the buckets before, at and after
     /// `bucket`, for a shard: they share the hash tag `shard` makes, one Cluster slot.
-    fn keys(&self, kind: &str, scope: &str, shard: &[u8], bucket: u128) -> [String; 3] {
-        let tag = RecordKey::new(&format!("{}:{kind}", self.prefix), scope.as_bytes(), shard);
+    fn keys(
+        &self,
+        names: &Names,
+        kind: &str,
+        scope: &str,
+        shard: &[u8],
+        bucket: u128,
+    ) -> [String; 3] {
+        let plain = RecordKey::new(&format!("{}:{kind}", self.prefix), scope.as_bytes(), shard);
+        let tag = names.record_key(&plain);
         let key = |bucket: u128| format!("{}:{bucket}", tag.as_str());
         [key(bucket.saturating_sub(1)), key(bucket), key(bucket + 1)]
     }
@@ -328,9 +367,9 @@ struct Events {
 }
 
 impl Events {
-    fn of(scope: &str, ids: &[impl AsRef<[u8]>], shards: u16) -> Self {
+    fn of(names: &Names, scope: &str, ids: &[impl AsRef<[u8]>], shards: u16) -> Self {
         let hashes = ids.iter().map(|id| {
-            let hash = Fingerprint::of_fields(&[scope.as_bytes(), id.as_ref()]);
+            let hash = names.fingerprint(&Fingerprint::of_fields(&[scope.as_bytes(), id.as_ref()]));
             *hash.as_bytes()
         });
         let (hashes, firsts) = once_each(hashes);
