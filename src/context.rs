@@ -10,6 +10,7 @@ use futures_util::future::BoxFuture;
 use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
+    hashing::Named,
     key::RecordKey,
     store::{CommitSlot, EncodeError, EncodedOutcome, OwnerToken},
 };
@@ -79,9 +80,13 @@ pub struct IdempotencyContext {
 
 struct Context {
     scope: Vec<u8>,
-    /// The record key; its hash is the context's `key_hash`.
+    /// The record key the claim holds; its hash is the context's `key_hash`.
     key: RecordKey,
     fingerprint: Fingerprint,
+    /// The same request's names under the other naming, while a service moves between two.
+    alongside: Option<(RecordKey, Fingerprint)>,
+    /// The plain record key, which no naming changes: what derived keys are derived from.
+    plain: RecordKey,
     taken_over: bool,
     /// What an outcome committed in a store's transaction needs (both doors give it to the
     /// operations they run; see `PostgresStore::transaction`).
@@ -123,14 +128,20 @@ impl Completion {
 impl IdempotencyContext {
     pub(crate) fn new(
         scope: Vec<u8>,
-        key: &RecordKey,
-        fingerprint: Fingerprint,
+        named: &Named,
         taken_over: bool,
         completion: Option<Completion>,
     ) -> Self {
-        let key = key.clone();
-        let context = Context { scope, key, fingerprint, taken_over, completion };
+        let Named { key, fingerprint, alongside, plain } = named.clone();
+        let context = Context { scope, key, fingerprint, alongside, plain, taken_over, completion };
         Self { inner: Arc::new(context) }
+    }
+
+    /// The request's record key and fingerprint under the other naming, while a service moves
+    /// between two ([`crate::hashing`]).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn alongside(&self) -> Option<&(RecordKey, Fingerprint)> {
+        self.inner.alongside.as_ref()
     }
 
     pub(crate) fn key(&self) -> &RecordKey {
@@ -169,11 +180,24 @@ impl IdempotencyContext {
         &self.inner.scope
     }
 
-    /// The hex SHA-256 of the scope and the key: the record's name, unique per scope and
-    /// key, never the raw key. Store it with the outcome.
+    /// The record's name in the store, in hex: unique per scope and key, never the raw key;
+    /// the SHA-256 of the prefix, the scope and the key, or its HMAC under the door's secret
+    /// with keyed names ([`crate::hashing`]). Store it with the outcome.
+    ///
+    /// While a service moves from one naming to another, the same request may have run under
+    /// its other name on an instance of the neighbouring deploy: a hook that looks an outcome
+    /// up by key hash looks under [`key_hash_alongside`](Self::key_hash_alongside) too (the
+    /// crate's `DurableOutcomes` and `Checkpoints` do).
     #[must_use]
     pub fn key_hash(&self) -> &str {
         self.inner.key.hash()
+    }
+
+    /// The request's key hash under the other naming, while a service moves from one naming
+    /// to another ([`Hashing::alongside`](crate::hashing::Hashing::alongside)); `None` otherwise.
+    #[must_use]
+    pub fn key_hash_alongside(&self) -> Option<&str> {
+        self.inner.alongside.as_ref().map(|(key, _)| key.hash())
     }
 
     /// The request's fingerprint.
@@ -193,6 +217,11 @@ impl IdempotencyContext {
     /// idempotency key): 64 hex characters, the same for every retry of this request, and
     /// different for each `purpose`.
     ///
+    /// It is derived from the key's plain SHA-256 (its prefix, scope and key), whatever the
+    /// naming ([`crate::hashing`]): a provider must get the same key for a retry on any
+    /// instance, through a move to keyed names and through a rotation of their secret. A
+    /// provider can therefore confirm a guessed idempotency key against it.
+    ///
     /// ```
     /// use axum_idempotency::{Idempotent, MemoryStore};
     ///
@@ -211,7 +240,8 @@ impl IdempotencyContext {
     /// ```
     #[must_use]
     pub fn derived_key(&self, purpose: &str) -> String {
-        let digest = Fingerprint::of_fields(&[self.key_hash().as_bytes(), purpose.as_bytes()]);
+        let plain = self.inner.plain.hash();
+        let digest = Fingerprint::of_fields(&[plain.as_bytes(), purpose.as_bytes()]);
         digest.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect()
     }
 }
@@ -234,16 +264,16 @@ mod tests {
     fn derived_keys_are_stable_per_request_and_differ_per_purpose() {
         let key = RecordKey::new("p", b"tenant", b"k1");
         let fingerprint = Fingerprint::of_payload(b"{}");
-        let context =
-            IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), false, None);
-        let again =
-            IdempotencyContext::new(b"tenant".to_vec(), &key, fingerprint.clone(), true, None);
+        let named = Named::stored(key.clone(), fingerprint.clone());
+        let context = IdempotencyContext::new(b"tenant".to_vec(), &named, false, None);
+        let again = IdempotencyContext::new(b"tenant".to_vec(), &named, true, None);
         assert_eq!(context.derived_key("charge"), again.derived_key("charge"));
         assert_ne!(context.derived_key("charge"), context.derived_key("refund"));
         assert_eq!(context.derived_key("charge").len(), 64);
         assert!(context.derived_key("charge").bytes().all(|b| b.is_ascii_hexdigit()));
         let other = RecordKey::new("p", b"tenant", b"k2");
-        let other = IdempotencyContext::new(b"tenant".to_vec(), &other, fingerprint, false, None);
+        let other = Named::stored(other, fingerprint);
+        let other = IdempotencyContext::new(b"tenant".to_vec(), &other, false, None);
         assert_ne!(context.derived_key("charge"), other.derived_key("charge"));
         assert_eq!(context.key_hash(), key.hash());
         assert_eq!(context.scope(), b"tenant");

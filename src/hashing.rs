@@ -6,8 +6,11 @@
 //! SHA-256 over the request: anyone who can read the store (or the logs, which name the key
 //! hash) can confirm a guessed key or body by hashing it. Keyed, each is HMAC-SHA256 under a
 //! secret of the service's, over the plain digest: without the secret, what is stored confirms
-//! nothing. The recovery context's [`key_hash`](crate::IdempotencyContext::key_hash), and the
-//! keys derived from it, are the keyed name's.
+//! nothing. So are the names the crate's tables beside the stores keep (`DurableOutcomes`,
+//! `Checkpoints`): the operation's [`key_hash`](crate::IdempotencyContext::key_hash) is the
+//! keyed name. Its [`derived_key`](crate::IdempotencyContext::derived_key)s are not: they are
+//! derived from the plain digest whatever the naming, so that a provider gets the same key for
+//! a retry on any instance, through a move and a rotation.
 //!
 //! ```
 //! use axum_idempotency::{IdempotencyLayer, MemoryStore, hashing::Hashing};
@@ -26,21 +29,33 @@
 //!
 //! 1. `Hashing::plain().alongside(Hashing::keyed(secret))?`: keys are still claimed under their
 //!    plain names; after each claim, the keyed name is looked at too.
-//! 2. Once no instance of the previous version runs: `Hashing::keyed(secret).alongside(Hashing::plain())?`:
-//!    keys are claimed under their keyed names, and the plain name is looked at after each
-//!    claim.
-//! 3. Once a retention has passed since deploy 2 ended: `Hashing::keyed(secret)`.
+//! 2. Once no instance of the previous version runs:
+//!    `Hashing::keyed(secret).alongside(Hashing::plain())?`: keys are claimed under their keyed
+//!    names, and the plain name is looked at after each claim.
+//! 3. Once the retention, the recovery window and the keep-alive ceiling, added up, have
+//!    passed since the last instance of deploy 1 stopped (every record under a plain name has
+//!    expired by then, the completed and the lapsed): `Hashing::keyed(secret)`.
+//!
+//! **Only neighbours may run side by side.** An instance before deploy 1 beside one of deploy
+//! 2 (a deploy skipped, or a binary rolled back past deploy 1) can run a request twice: roll
+//! back one deploy at a time, as you rolled forward.
 //!
 //! After each claim won under one name, the other is claimed for a moment and let go, with
 //! what it held deciding: a completed request there is replayed (and copied under the name
-//! the claim won, so that deploy 3 finds it), one running there is answered as in progress,
-//! another request there is a mismatch, and a holder there whose lease lapsed is taken over
-//! under that name (so that the recovery hook, the recovery points and the derived keys are
-//! asked under the names the operation started with). Two instances of deploys 1 and 2 each
-//! hold the name they claim while they look at the other's: one of the two sees the other.
-//! Between deploys, each claim won costs a claim and a release more. A secret is rotated the
-//! same way: `Hashing::keyed(old).alongside(Hashing::keyed(new))?`, then
-//! `Hashing::keyed(new).alongside(Hashing::keyed(old))?`, then `Hashing::keyed(new)`.
+//! the claim won, so that deploy 3 finds it), one running there is answered as in progress at
+//! once (a retry waits for its original only on the original's deploy), another request there
+//! is a mismatch, and a holder there whose lease lapsed is taken over under that name. Two
+//! instances of deploys 1 and 2 each hold the name they claim while they look at the other's:
+//! one of the two sees the other. A caller that goes away during the look leaves nothing
+//! held. Between deploys, each claim won costs a claim and a release more.
+//!
+//! Meanwhile an operation may have started under either name: its context names the other
+//! ([`key_hash_alongside`](crate::IdempotencyContext::key_hash_alongside)), and what looks an
+//! outcome up by key hash looks under both. `DurableOutcomes` and `Checkpoints` do; so must a
+//! recovery hook of your own over an outbox keyed by key hash.
+//!
+//! A secret is rotated the same way: `Hashing::keyed(old).alongside(Hashing::keyed(new))?`,
+//! then `Hashing::keyed(new).alongside(Hashing::keyed(old))?`, then `Hashing::keyed(new)`.
 
 use std::fmt;
 
@@ -96,9 +111,10 @@ impl Hashing {
     /// # Errors
     ///
     /// [`HashingError::SameNames`] when `other` names records as `self` does (the same secret,
-    /// or both plain); [`HashingError::Nested`] when `other` has names alongside already.
+    /// or both plain); [`HashingError::Nested`] when `self` or `other` has names alongside
+    /// already (a move is between two namings).
     pub fn alongside(mut self, other: Hashing) -> Result<Self, HashingError> {
-        if other.alongside.is_some() {
+        if other.alongside.is_some() || self.alongside.is_some() {
             return Err(HashingError::Nested);
         }
         let probe = Fingerprint::from_digest([0; 32]);
@@ -121,11 +137,12 @@ impl Hashing {
             .alongside
             .as_ref()
             .map(|other| (other.record_key(&key), other.fingerprint(&fingerprint)));
+        let plain = key.clone();
         let (key, fingerprint) = match &self.names {
             Names::Plain => (key, fingerprint),
             names => (names.record_key(&key), names.fingerprint(&fingerprint)),
         };
-        Named { key, fingerprint, alongside }
+        Named { key, fingerprint, alongside, plain }
     }
 }
 
@@ -142,12 +159,37 @@ impl Hashing {
 }
 
 /// A request's names in the store: the ones it is claimed under, and the ones looked at after
-/// a claim while a service moves between namings.
+/// a claim while a service moves between namings; and its plain record key, which no naming
+/// changes (the derived keys' source).
 #[derive(Debug, Clone)]
 pub(crate) struct Named {
     pub(crate) key: RecordKey,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) alongside: Option<(RecordKey, Fingerprint)>,
+    pub(crate) plain: RecordKey,
+}
+
+impl Named {
+    /// The names of a record read back from the store (an abandoned claim): its own, the only
+    /// ones known.
+    pub(crate) fn stored(key: RecordKey, fingerprint: Fingerprint) -> Self {
+        Self { plain: key.clone(), key, fingerprint, alongside: None }
+    }
+
+    /// The same request held under its names alongside: those become the names claimed under,
+    /// and these the names alongside.
+    pub(crate) fn swapped(self) -> Self {
+        let Self { key, fingerprint, alongside, plain } = self;
+        match alongside {
+            Some((other_key, other_fingerprint)) => Self {
+                key: other_key,
+                fingerprint: other_fingerprint,
+                alongside: Some((key, fingerprint)),
+                plain,
+            },
+            None => Self { key, fingerprint, alongside: None, plain },
+        }
+    }
 }
 
 impl Names {
@@ -204,7 +246,8 @@ pub enum HashingError {
     /// The names alongside are the names themselves: the look after each claim would find the
     /// claim itself, and answer every request as in progress.
     SameNames,
-    /// The names alongside have names alongside of their own: a move is between two namings.
+    /// The names or the names alongside have names alongside of their own: a move is between
+    /// two namings.
     Nested,
 }
 
@@ -214,7 +257,9 @@ impl fmt::Display for HashingError {
             Self::SameNames => {
                 "the names alongside are the names themselves (the same secret, or both plain)"
             }
-            Self::Nested => "the names alongside have names alongside of their own",
+            Self::Nested => {
+                "a move is between two namings: one of them has names alongside already"
+            }
         })
     }
 }
@@ -266,6 +311,8 @@ mod tests {
         );
         let nested = Hashing::keyed([1; 32]).alongside(moving).unwrap_err();
         assert_eq!(nested, HashingError::Nested);
+        let twice = Hashing::keyed([3; 32]).alongside(Hashing::plain()).unwrap();
+        assert_eq!(twice.alongside(Hashing::keyed([4; 32])).unwrap_err(), HashingError::Nested);
         assert!(Hashing::keyed([3; 32]).alongside(Hashing::keyed([4; 32])).is_ok());
     }
 

@@ -94,13 +94,24 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
         context: &IdempotencyContext,
         step: &str,
     ) -> Result<Option<T>, StoreError> {
-        let select = "SELECT result, fingerprint = $3 FROM idempotency_steps
-            WHERE key_hash = $1 AND step = $2 AND expires_at > clock_timestamp()";
-        let query = sqlx::query_as::<_, (Vec<u8>, bool)>(select)
-            .bind(context.key_hash())
-            .bind(step)
-            .bind(&context.fingerprint().as_bytes()[..]);
-        let row = bounded(self.command_timeout, query.fetch_optional(&self.pool)).await?;
+        // Under the names the claim holds, then (while a service moves between namings) under
+        // the request's other names, which an instance of the neighbouring deploy marks under.
+        let alongside = context.alongside().map(|(key, fingerprint)| (key.hash(), fingerprint));
+        let mut row = None;
+        for (key_hash, fingerprint) in
+            std::iter::once((context.key_hash(), context.fingerprint())).chain(alongside)
+        {
+            let select = "SELECT result, fingerprint = $3 FROM idempotency_steps
+                WHERE key_hash = $1 AND step = $2 AND expires_at > clock_timestamp()";
+            let query = sqlx::query_as::<_, (Vec<u8>, bool)>(select)
+                .bind(key_hash)
+                .bind(step)
+                .bind(&fingerprint.as_bytes()[..]);
+            row = bounded(self.command_timeout, query.fetch_optional(&self.pool)).await?;
+            if row.is_some() {
+                break;
+            }
+        }
         let Some((result, same_request)) = row else { return Ok(None) };
         if !same_request {
             return Err(StoreError::KeyReused);

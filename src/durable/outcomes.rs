@@ -152,14 +152,25 @@ impl DurableOutcomes {
         read: impl FnOnce(&dyn Encoding, Bytes) -> Result<T, String>,
     ) -> Result<Recovered<T>, BoxError> {
         let context = &lookup.context;
-        let Some((fingerprint, outcome)) = self.read(context.key()).await? else {
+        // Under the names the claim holds, then (while a service moves between namings) under
+        // the request's other names, which an instance of the neighbouring deploy commits under.
+        let held = (context.key(), context.fingerprint());
+        let alongside = context.alongside().map(|(key, fingerprint)| (key, fingerprint));
+        let mut found = None;
+        for (key, request) in std::iter::once(held).chain(alongside) {
+            if let Some(row) = self.read(key).await? {
+                found = Some((key, request, row));
+                break;
+            }
+        }
+        let Some((key, request, (fingerprint, outcome))) = found else {
             return Ok(Recovered::Unknown);
         };
-        if &fingerprint != context.fingerprint() {
+        if &fingerprint != request {
             return Ok(Recovered::Mismatch);
         }
         let completion = context.completion().ok_or("the context is not one a front door gave")?;
-        let outcome = completion.at_rest.open(context.key(), context.fingerprint(), outcome)?;
+        let outcome = completion.at_rest.open(key, request, outcome)?;
         let value = read(&*completion.encoding, outcome)
             .map_err(|error| format!("the committed outcome is unreadable: {error}"))?;
         Ok(Recovered::Happened(value))

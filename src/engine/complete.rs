@@ -10,6 +10,7 @@ use futures_util::FutureExt as _;
 use super::{Door, Engine, Held};
 use crate::{
     context::{Completion, IdempotencyContext},
+    hashing::Named,
     recovery::{BoxError, Recovered},
     store::{AbandonedClaim, Claim, CommitSlot, Fenced, Lease, OwnerToken, Store},
 };
@@ -73,13 +74,14 @@ impl<St: Store> Engine<St> {
             door.encoding(),
             door.durable(),
         );
-        let context =
-            IdempotencyContext::new(Vec::new(), &key, fingerprint.clone(), true, Some(completion));
+        let named = Named::stored(key.clone(), fingerprint.clone());
+        let context = IdempotencyContext::new(Vec::new(), &named, true, Some(completion));
         let asked = AssertUnwindSafe(ask(context)).catch_unwind();
         let failure = match tokio::time::timeout(settings.recovery.timeout, asked).await {
             Ok(Ok(Ok(Recovered::Happened(outcome)))) => {
                 let (retention, fingerprint) = (settings.retention, fingerprint.clone());
-                let held = Held { key: key.clone(), fingerprint, retention };
+                let (alongside, plain) = (None, key.clone());
+                let held = Held { key: key.clone(), fingerprint, retention, alongside, plain };
                 let recorded =
                     std::panic::catch_unwind(AssertUnwindSafe(|| door.recorded(&outcome, &held)));
                 match recorded {

@@ -81,6 +81,21 @@ pub(crate) struct Held {
     pub(crate) fingerprint: Fingerprint,
     /// How long a completed outcome is kept.
     pub(crate) retention: Duration,
+    /// The request's other names, while a service moves between namings, and its plain key.
+    pub(crate) alongside: Option<(RecordKey, Fingerprint)>,
+    pub(crate) plain: RecordKey,
+}
+
+impl Held {
+    /// The claim's names, for a context asked about it (a replay's rebuild hook).
+    pub(crate) fn named(&self) -> crate::hashing::Named {
+        crate::hashing::Named {
+            key: self.key.clone(),
+            fingerprint: self.fingerprint.clone(),
+            alongside: self.alongside.clone(),
+            plain: self.plain.clone(),
+        }
+    }
 }
 
 /// What the engine does with an operation's outcome, as its door says.

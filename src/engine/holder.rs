@@ -14,6 +14,7 @@ use super::{
 use crate::{
     context::{Completion, Encoding, IdempotencyContext},
     fingerprint::Fingerprint,
+    hashing::Named,
     key::RecordKey,
     recovery::{BoxError, Recovered},
     store::{CommitSlot, Lease, OwnerToken, Store},
@@ -34,6 +35,10 @@ pub(crate) struct Holder<St> {
     store: St,
     key: RecordKey,
     fingerprint: Fingerprint,
+    /// The request's other names, while a service moves between namings (boxed: rarely
+    /// there), and its plain key: for the operation's context.
+    alongside: Option<Box<(RecordKey, Fingerprint)>>,
+    plain: RecordKey,
     owner: OwnerToken,
     settings: Arc<Settings>,
     /// The metrics label: a route or a scope, never a key.
@@ -72,19 +77,32 @@ impl<St: Store> Holder<St> {
     /// lapsed claim. Registers the lease's renewals, when the engine renews.
     pub(super) fn new(
         engine: &Engine<St>,
-        key: RecordKey,
-        fingerprint: Fingerprint,
+        named: Named,
         owner: OwnerToken,
         route: Label,
         taken_over: bool,
     ) -> Self {
+        let Named { key, fingerprint, alongside, plain } = named;
+        let alongside = alongside.map(Box::new);
         let commit = Arc::<CommitSlot>::default();
         let renewal = engine
             .renewals
             .as_ref()
             .map(|renewals| renewals.register(&key, &owner, &route, &commit));
         let (store, settings) = (engine.store.clone(), engine.settings.clone());
-        Self { store, key, fingerprint, owner, settings, route, taken_over, renewal, commit }
+        Self {
+            store,
+            key,
+            fingerprint,
+            alongside,
+            plain,
+            owner,
+            settings,
+            route,
+            taken_over,
+            renewal,
+            commit,
+        }
     }
 
     /// Stops the lease's renewals, and waits for a renewal on the wire: before a settle, so
@@ -113,7 +131,8 @@ impl<St: Store> Holder<St> {
     /// What the door knows of this claim when it settles it.
     pub(super) fn held(&self) -> Held {
         let (key, fingerprint) = (self.key.clone(), self.fingerprint.clone());
-        Held { key, fingerprint, retention: self.settings.retention }
+        let (alongside, plain) = (self.alongside.as_deref().cloned(), self.plain.clone());
+        Held { key, fingerprint, retention: self.settings.retention, alongside, plain }
     }
 
     /// The operation's context: who it is, for the operation and its recovery hook, and what
@@ -132,8 +151,13 @@ impl<St: Store> Holder<St> {
             encoding,
             durable,
         );
-        let (key, fingerprint) = (&self.key, self.fingerprint.clone());
-        IdempotencyContext::new(scope, key, fingerprint, self.taken_over, Some(completion))
+        let named = Named {
+            key: self.key.clone(),
+            fingerprint: self.fingerprint.clone(),
+            alongside: self.alongside.as_deref().cloned(),
+            plain: self.plain.clone(),
+        };
+        IdempotencyContext::new(scope, &named, self.taken_over, Some(completion))
     }
 
     /// Whether the claim took over from a holder whose lease lapsed.

@@ -18,6 +18,7 @@
 //! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
 //! [`Ended`]) back into theirs.
 
+mod alongside;
 mod complete;
 mod door;
 pub(crate) mod envelope;
@@ -42,14 +43,14 @@ pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::{engine_setters, inner_service_accessors};
-use self::settle::{abandon, release};
+use self::settle::abandon;
 use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
     hashing::Named,
     key::RecordKey,
     settings::DEFAULT_MAX_WAITERS,
-    store::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, later},
+    store::{Claim, Lease, OwnerToken, Store, StoreError, later},
 };
 
 /// What the engine needs to know of a front door's configuration.
@@ -212,8 +213,7 @@ impl<St: Store> Engine<St> {
         route: Label,
         wait_until: Option<tokio::time::Instant>,
     ) -> Result<Claimed<St>, StoreError> {
-        let Named { key, fingerprint, alongside } = named;
-        let claimed = self.claim_or_wait(&key, &fingerprint, &route, wait_until).await;
+        let claimed = self.claim_or_wait(&named.key, &named.fingerprint, &route, wait_until).await;
         let (claim, owner) = match claimed {
             Ok(claimed) => claimed,
             Err(error) => {
@@ -223,12 +223,12 @@ impl<St: Store> Engine<St> {
         };
         Ok(match claim {
             Claim::Claimed | Claim::TakenOver => {
-                if let Some(other) = alongside
-                    && let Some(decided) =
-                        self.look_alongside((&key, &fingerprint, &owner), other, &route).await?
+                if named.alongside.is_some()
+                    && let Some(decided) = self.look_alongside(&named, &owner, &route).await?
                 {
                     return Ok(decided);
                 }
+                let key = &named.key;
                 let taken_over = claim == Claim::TakenOver;
                 if taken_over {
                     tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
@@ -237,11 +237,15 @@ impl<St: Store> Engine<St> {
                     tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
                     observe::claim(&route, "claimed");
                 }
-                Claimed::Run(Holder::new(self, key, fingerprint, owner, route, taken_over))
+                Claimed::Run(Holder::new(self, named, owner, route, taken_over))
             }
             Claim::Replay { response: stored, .. } => {
                 observe::claim(&route, "replayed");
-                Claimed::Replay(self.settings.at_rest.open(&key, &fingerprint, stored)?)
+                Claimed::Replay(self.settings.at_rest.open(
+                    &named.key,
+                    &named.fingerprint,
+                    stored,
+                )?)
             }
             Claim::InProgress { remaining } => {
                 observe::claim(&route, "in_progress");
@@ -249,77 +253,13 @@ impl<St: Store> Engine<St> {
             }
             Claim::Mismatch => {
                 tracing::info!(
-                    key_hash = key.hash(),
+                    key_hash = named.key.hash(),
                     "idempotency: key reused with a different request"
                 );
                 observe::claim(&route, "mismatch");
                 Claimed::Mismatch
             }
         })
-    }
-
-    /// While a service moves from one naming to another ([`crate::hashing`]): after a claim
-    /// won under `ours`, the request's other name, claimed for a moment, decides. Nothing there
-    /// (or a record of ours that lapsed): the claim stands (`None`). A completed request there
-    /// is replayed, and copied under our name; one running there is in progress; another
-    /// request there is a mismatch; a lapsed holder there is taken over under that name, so
-    /// that the operation is recovered under the names it started with. Except when the claim
-    /// stands, ours is released.
-    async fn look_alongside(
-        &self,
-        (our_key, our_fingerprint, our_owner): (&RecordKey, &Fingerprint, &OwnerToken),
-        (key, fingerprint): (RecordKey, Fingerprint),
-        route: &Label,
-    ) -> Result<Option<Claimed<St>>, StoreError> {
-        let ours = |why| release(&self.store, our_key, our_owner, None, why);
-        let (claim, owner) = match self.claim_once(&key, &fingerprint, false).await {
-            Ok(found) => found,
-            Err(error) => {
-                observe::store_error(route, "claim");
-                ours("the names alongside could not be looked at").await;
-                return Err(error);
-            }
-        };
-        let decided = match claim {
-            Claim::Claimed => {
-                release(&self.store, &key, &owner, None, "looked at alongside").await;
-                return Ok(None);
-            }
-            Claim::TakenOver => {
-                ours("a lapsed claim under the names alongside is taken over").await;
-                tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
-                observe::claim(route, "taken_over");
-                Claimed::Run(Holder::new(self, key, fingerprint, owner, route.clone(), true))
-            }
-            Claim::Replay { response, remaining } => {
-                let opened = self.settings.at_rest.open(&key, &fingerprint, response);
-                let Ok(outcome) = opened else {
-                    ours("the record alongside cannot be read").await;
-                    return opened.map(|_| None);
-                };
-                // Copied under our name, for as long as the original is kept (a second at
-                // least: a store refuses a zero expiry), so that the names alone find it.
-                let sealed = self.settings.at_rest.seal(our_key, our_fingerprint, outcome.clone());
-                let kept = remaining.max(Duration::from_secs(1));
-                let copied = self.store.complete(our_key, our_owner, our_fingerprint, sealed, kept);
-                if !matches!(copied.await, Ok(Fenced::Applied)) {
-                    ours("the copy of the record alongside was not stored").await;
-                }
-                observe::claim(route, "replayed");
-                Claimed::Replay(outcome)
-            }
-            Claim::InProgress { remaining } => {
-                ours("the request runs under the names alongside").await;
-                observe::claim(route, "in_progress");
-                Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
-            }
-            Claim::Mismatch => {
-                ours("another request holds the names alongside").await;
-                observe::claim(route, "mismatch");
-                Claimed::Mismatch
-            }
-        };
-        Ok(Some(decided))
     }
 
     /// One claim and, when the request is in progress and waiting is on, the wait.
@@ -416,12 +356,12 @@ impl<St: Store> Engine<St> {
 }
 
 /// Abandons, on drop, a claim whose outcome its caller never saw.
-struct UnsettledClaim<'a, St: Store> {
-    armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken, &'a Fingerprint, Lease)>,
+pub(super) struct UnsettledClaim<'a, St: Store> {
+    pub(super) armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken, &'a Fingerprint, Lease)>,
 }
 
 impl<St: Store> UnsettledClaim<'_, St> {
-    fn disarm(&mut self) {
+    pub(super) fn disarm(&mut self) {
         self.armed = None;
     }
 }

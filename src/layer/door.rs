@@ -55,7 +55,7 @@ impl<ResBody> HttpDoor<ResBody> {
 
     /// Whose record a replay of `held` answers.
     fn whose<'a>(&'a self, held: &'a Held) -> Whose<'a> {
-        Whose { key: &held.key, fingerprint: &held.fingerprint, scope: &self.scope }
+        Whose { named: held.named(), scope: &self.scope }
     }
 
     /// `head`, with the record's expiry when the layer advertises it.
@@ -213,7 +213,7 @@ where
                 let timeout = self.rebuild_timeout;
                 match record::decode(committed, &self.route) {
                     Ok(stored) => {
-                        replay::response(config, &self.route, timeout, stored, self.whose(held))
+                        replay::response(config, &self.route, timeout, stored, &self.whose(held))
                             .await
                             .unwrap_or_else(|problem| problem)
                     }

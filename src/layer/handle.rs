@@ -101,10 +101,10 @@ where
             body: PhantomData,
         };
         // Whose record a replay answers, should the claim find one.
-        let (replay_fingerprint, replay_scope) = (named.fingerprint.clone(), scope.clone());
-        // A clone shares the key's text: the logs below name its hash.
-        let logged = named.key.clone();
-        let hash = logged.hash();
+        // Whose record a replay answers, should the claim find one; its key's hash names it
+        // in the logs below.
+        let (replayed, replay_scope) = (named.clone(), scope.clone());
+        let hash = replayed.key.hash();
         let claiming = Claiming { named, route: route.clone(), scope, wait_until: None };
         let recover = &config.recover;
         let start = |(inner, mut parts, body): (S, http::request::Parts, Bytes),
@@ -138,8 +138,7 @@ where
                     retention: self.engine.retention(),
                     rebuild_timeout,
                 };
-                let whose =
-                    Whose { key: &logged, fingerprint: &replay_fingerprint, scope: &replay_scope };
+                let whose = Whose { named: replayed.clone(), scope: &replay_scope };
                 Ok(answer.replay(blob, whose).await)
             }
             (_, Decided::InProgress { retry_after }) => {

@@ -20,29 +20,20 @@ use crate::{
         Label,
         envelope::{self, Format},
     },
-    fingerprint::Fingerprint,
-    key::RecordKey,
+    hashing::Named,
 };
 
 /// Whose record a replay answers: its key, and the request's fingerprint and scope (the rebuild
 /// hook's context).
-#[derive(Clone, Copy)]
 pub(super) struct Whose<'a> {
-    pub(super) key: &'a RecordKey,
-    pub(super) fingerprint: &'a Fingerprint,
+    pub(super) named: Named,
     pub(super) scope: &'a [u8],
 }
 
 impl Whose<'_> {
     /// The context the rebuild hook is asked with: no claim holds the key while it replays.
-    fn context(self) -> IdempotencyContext {
-        IdempotencyContext::new(
-            self.scope.to_vec(),
-            self.key,
-            self.fingerprint.clone(),
-            false,
-            None,
-        )
+    fn context(&self) -> IdempotencyContext {
+        IdempotencyContext::new(self.scope.to_vec(), &self.named, false, None)
     }
 }
 
@@ -60,7 +51,7 @@ impl Replay<'_> {
     /// The stored response in `blob`, as a replay, with its expiry when the layer advertises
     /// it. Never panics: an unreadable record, or one the hook cannot rebuild, is a problem.
     pub(super) async fn replay(&self, blob: Bytes, whose: Whose<'_>) -> Response {
-        let hash = whose.key.hash();
+        let hash = whose.named.key.hash();
         let opened = envelope::parse(blob, self.route);
         if let Some(opened) = opened.as_ref().filter(|opened| opened.format == Format::NotStored) {
             let reason = String::from_utf8_lossy(&opened.payload);
@@ -101,7 +92,7 @@ impl Replay<'_> {
         }
         let completed_at = stored.completed_at;
         let mut response =
-            match response(self.config, self.route, self.rebuild_timeout, stored, whose).await {
+            match response(self.config, self.route, self.rebuild_timeout, stored, &whose).await {
                 Ok(response) => response,
                 Err(problem) => return problem,
             };
@@ -120,9 +111,9 @@ pub(super) async fn response(
     route: &str,
     timeout: Duration,
     stored: StoredResponse,
-    whose: Whose<'_>,
+    whose: &Whose<'_>,
 ) -> Result<Response, Response> {
-    let hash = whose.key.hash();
+    let hash = whose.named.key.hash();
     let as_response = |status, headers, body: Bytes| {
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = status;
