@@ -47,7 +47,11 @@
 //! is a mismatch, and a holder there whose lease lapsed is taken over under that name. Two
 //! instances of deploys 1 and 2 each hold the name they claim while they look at the other's:
 //! one of the two sees the other. A caller that goes away during the look leaves nothing
-//! held. Between deploys, each claim won costs a claim and a release more.
+//! held; a claim that took a lapsed one over is handed back with its lapse, not released,
+//! whatever the look finds that lets it go. Between deploys, each claim won costs a claim and
+//! a release more. The plain names are written until deploy 3 (deploy 1 claims under them, and
+//! deploy 2 looks there): what is stored confirms no guess from deploy 3 on, once the records
+//! under plain names have expired.
 //!
 //! Meanwhile an operation may have started under either name: its context names the other
 //! ([`key_hash_alongside`](crate::IdempotencyContext::key_hash_alongside)), and what looks an

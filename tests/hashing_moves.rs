@@ -197,6 +197,8 @@ struct SlowOthers {
     inner: MemoryStore,
     fast: String,
     delay: Duration,
+    /// Fail those claims instead (the store unreachable for them), writing nothing.
+    fail: bool,
 }
 
 impl Store for SlowOthers {
@@ -207,6 +209,9 @@ impl Store for SlowOthers {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
+        if self.fail && key.as_str() != self.fast {
+            return Err(StoreError::unavailable("the other names' shard is down"));
+        }
         let claimed = self.inner.claim(key, fingerprint, owner, lease).await;
         if key.as_str() != self.fast {
             tokio::time::sleep(self.delay).await;
@@ -249,6 +254,7 @@ async fn a_caller_gone_during_the_look_at_the_other_names_leaves_nothing_held() 
         inner: inner.clone(),
         fast: global("k1").as_str().to_owned(),
         delay: Duration::from_millis(500),
+        fail: false,
     };
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(slow).hashing(plain_to_keyed()).lease(Duration::from_secs(5));
@@ -265,6 +271,62 @@ async fn a_caller_gone_during_the_look_at_the_other_names_leaves_nothing_held() 
     let retry = send(&deploy0, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false), "{retry:?}");
     assert_eq!(calls.get(), 1);
+}
+
+/// A claim that took a lapsed one over, whose look at the other names fails, hands the key
+/// back with its lapse: the next claim is a takeover again, and asks the recovery hook (the
+/// operation may have happened under it), rather than running as new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_whose_look_fails_keeps_the_lapse() {
+    let inner = MemoryStore::new();
+    let named = keyed_from_plain();
+    let ours = Idempotent::new(inner.clone()).hashing(named.clone()).operator();
+    // A holder of deploy 2 died: its claim under the keyed name lapsed, kept for its window.
+    let dying = Idempotent::new(inner.clone())
+        .hashing(named.clone())
+        .lease(Duration::from_millis(100))
+        .keep_alive(None)
+        .recover(|_: Lookup<Bytes>| async { Ok::<_, BoxError>(Recovered::<u32>::Unknown) });
+    let died = tokio::time::timeout(Duration::from_millis(50), async move {
+        dying
+            .run("pay", "k1", b"100", |_| async {
+                std::future::pending::<()>().await;
+                Ok::<_, String>(0_u32)
+            })
+            .await
+    })
+    .await;
+    assert!(died.is_err());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let plain = RecordKey::new("idempotency-consumer", b"pay", b"k1");
+    // The retry's look at the plain name fails: nothing runs.
+    let failing =
+        SlowOthers { inner: inner.clone(), fast: String::new(), delay: Duration::ZERO, fail: true };
+    let keyed = ours.inspect("pay", "k1", false).await.unwrap().expect("the lapsed claim");
+    let failing = SlowOthers { fast: keyed_record(&keyed.key_hash), ..failing };
+    let asked = Arc::new(AtomicUsize::new(0));
+    let hook = {
+        let asked = asked.clone();
+        move |lookup: Lookup<Bytes>| {
+            assert!(lookup.context.is_takeover());
+            asked.fetch_add(1, Ordering::SeqCst);
+            std::future::ready(Ok::<_, BoxError>(Recovered::<u32>::Happened(7)))
+        }
+    };
+    let failing = Idempotent::new(failing).hashing(named.clone()).recover(hook.clone());
+    let refused = failing.run("pay", "k1", b"100", |_| async { Ok::<_, String>(8_u32) }).await;
+    assert!(refused.is_err(), "{refused:?}");
+    assert_eq!(inner.state(&plain), None, "nothing written under the plain name");
+    // The next retry takes the lapsed claim over again and asks the hook, which knows it.
+    let door = Idempotent::new(inner.clone()).hashing(named).recover(hook);
+    let retried = door.run("pay", "k1", b"100", |_| async { Ok::<_, String>(8_u32) }).await;
+    assert!(matches!(retried, Ok(Outcome::Replayed(7))), "{retried:?}");
+    assert_eq!(asked.load(Ordering::SeqCst), 1);
+}
+
+/// The stored text of a keyed record's name, from its hash (the consumer door's prefix).
+fn keyed_record(hash: &str) -> String {
+    format!("idempotency-consumer:{{{hash}}}")
 }
 
 /// The tables beside the stores, over real Redis and PostgreSQL: what a request committed on

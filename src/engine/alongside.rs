@@ -3,7 +3,11 @@
 
 use std::time::Duration;
 
-use super::{Claimed, Engine, Holder, UnsettledClaim, observe, observe::Label, settle::release};
+use super::{
+    Claimed, Engine, Holder, UnsettledClaim, observe,
+    observe::Label,
+    settle::{abandon, release},
+};
 use crate::{
     hashing::Named,
     store::{Claim, Fenced, OwnerToken, Store, StoreError},
@@ -15,12 +19,14 @@ impl<St: Store> Engine<St> {
     /// stands (`None`). A completed request there is replayed, and copied under our names; one
     /// running there is in progress; another request there is a mismatch; a lapsed holder
     /// there is taken over under those names, so that a fence keyed by them (a table beside
-    /// the store) still fences it out. Except when the claim stands, ours is released. A caller
-    /// that goes away meanwhile abandons our claim, as one that goes away during its claim does.
+    /// the store) still fences it out. Except when the claim stands, ours is let go (handed back
+    /// when it was a takeover). A caller that goes away meanwhile abandons our claim, as one
+    /// that goes away during its claim does.
     pub(super) async fn look_alongside(
         &self,
         named: &Named,
         owner: &OwnerToken,
+        taken_over: bool,
         route: &Label,
     ) -> Result<Option<Claimed<St>>, StoreError> {
         let (our_key, our_fingerprint) = (&named.key, &named.fingerprint);
@@ -29,7 +35,18 @@ impl<St: Store> Engine<St> {
         let mut guard = UnsettledClaim {
             armed: Some((&self.store, our_key, owner, our_fingerprint, abandoned)),
         };
-        let ours = |why| release(&self.store, our_key, owner, None, why);
+        // Ours let go: released when it was a fresh claim (nothing ran under it); handed back
+        // when it took a lapsed one over (its lease ends, the record stays for its window), so
+        // that the next claim is a takeover again and asks the recovery hook: the operation may
+        // have happened under it.
+        let ours = |why| async move {
+            if taken_over {
+                let lease = self.settings.lease();
+                abandon(&self.store, our_key, owner, our_fingerprint, lease).await;
+            } else {
+                release(&self.store, our_key, owner, None, why).await;
+            }
+        };
         let looked = self.claim_once(key, fingerprint, false).await;
         let decided = match looked {
             Err(error) => {

@@ -224,7 +224,9 @@ impl<St: Store> Engine<St> {
         Ok(match claim {
             Claim::Claimed | Claim::TakenOver => {
                 if named.alongside.is_some()
-                    && let Some(decided) = self.look_alongside(&named, &owner, &route).await?
+                    && let Some(decided) = self
+                        .look_alongside(&named, &owner, claim == Claim::TakenOver, &route)
+                        .await?
                 {
                     return Ok(decided);
                 }
