@@ -256,9 +256,9 @@ async fn order(
     let charge: String = match steps.done(&context, "charge").await? {
         Some(charge) => charge,
         None => {
-            let charge =
-                charge(&ledger.provider, &context.derived_key("order-charge"), payment.amount)
-                    .await?;
+            let key =
+                context.derived_key("order-charge").ok_or("a context without derived keys")?;
+            let charge = charge(&ledger.provider, &key, payment.amount).await?;
             let mut tx = ledger.pool.begin().await?;
             steps.mark(&mut tx, &context, "charge", &charge).await?;
             tx.commit().await?;
@@ -316,7 +316,8 @@ impl Ledger {
     /// The provider's charge under a key derived from the request's.
     async fn charge(&self, context: &IdempotencyContext, amount: i64) -> Result<String, BoxError> {
         self.pause.at("after-claim").await;
-        let charge = charge(&self.provider, &context.derived_key("charge"), amount).await?;
+        let key = context.derived_key("charge").ok_or("a context without derived keys")?;
+        let charge = charge(&self.provider, &key, amount).await?;
         self.pause.at("after-call").await;
         Ok(charge)
     }

@@ -85,8 +85,9 @@ struct Context {
     fingerprint: Fingerprint,
     /// The same request's names under the other naming, while a service moves between two.
     alongside: Option<(RecordKey, Fingerprint)>,
-    /// The plain record key, which no naming changes: what derived keys are derived from.
-    plain: RecordKey,
+    /// The plain record key, which no naming changes: what derived keys are derived from;
+    /// unknown in a completer's context under keyed names.
+    plain: Option<RecordKey>,
     taken_over: bool,
     /// What an outcome committed in a store's transaction needs (both doors give it to the
     /// operations they run; see `PostgresStore::transaction`).
@@ -128,11 +129,11 @@ impl Completion {
 impl IdempotencyContext {
     pub(crate) fn new(
         scope: Vec<u8>,
-        named: &Named,
+        named: Named,
         taken_over: bool,
         completion: Option<Completion>,
     ) -> Self {
-        let Named { key, fingerprint, alongside, plain } = named.clone();
+        let Named { key, fingerprint, alongside, plain } = named;
         let context = Context { scope, key, fingerprint, alongside, plain, taken_over, completion };
         Self { inner: Arc::new(context) }
     }
@@ -222,6 +223,13 @@ impl IdempotencyContext {
     /// instance, through a move to keyed names and through a rotation of their secret. A
     /// provider can therefore confirm a guessed idempotency key against it.
     ///
+    /// `Some` in every context a door gives an operation or its recovery hook. `None` only in
+    /// the context a [`Completer`](crate::completer::Completer) gives its hook for a claim under
+    /// keyed names: the store keeps no plain digest of a keyed name, and a key derived from
+    /// anything else would not be the one the operation passed its provider (a hook that
+    /// re-sent the call under it would run it again). Answer such a claim from your own records,
+    /// by [`key_hash`](Self::key_hash), or leave it `Unknown`.
+    ///
     /// ```
     /// use axum_idempotency::{Idempotent, MemoryStore};
     ///
@@ -234,15 +242,15 @@ impl IdempotencyContext {
     ///     })
     ///     .await
     ///     .unwrap();
-    /// let charge_key = outcome.into_result().unwrap();
+    /// let charge_key = outcome.into_result().unwrap().expect("an operation's context derives keys");
     /// assert_eq!(charge_key.len(), 64);
     /// # }
     /// ```
     #[must_use]
-    pub fn derived_key(&self, purpose: &str) -> String {
-        let plain = self.inner.plain.hash();
+    pub fn derived_key(&self, purpose: &str) -> Option<String> {
+        let plain = self.inner.plain.as_ref()?.hash();
         let digest = Fingerprint::of_fields(&[plain.as_bytes(), purpose.as_bytes()]);
-        digest.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect()
+        Some(digest.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect())
     }
 }
 
@@ -264,16 +272,21 @@ mod tests {
     fn derived_keys_are_stable_per_request_and_differ_per_purpose() {
         let key = RecordKey::new("p", b"tenant", b"k1");
         let fingerprint = Fingerprint::of_payload(b"{}");
-        let named = Named::stored(key.clone(), fingerprint.clone());
-        let context = IdempotencyContext::new(b"tenant".to_vec(), &named, false, None);
-        let again = IdempotencyContext::new(b"tenant".to_vec(), &named, true, None);
+        let named = Named::stored(key.clone(), fingerprint.clone(), &Default::default());
+        let context = IdempotencyContext::new(b"tenant".to_vec(), named.clone(), false, None);
+        let again = IdempotencyContext::new(b"tenant".to_vec(), named, true, None);
         assert_eq!(context.derived_key("charge"), again.derived_key("charge"));
         assert_ne!(context.derived_key("charge"), context.derived_key("refund"));
-        assert_eq!(context.derived_key("charge").len(), 64);
-        assert!(context.derived_key("charge").bytes().all(|b| b.is_ascii_hexdigit()));
+        let charge = context.derived_key("charge").unwrap();
+        assert_eq!(charge.len(), 64);
+        assert!(charge.bytes().all(|b| b.is_ascii_hexdigit()));
+        let keyed = crate::hashing::Hashing::keyed([1; 32]);
+        let listed = Named::stored(key.clone(), Fingerprint::of_payload(b"{}"), &keyed);
+        let listed = IdempotencyContext::new(b"tenant".to_vec(), listed, true, None);
+        assert_eq!(listed.derived_key("charge"), None, "no plain digest under keyed names");
         let other = RecordKey::new("p", b"tenant", b"k2");
-        let other = Named::stored(other, fingerprint);
-        let other = IdempotencyContext::new(b"tenant".to_vec(), &other, false, None);
+        let other = Named::stored(other, fingerprint, &Default::default());
+        let other = IdempotencyContext::new(b"tenant".to_vec(), other, false, None);
         assert_ne!(context.derived_key("charge"), other.derived_key("charge"));
         assert_eq!(context.key_hash(), key.hash());
         assert_eq!(context.scope(), b"tenant");

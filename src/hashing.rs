@@ -10,7 +10,8 @@
 //! `Checkpoints`): the operation's [`key_hash`](crate::IdempotencyContext::key_hash) is the
 //! keyed name. Its [`derived_key`](crate::IdempotencyContext::derived_key)s are not: they are
 //! derived from the plain digest whatever the naming, so that a provider gets the same key for
-//! a retry on any instance, through a move and a rotation.
+//! a retry on any instance, through a move and a rotation (and a completer, which reads a
+//! keyed name back from the store without its plain digest, gives its hook none).
 //!
 //! ```
 //! use axum_idempotency::{IdempotencyLayer, MemoryStore, hashing::Hashing};
@@ -32,26 +33,27 @@
 //! 2. Once no instance of the previous version runs:
 //!    `Hashing::keyed(secret).alongside(Hashing::plain())?`: keys are claimed under their keyed
 //!    names, and the plain name is looked at after each claim.
-//! 3. Once the retention, the recovery window and the keep-alive ceiling, added up, have
-//!    passed since the last instance of deploy 1 stopped (every record under a plain name has
-//!    expired by then, the completed and the lapsed): `Hashing::keyed(secret)`.
+//! 3. Once the retention, the recovery window, the keep-alive ceiling and a lease, added up,
+//!    have passed since the last instance of deploy 1 stopped (every record under a plain name
+//!    has expired by then, the completed and the lapsed): `Hashing::keyed(secret)`.
 //!
 //! **Only neighbours may run side by side.** An instance before deploy 1 beside one of deploy
 //! 2 (a deploy skipped, or a binary rolled back past deploy 1) can run a request twice: roll
 //! back one deploy at a time, as you rolled forward.
 //!
 //! After each claim won under one name, the other is claimed for a moment and let go, with
-//! what it held deciding: a completed request there is replayed (and copied under the name
-//! the claim won, so that deploy 3 finds it), one running there is answered as in progress at
-//! once (a retry waits for its original only on the original's deploy), another request there
-//! is a mismatch, and a holder there whose lease lapsed is taken over under that name. Two
-//! instances of deploys 1 and 2 each hold the name they claim while they look at the other's:
-//! one of the two sees the other. A caller that goes away during the look leaves nothing
-//! held; a claim that took a lapsed one over is handed back with its lapse, not released,
-//! whatever the look finds that lets it go. Between deploys, each claim won costs a claim and
-//! a release more. The plain names are written until deploy 3 (deploy 1 claims under them, and
-//! deploy 2 looks there): what is stored confirms no guess from deploy 3 on, once the records
-//! under plain names have expired.
+//! what it held deciding: a completed request there is replayed, one running there is answered
+//! as in progress at once (a retry waits for its original only on the original's deploy),
+//! another request there is a mismatch, and a holder there whose lease lapsed is taken over
+//! under that name. Nothing is copied from one name to the other: deploy 3 waits until every
+//! record under a plain name has expired. Two instances of deploys 1 and 2 each hold the name
+//! they claim while they look at the other's: one of the two sees the other. A caller that
+//! goes away during the look leaves nothing held; a claim that took a lapsed one over is handed
+//! back with its lapse, not released, whatever the look finds that lets it go. Between
+//! deploys, each claim won costs a claim and a release more. The plain names and fingerprints
+//! are written until deploy 3 (deploy 1 claims under them, deploy 2's look claims there for a
+//! moment), and the logs name them meanwhile: what is stored confirms no guess from deploy 3
+//! on, once the records under plain names have expired.
 //!
 //! Meanwhile an operation may have started under either name: its context names the other
 //! ([`key_hash_alongside`](crate::IdempotencyContext::key_hash_alongside)), and what looks an
@@ -141,7 +143,7 @@ impl Hashing {
             .alongside
             .as_ref()
             .map(|other| (other.record_key(&key), other.fingerprint(&fingerprint)));
-        let plain = key.clone();
+        let plain = Some(key.clone());
         let (key, fingerprint) = match &self.names {
             Names::Plain => (key, fingerprint),
             names => (names.record_key(&key), names.fingerprint(&fingerprint)),
@@ -164,20 +166,22 @@ impl Hashing {
 
 /// A request's names in the store: the ones it is claimed under, and the ones looked at after
 /// a claim while a service moves between namings; and its plain record key, which no naming
-/// changes (the derived keys' source).
+/// changes (the derived keys' source), when it is known.
 #[derive(Debug, Clone)]
 pub(crate) struct Named {
     pub(crate) key: RecordKey,
     pub(crate) fingerprint: Fingerprint,
     pub(crate) alongside: Option<(RecordKey, Fingerprint)>,
-    pub(crate) plain: RecordKey,
+    pub(crate) plain: Option<RecordKey>,
 }
 
 impl Named {
     /// The names of a record read back from the store (an abandoned claim): its own, the only
-    /// ones known.
-    pub(crate) fn stored(key: RecordKey, fingerprint: Fingerprint) -> Self {
-        Self { plain: key.clone(), key, fingerprint, alongside: None }
+    /// ones known; its plain key only when `hashing` names nothing keyed (the store keeps no
+    /// plain digest of a keyed name, and a listed name may be either during a move).
+    pub(crate) fn stored(key: RecordKey, fingerprint: Fingerprint, hashing: &Hashing) -> Self {
+        let all_plain = hashing.namings().all(|names| matches!(names, Names::Plain));
+        Self { plain: all_plain.then(|| key.clone()), key, fingerprint, alongside: None }
     }
 
     /// The same request held under its names alongside: those become the names claimed under,

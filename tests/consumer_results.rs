@@ -209,7 +209,7 @@ async fn two_prefixes_never_share_a_key_hash_or_a_derived_key<H: Harness>(h: H) 
                 .run(SCOPE, "evt_1", b"{}", |context: IdempotencyContext| async move {
                     Ok::<_, std::io::Error>((
                         context.key_hash().to_owned(),
-                        context.derived_key("psp"),
+                        context.derived_key("psp").unwrap(),
                     ))
                 })
                 .await

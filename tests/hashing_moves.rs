@@ -73,7 +73,7 @@ async fn a_derived_key_is_the_same_on_every_deploy_of_a_move_and_a_rotation() {
         let failed = Idempotent::new(store.clone())
             .hashing(first)
             .run("payments", &key, b"charge 100", move |context| async move {
-                p.charge(context.derived_key("stripe-charge"));
+                p.charge(context.derived_key("stripe-charge").unwrap());
                 Err::<u32, _>("timed out reading the provider's answer")
             })
             .await;
@@ -82,7 +82,7 @@ async fn a_derived_key_is_the_same_on_every_deploy_of_a_move_and_a_rotation() {
         let redelivered = Idempotent::new(store)
             .hashing(then)
             .run("payments", &key, b"charge 100", move |context| async move {
-                p.charge(context.derived_key("stripe-charge"));
+                p.charge(context.derived_key("stripe-charge").unwrap());
                 Ok::<_, String>(7_u32)
             })
             .await;
@@ -271,6 +271,107 @@ async fn a_caller_gone_during_the_look_at_the_other_names_leaves_nothing_held() 
     let retry = send(&deploy0, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((retry.status.as_u16(), retry.replayed()), (201, false), "{retry:?}");
     assert_eq!(calls.get(), 1);
+}
+
+/// A store whose releases of every key but `fast` take `delay` to reach it (a pool whose
+/// connections are all busy).
+#[derive(Clone)]
+struct SlowReleases(SlowOthers);
+
+impl Store for SlowReleases {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fingerprint: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.0.inner.claim(key, fingerprint, owner, lease).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fingerprint: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.0.complete(key, owner, fingerprint, response, retention).await
+    }
+
+    async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        if key.as_str() != self.0.fast {
+            tokio::time::sleep(self.0.delay).await;
+        }
+        self.0.inner.release(key, owner).await
+    }
+
+    async fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        self.0.touch(key, owner, lease).await
+    }
+}
+
+/// The client gives up while the look lets go of what it claimed under the other names (a
+/// slow release), or of ours after it took a lapsed holder over under them: nothing stays held,
+/// and the next retry on either deploy runs (or replays what ran) rather than waiting out a
+/// lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_gone_while_the_look_lets_go_leaves_nothing_held() {
+    for lapsed_under_plain in [false, true] {
+        let inner = MemoryStore::new();
+        if lapsed_under_plain {
+            let plain = Fingerprint::new("POST", "/payments", "", b"{}");
+            let lapse =
+                Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
+            inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let slow = SlowReleases(SlowOthers {
+            inner: inner.clone(),
+            fast: global("k1").as_str().to_owned(),
+            delay: Duration::from_millis(500),
+            fail: false,
+        });
+        let calls = Calls::default();
+        let layer = |hashing| {
+            IdempotencyLayer::new(inner.clone())
+                .lease(Duration::from_secs(5))
+                .waiting(Waiting::off())
+                .hashing(hashing)
+        };
+        let (first, looks_at_plain) = match lapsed_under_plain {
+            false => (plain_to_keyed(), keyed_from_plain()),
+            true => (keyed_from_plain(), plain_to_keyed()),
+        };
+        let slow_layer =
+            IdempotencyLayer::new(slow).lease(Duration::from_secs(5)).hashing(first.clone());
+        let gone = tokio::time::timeout(
+            Duration::from_millis(100),
+            send(&app(&calls).layer(slow_layer), keyed("POST", "/payments", "k1", "{}")),
+        )
+        .await;
+        let ran = calls.get();
+        assert!(ran <= 1, "{gone:?}");
+        for hashing in [first, looks_at_plain] {
+            let instance = app(&calls).layer(layer(hashing));
+            let mut retry = send(&instance, keyed("POST", "/payments", "k1", "{}")).await;
+            for _ in 0..20 {
+                if retry.status != 202 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                retry = send(&instance, keyed("POST", "/payments", "k1", "{}")).await;
+            }
+            assert_eq!(retry.status, 201, "held by nobody for a lease: {retry:?}");
+        }
+        assert_eq!(calls.get(), 1, "run once in all");
+    }
 }
 
 /// A claim that took a lapsed one over, whose look at the other names fails, hands the key

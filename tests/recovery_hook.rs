@@ -258,7 +258,7 @@ async fn the_handler_finds_its_context_in_the_request<H: Harness>(h: H) {
             "{} {} {}",
             context.key_hash(),
             String::from_utf8_lossy(context.scope()),
-            context.derived_key("psp")
+            context.derived_key("psp").unwrap()
         )
     };
     let optional = |context: Option<IdempotencyContext>| async move {

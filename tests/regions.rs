@@ -196,7 +196,7 @@ async fn a_provider_keyed_by_the_derived_key_charges_once_across_stores_per_regi
             tokio::time::sleep(Duration::from_millis(300)).await;
             let mut charges = charges.lock().unwrap();
             let count = charges.len();
-            let id = *charges.entry(context.derived_key("psp")).or_insert(count + 1);
+            let id = *charges.entry(context.derived_key("psp").unwrap()).or_insert(count + 1);
             (StatusCode::CREATED, format!("charge {id}"))
         };
         Router::new().route("/slow", post(charge)).layer(IdempotencyLayer::new(store))

@@ -1,7 +1,7 @@
 //! The look at a request's other names after a claim, while a service moves from one naming
 //! to another ([`crate::hashing`]).
 
-use std::time::Duration;
+use std::future::Future;
 
 use super::{
     Claimed, Engine, Holder, UnsettledClaim, observe,
@@ -9,19 +9,25 @@ use super::{
     settle::{abandon, release},
 };
 use crate::{
+    fingerprint::Fingerprint,
     hashing::Named,
-    store::{Claim, Fenced, OwnerToken, Store, StoreError},
+    key::RecordKey,
+    store::{Claim, Lease, OwnerToken, Store, StoreError},
 };
 
 impl<St: Store> Engine<St> {
     /// After a claim won under `named`'s names for `owner`, the request's names alongside,
     /// claimed for a moment, decide. Nothing there (or a claim of ours that lapsed): the claim
-    /// stands (`None`). A completed request there is replayed, and copied under our names; one
-    /// running there is in progress; another request there is a mismatch; a lapsed holder
-    /// there is taken over under those names, so that a fence keyed by them (a table beside
-    /// the store) still fences it out. Except when the claim stands, ours is let go (handed back
-    /// when it was a takeover). A caller that goes away meanwhile abandons our claim, as one
-    /// that goes away during its claim does.
+    /// stands (`None`). A completed request there is replayed; one running there is in
+    /// progress; another request there is a mismatch; a lapsed holder there is taken over under
+    /// those names, so that a fence keyed by them (a table beside the store) still fences it
+    /// out. Except when the claim stands, ours is let go (handed back when it was a takeover).
+    ///
+    /// Nothing is copied between the names: every record under the names a deploy before
+    /// stops claiming under expires before the deploy after stops looking there (see the
+    /// module's three deploys). A caller that goes away during the look abandons our claim
+    /// and the claim the look made, and a claim let go while another is taken over is let go
+    /// in a task of its own: nothing stays held.
     pub(super) async fn look_alongside(
         &self,
         named: &Named,
@@ -35,71 +41,74 @@ impl<St: Store> Engine<St> {
         let mut guard = UnsettledClaim {
             armed: Some((&self.store, our_key, owner, our_fingerprint, abandoned)),
         };
-        // Ours let go: released when it was a fresh claim (nothing ran under it); handed back
-        // when it took a lapsed one over (its lease ends, the record stays for its window), so
-        // that the next claim is a takeover again and asks the recovery hook: the operation may
-        // have happened under it.
-        let ours = |why| async move {
-            if taken_over {
-                let lease = self.settings.lease();
-                abandon(&self.store, our_key, owner, our_fingerprint, lease).await;
-            } else {
-                release(&self.store, our_key, owner, None, why).await;
-            }
-        };
         let looked = self.claim_once(key, fingerprint, false).await;
+        let ours = (our_key, owner, our_fingerprint, taken_over);
+        // Ours is let go before the answer (a retry right after it finds the key free), with
+        // the guard still armed: a caller that goes away meanwhile abandons it.
         let decided = match looked {
             Err(error) => {
                 observe::store_error(route, "claim");
-                ours("the names alongside could not be looked at").await;
+                self.let_go(ours, "the names alongside could not be looked at").await;
                 Err(error)
             }
             Ok((Claim::Claimed, other)) => {
+                // Released before ours runs (a retry on the other names finds them free), and
+                // abandoned, never left held, by a caller that goes away meanwhile.
+                let lease = Lease::new(self.settings.lease);
+                let mut probe =
+                    UnsettledClaim { armed: Some((&self.store, key, &other, fingerprint, lease)) };
                 release(&self.store, key, &other, None, "looked at alongside").await;
+                probe.disarm();
                 Ok(None)
             }
             Ok((Claim::TakenOver, other)) => {
-                ours("a lapsed claim under the names alongside is taken over").await;
+                // Held under `other` from here: nothing awaited before its holder exists.
+                let why = "a lapsed claim under the names alongside is taken over";
+                drop(tokio::spawn(self.let_go(ours, why)));
                 tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
                 observe::claim(route, "taken_over");
                 let held = named.clone().swapped();
                 Ok(Some(Claimed::Run(Holder::new(self, held, other, route.clone(), true))))
             }
-            Ok((Claim::Replay { response, remaining }, _)) => {
-                match self.settings.at_rest.open(key, fingerprint, response) {
-                    Ok(outcome) => {
-                        // Copied under our names, for as long as the original is kept (a second
-                        // at least: a store refuses a zero expiry), so that they alone find it.
-                        let sealed =
-                            self.settings.at_rest.seal(our_key, our_fingerprint, outcome.clone());
-                        let kept = remaining.max(Duration::from_secs(1));
-                        let copy =
-                            self.store.complete(our_key, owner, our_fingerprint, sealed, kept);
-                        if !matches!(copy.await, Ok(Fenced::Applied)) {
-                            ours("the copy of the record alongside was not stored").await;
-                        }
-                        observe::claim(route, "replayed");
-                        Ok(Some(Claimed::Replay(outcome)))
-                    }
-                    Err(error) => {
-                        ours("the record alongside cannot be read").await;
-                        Err(error)
-                    }
-                }
+            Ok((Claim::Replay { response, .. }, _)) => {
+                let opened = self.settings.at_rest.open(key, fingerprint, response);
+                self.let_go(ours, "the request completed under the names alongside").await;
+                observe::claim(route, "replayed");
+                opened.map(|outcome| Some(Claimed::Replay(outcome)))
             }
             Ok((Claim::InProgress { remaining }, _)) => {
-                ours("the request runs under the names alongside").await;
+                self.let_go(ours, "the request runs under the names alongside").await;
                 observe::claim(route, "in_progress");
                 let retry_after = self.settings.retry_after.min(remaining);
                 Ok(Some(Claimed::InProgress { retry_after }))
             }
             Ok((Claim::Mismatch, _)) => {
-                ours("another request holds the names alongside").await;
+                self.let_go(ours, "another request holds the names alongside").await;
                 observe::claim(route, "mismatch");
                 Ok(Some(Claimed::Mismatch))
             }
         };
         guard.disarm();
         decided
+    }
+
+    /// Lets a claim go: released when it was a fresh claim (nothing ran under it); handed back
+    /// when it took a lapsed one over (its lease ends, the record stays for its window), so
+    /// that the next claim is a takeover again and asks the recovery hook: the operation may
+    /// have happened under it. A future that owns what it needs, to spawn or to await.
+    fn let_go(
+        &self,
+        (key, owner, fingerprint, taken_over): (&RecordKey, &OwnerToken, &Fingerprint, bool),
+        why: &'static str,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let (store, key, owner) = (self.store.clone(), key.clone(), owner.clone());
+        let (fingerprint, lease) = (fingerprint.clone(), self.settings.lease());
+        async move {
+            if taken_over {
+                abandon(&store, &key, &owner, &fingerprint, lease).await;
+            } else {
+                release(&store, &key, &owner, None, why).await;
+            }
+        }
     }
 }

@@ -74,14 +74,15 @@ impl<St: Store> Engine<St> {
             door.encoding(),
             door.durable(),
         );
-        let named = Named::stored(key.clone(), fingerprint.clone());
-        let context = IdempotencyContext::new(Vec::new(), &named, true, Some(completion));
+        let named = Named::stored(key.clone(), fingerprint.clone(), &settings.hashing);
+        let plain = named.plain.clone();
+        let context = IdempotencyContext::new(Vec::new(), named, true, Some(completion));
         let asked = AssertUnwindSafe(ask(context)).catch_unwind();
         let failure = match tokio::time::timeout(settings.recovery.timeout, asked).await {
             Ok(Ok(Ok(Recovered::Happened(outcome)))) => {
                 let (retention, fingerprint) = (settings.retention, fingerprint.clone());
-                let (alongside, plain) = (None, key.clone());
-                let held = Held { key: key.clone(), fingerprint, retention, alongside, plain };
+                let held =
+                    Held { key: key.clone(), fingerprint, retention, alongside: None, plain };
                 let recorded =
                     std::panic::catch_unwind(AssertUnwindSafe(|| door.recorded(&outcome, &held)));
                 match recorded {

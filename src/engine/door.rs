@@ -83,7 +83,7 @@ pub(crate) struct Held {
     pub(crate) retention: Duration,
     /// The request's other names, while a service moves between namings, and its plain key.
     pub(crate) alongside: Option<(RecordKey, Fingerprint)>,
-    pub(crate) plain: RecordKey,
+    pub(crate) plain: Option<RecordKey>,
 }
 
 impl Held {

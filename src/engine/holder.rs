@@ -38,7 +38,7 @@ pub(crate) struct Holder<St> {
     /// The request's other names, while a service moves between namings (boxed: rarely
     /// there), and its plain key: for the operation's context.
     alongside: Option<Box<(RecordKey, Fingerprint)>>,
-    plain: RecordKey,
+    plain: Option<RecordKey>,
     owner: OwnerToken,
     settings: Arc<Settings>,
     /// The metrics label: a route or a scope, never a key.
@@ -157,7 +157,7 @@ impl<St: Store> Holder<St> {
             alongside: self.alongside.as_deref().cloned(),
             plain: self.plain.clone(),
         };
-        IdempotencyContext::new(scope, &named, self.taken_over, Some(completion))
+        IdempotencyContext::new(scope, named, self.taken_over, Some(completion))
     }
 
     /// Whether the claim took over from a holder whose lease lapsed.

@@ -33,7 +33,7 @@ pub(super) struct Whose<'a> {
 impl Whose<'_> {
     /// The context the rebuild hook is asked with: no claim holds the key while it replays.
     fn context(&self) -> IdempotencyContext {
-        IdempotencyContext::new(self.scope.to_vec(), &self.named, false, None)
+        IdempotencyContext::new(self.scope.to_vec(), self.named.clone(), false, None)
     }
 }
 
