@@ -199,6 +199,8 @@ struct SlowOthers {
     delay: Duration,
     /// Fail those claims instead (the store unreachable for them), writing nothing.
     fail: bool,
+    /// Delay those releases instead of claims' answers (a pool whose connections are busy).
+    slow_releases: bool,
 }
 
 impl Store for SlowOthers {
@@ -213,7 +215,7 @@ impl Store for SlowOthers {
             return Err(StoreError::unavailable("the other names' shard is down"));
         }
         let claimed = self.inner.claim(key, fingerprint, owner, lease).await;
-        if key.as_str() != self.fast {
+        if key.as_str() != self.fast && !self.slow_releases {
             tokio::time::sleep(self.delay).await;
         }
         claimed
@@ -231,6 +233,9 @@ impl Store for SlowOthers {
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        if key.as_str() != self.fast && self.slow_releases {
+            tokio::time::sleep(self.delay).await;
+        }
         self.inner.release(key, owner).await
     }
 
@@ -255,6 +260,7 @@ async fn a_caller_gone_during_the_look_at_the_other_names_leaves_nothing_held() 
         fast: global("k1").as_str().to_owned(),
         delay: Duration::from_millis(500),
         fail: false,
+        slow_releases: false,
     };
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(slow).hashing(plain_to_keyed()).lease(Duration::from_secs(5));
@@ -273,50 +279,6 @@ async fn a_caller_gone_during_the_look_at_the_other_names_leaves_nothing_held() 
     assert_eq!(calls.get(), 1);
 }
 
-/// A store whose releases of every key but `fast` take `delay` to reach it (a pool whose
-/// connections are all busy).
-#[derive(Clone)]
-struct SlowReleases(SlowOthers);
-
-impl Store for SlowReleases {
-    async fn claim(
-        &self,
-        key: &RecordKey,
-        fingerprint: &Fingerprint,
-        owner: &OwnerToken,
-        lease: Lease,
-    ) -> Result<Claim, StoreError> {
-        self.0.inner.claim(key, fingerprint, owner, lease).await
-    }
-
-    async fn complete(
-        &self,
-        key: &RecordKey,
-        owner: &OwnerToken,
-        fingerprint: &Fingerprint,
-        response: Bytes,
-        retention: Duration,
-    ) -> Result<Fenced, StoreError> {
-        self.0.complete(key, owner, fingerprint, response, retention).await
-    }
-
-    async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
-        if key.as_str() != self.0.fast {
-            tokio::time::sleep(self.0.delay).await;
-        }
-        self.0.inner.release(key, owner).await
-    }
-
-    async fn touch(
-        &self,
-        key: &RecordKey,
-        owner: &OwnerToken,
-        lease: Lease,
-    ) -> Result<Fenced, StoreError> {
-        self.0.touch(key, owner, lease).await
-    }
-}
-
 /// The client gives up while the look lets go of what it claimed under the other names (a
 /// slow release), or of ours after it took a lapsed holder over under them: nothing stays held,
 /// and the next retry on either deploy runs (or replays what ran) rather than waiting out a
@@ -332,12 +294,13 @@ async fn a_caller_gone_while_the_look_lets_go_leaves_nothing_held() {
             inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        let slow = SlowReleases(SlowOthers {
+        let slow = SlowOthers {
             inner: inner.clone(),
             fast: global("k1").as_str().to_owned(),
             delay: Duration::from_millis(500),
             fail: false,
-        });
+            slow_releases: true,
+        };
         let calls = Calls::default();
         let layer = |hashing| {
             IdempotencyLayer::new(inner.clone())
@@ -401,8 +364,13 @@ async fn a_takeover_whose_look_fails_keeps_the_lapse() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let plain = RecordKey::new("idempotency-consumer", b"pay", b"k1");
     // The retry's look at the plain name fails: nothing runs.
-    let failing =
-        SlowOthers { inner: inner.clone(), fast: String::new(), delay: Duration::ZERO, fail: true };
+    let failing = SlowOthers {
+        inner: inner.clone(),
+        fast: String::new(),
+        delay: Duration::ZERO,
+        fail: true,
+        slow_releases: false,
+    };
     let keyed = ours.inspect("pay", "k1", false).await.unwrap().expect("the lapsed claim");
     let failing = SlowOthers { fast: keyed_record(&keyed.key_hash), ..failing };
     let asked = Arc::new(AtomicUsize::new(0));
