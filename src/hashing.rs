@@ -150,9 +150,7 @@ impl Hashing {
         };
         Named { key, fingerprint, alongside, plain }
     }
-}
 
-impl Hashing {
     /// The namings in use: the one claimed under, then the one alongside.
     pub(crate) fn namings(&self) -> impl Iterator<Item = &Names> {
         std::iter::once(&self.names).chain(&self.alongside)
