@@ -283,6 +283,7 @@ mod tests {
     #[test]
     fn keyed_names_hide_the_plain_digests_and_depend_on_the_secret() {
         let (key, fingerprint) = plain();
+        assert!(Hashing::keyed([1; 32]).is_keyed() && !Hashing::plain().is_keyed());
         let same = Hashing::plain().name(key.clone(), fingerprint.clone());
         assert_eq!((&same.key, &same.fingerprint), (&key, &fingerprint));
         let keyed = Hashing::keyed([1; 32]).name(key.clone(), fingerprint.clone());
