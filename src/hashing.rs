@@ -318,6 +318,8 @@ mod tests {
         );
         let nested = Hashing::keyed([1; 32]).alongside(moving).unwrap_err();
         assert_eq!(nested, HashingError::Nested);
+        assert!(HashingError::SameNames.to_string().contains("the same secret, or both plain"));
+        assert!(nested.to_string().contains("a move is between two namings"));
         let twice = Hashing::keyed([3; 32]).alongside(Hashing::plain()).unwrap();
         assert_eq!(twice.alongside(Hashing::keyed([4; 32])).unwrap_err(), HashingError::Nested);
         assert!(Hashing::keyed([3; 32]).alongside(Hashing::keyed([4; 32])).is_ok());
