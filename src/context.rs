@@ -138,11 +138,13 @@ impl IdempotencyContext {
         Self { inner: Arc::new(context) }
     }
 
-    /// The request's record key and fingerprint under the other naming, while a service moves
-    /// between two ([`crate::hashing`]).
+    /// The request's record key and fingerprint as the claim holds them, then under the other
+    /// naming while a service moves between two ([`crate::hashing`]): where a table beside the
+    /// store looks for what the request committed.
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
-    pub(crate) fn alongside(&self) -> Option<&(RecordKey, Fingerprint)> {
-        self.inner.alongside.as_ref()
+    pub(crate) fn names(&self) -> impl Iterator<Item = (&RecordKey, &Fingerprint)> {
+        let held = (&self.inner.key, &self.inner.fingerprint);
+        std::iter::once(held).chain(self.inner.alongside.as_ref().map(|(key, fp)| (key, fp)))
     }
 
     pub(crate) fn key(&self) -> &RecordKey {

@@ -96,15 +96,12 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
     ) -> Result<Option<T>, StoreError> {
         // Under the names the claim holds, then (while a service moves between namings) under
         // the request's other names, which an instance of the neighbouring deploy marks under.
-        let alongside = context.alongside().map(|(key, fingerprint)| (key.hash(), fingerprint));
         let mut row = None;
-        for (key_hash, fingerprint) in
-            std::iter::once((context.key_hash(), context.fingerprint())).chain(alongside)
-        {
+        for (key, fingerprint) in context.names() {
             let select = "SELECT result, fingerprint = $3 FROM idempotency_steps
                 WHERE key_hash = $1 AND step = $2 AND expires_at > clock_timestamp()";
             let query = sqlx::query_as::<_, (Vec<u8>, bool)>(select)
-                .bind(key_hash)
+                .bind(key.hash())
                 .bind(step)
                 .bind(&fingerprint.as_bytes()[..]);
             row = bounded(self.command_timeout, query.fetch_optional(&self.pool)).await?;

@@ -154,10 +154,8 @@ impl DurableOutcomes {
         let context = &lookup.context;
         // Under the names the claim holds, then (while a service moves between namings) under
         // the request's other names, which an instance of the neighbouring deploy commits under.
-        let held = (context.key(), context.fingerprint());
-        let alongside = context.alongside().map(|(key, fingerprint)| (key, fingerprint));
         let mut found = None;
-        for (key, request) in std::iter::once(held).chain(alongside) {
+        for (key, request) in context.names() {
             if let Some(row) = self.read(key).await? {
                 found = Some((key, request, row));
                 break;
