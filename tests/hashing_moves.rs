@@ -337,6 +337,33 @@ async fn a_caller_gone_while_the_look_lets_go_leaves_nothing_held() {
     }
 }
 
+/// A request that took a lapsed holder over under the other names is answered after the claim
+/// under its own names is let go (a slow release: a busy pool): a retry right after the answer
+/// gets the replay, never the 202 of a claim that nobody holds any more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_under_the_other_names_is_answered_after_ours_is_let_go() {
+    let inner = MemoryStore::new();
+    let plain = Fingerprint::new("POST", "/payments", "", b"{}");
+    let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
+    inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let slow = SlowOthers {
+        inner: inner.clone(),
+        fast: global("k1").as_str().to_owned(),
+        delay: Duration::from_millis(300),
+        fail: false,
+        slow_releases: true,
+    };
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(slow).waiting(Waiting::off()).hashing(keyed_from_plain());
+    let instance = app(&calls).layer(layer);
+    let ran = send(&instance, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false), "{ran:?}");
+    let retry = send(&instance, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, true), "{retry:?}");
+    assert_eq!(calls.get(), 1);
+}
+
 /// A claim that took a lapsed one over, whose look at the other names fails, hands the key
 /// back with its lapse: the next claim is a takeover again, and asks the recovery hook (the
 /// operation may have happened under it), rather than running as new.

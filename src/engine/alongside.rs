@@ -26,8 +26,8 @@ impl<St: Store> Engine<St> {
     /// Nothing is copied between the names: every record under the names a deploy before
     /// stops claiming under expires before the deploy after stops looking there (see the
     /// module's three deploys). A caller that goes away during the look abandons our claim
-    /// and the claim the look made, and a claim let go while another is taken over is let go
-    /// in a task of its own: nothing stays held.
+    /// and the claim the look made (a claim it took over is handed back with its lapse):
+    /// nothing stays held.
     pub(super) async fn look_alongside(
         &self,
         named: &Named,
@@ -62,9 +62,16 @@ impl<St: Store> Engine<St> {
                 Ok(None)
             }
             Ok((Claim::TakenOver, other)) => {
-                // Held under `other` from here: nothing awaited before its holder exists.
-                let why = "a lapsed claim under the names alongside is taken over";
-                drop(tokio::spawn(self.let_go(ours, why)));
+                // Ours is let go before the answer too: a retry right after it must find the
+                // request under the names it ran under alone, not ours still held (202). The
+                // claim taken over is handed back with its lapse, never left held, by a caller
+                // that goes away meanwhile.
+                let lease = self.settings.lease();
+                let mut taken =
+                    UnsettledClaim { armed: Some((&self.store, key, &other, fingerprint, lease)) };
+                self.let_go(ours, "a lapsed claim under the names alongside is taken over").await;
+                taken.disarm();
+                drop(taken);
                 tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
                 observe::claim(route, "taken_over");
                 let held = named.clone().swapped();
