@@ -4,7 +4,7 @@
 //! leaves nothing stored, whatever the handler returns; a response the layer would not store is
 //! refused and rolled back; and each misuse of the transaction (retried after a lost answer,
 //! nested, sent to another store) is refused, never paid twice. Each test has a database of
-//! its own, dropped at the end. (The crash windows, with real SIGKILL, are `tests/ledger.rs`.)
+//! its own, dropped at the end. (The crash windows, with real SIGKILL, are `tests/suite/ledger.rs`.)
 #![cfg(feature = "postgres")]
 
 mod common;

@@ -211,7 +211,7 @@ impl RedisServer {
 
     /// The store a user of the docs makes: `RedisStore::from_url` (a pool of its own, a
     /// subscriber for waiters). A pool of the app's own,
-    /// `RedisStore::new(pool)`, is tested in `tests/redis.rs`, and beside this one in
+    /// `RedisStore::new(pool)`, is tested in `tests/suite/redis.rs`, and beside this one in
     /// `tests/redis_faults.rs` and `tests/redis_lost_answers.rs` ([`Built`]).
     pub fn store(&self) -> RedisStore {
         RedisStore::from_url(&self.url()).expect("store")

@@ -1,0 +1,217 @@
+//! Keyed hashes (`hashing(Hashing::keyed(secret))`), on every store: what is stored names no
+//! record by the plain SHA-256 of its key, and holds no plain fingerprint of its request, so
+//! that a reader of the store cannot confirm a guess; and a running service turns them on in
+//! three deploys without running anything twice or losing a stored response.
+
+use crate::common;
+
+use std::time::Duration;
+
+use axum::Router;
+use axum_idempotency::{
+    Fingerprint, IdempotencyLayer, Idempotent,
+    consumer::Outcome,
+    hashing::{Hashing, HashingError},
+    store::{Admin, Claim, Forgotten, Lease, OwnerToken, Store},
+};
+use common::*;
+
+every_store!(
+    keyed_names_hide_the_key_and_the_request,
+    the_consumer_door_names_its_records_keyed_too,
+    turning_keyed_hashes_on_in_three_deploys_strands_nothing,
+    instances_of_neighbouring_deploys_run_a_request_once,
+    a_holder_lapsed_under_the_old_names_is_taken_over_under_them,
+    forgetting_a_key_forgets_it_under_both_names,
+);
+
+const SECRET: [u8; 32] = [0x5e; 32];
+
+fn deploy(h: &impl Harness<Store: Admin>, calls: &Calls, hashing: Hashing) -> Router {
+    app(calls).layer(IdempotencyLayer::new(h.store()).hashing(hashing))
+}
+
+fn plain_to_keyed() -> Hashing {
+    Hashing::plain().alongside(Hashing::keyed(SECRET)).unwrap()
+}
+
+fn keyed_from_plain() -> Hashing {
+    Hashing::keyed(SECRET).alongside(Hashing::plain()).unwrap()
+}
+
+async fn keyed_names_hide_the_key_and_the_request<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(h.store()).hashing(Hashing::keyed(SECRET));
+    let app = app(&calls).layer(layer.clone());
+    let first = send(&app, keyed("POST", "/payments", "k1", r#"{"amount":1}"#)).await;
+    assert_eq!(first.status, 201, "{first:?}");
+    let retry = send(&app, keyed("POST", "/payments", "k1", r#"{"amount":1}"#)).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, first.body);
+    send(&app, keyed("POST", "/payments", "k1", r#"{"amount":2}"#))
+        .await
+        .assert_problem(409, "key-reused");
+    assert_eq!(calls.get(), 1);
+
+    // Nothing is stored under the plain SHA-256 of the key: a reader cannot confirm "k1".
+    assert_eq!(h.store().inspect(&global("k1"), false).await.unwrap(), None);
+    assert_eq!(h.held(&global("k1")).await, None);
+    assert_eq!(h.record_count().await, 1);
+    // The operator finds it, under its keyed name, with a fingerprint that is not the
+    // request's plain SHA-256.
+    let report = layer.operator().inspect(b"", "k1", false).await.unwrap().expect("a record");
+    assert_ne!(report.key_hash, global("k1").hash());
+    let plain = Fingerprint::new("POST", "/payments", "", br#"{"amount":1}"#);
+    assert_ne!(report.record.fingerprint, plain);
+    // Another secret names another record: the old one is not found, the request runs.
+    let other = deploy(&h, &calls, Hashing::keyed([0x77; 32]));
+    let elsewhere = send(&other, keyed("POST", "/payments", "k1", r#"{"amount":1}"#)).await;
+    assert_eq!((elsewhere.status.as_u16(), elsewhere.replayed()), (201, false));
+    assert_eq!(calls.get(), 2);
+}
+
+async fn the_consumer_door_names_its_records_keyed_too<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    let door = Idempotent::new(h.store()).hashing(Hashing::keyed(SECRET));
+    let run = || door.run("orders", "evt-1", b"charge 100", |_| async { Ok::<_, String>(7_u32) });
+    assert!(matches!(run().await, Ok(Outcome::Ran(7))));
+    assert!(matches!(run().await, Ok(Outcome::Replayed(7))));
+    let plain = axum_idempotency::store::RecordKey::new("idempotency", b"orders", b"evt-1");
+    assert_eq!(h.store().inspect(&plain, false).await.unwrap(), None);
+    let report = door.operator().inspect("orders", "evt-1", false).await.unwrap();
+    let report = report.expect("a record under the keyed name");
+    assert_ne!(report.record.fingerprint, Fingerprint::of_payload(b"charge 100"));
+}
+
+async fn turning_keyed_hashes_on_in_three_deploys_strands_nothing<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    let calls = Calls::default();
+    let before = deploy(&h, &calls, Hashing::plain());
+    let first = deploy(&h, &calls, plain_to_keyed());
+    let second = deploy(&h, &calls, keyed_from_plain());
+    let after = deploy(&h, &calls, Hashing::keyed(SECRET));
+    let pay = |key, body| keyed("POST", "/payments", key, body);
+
+    // Completed before any deploy: replayed by the first and second deploys (the third comes
+    // once every record under a plain name has expired).
+    let done = send(&before, pay("done", "{}")).await;
+    assert_eq!(done.status, 201);
+    send(&before, pay("other", r#"{"a":1}"#)).await;
+    assert_eq!(calls.get(), 2);
+    for instance in [&first, &second] {
+        let retry = send(instance, pay("done", "{}")).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!((retry.status, &retry.body), (done.status, &done.body));
+    }
+    // The same key with another request is still a mismatch, under either name.
+    send(&second, pay("other", r#"{"a":2}"#)).await.assert_problem(409, "key-reused");
+    assert_eq!(calls.get(), 2);
+
+    // Run by the first deploy (its plain name): its neighbours replay it.
+    let ran = send(&first, pay("one", "{}")).await;
+    assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
+    for instance in [&before, &second] {
+        assert!(send(instance, pay("one", "{}")).await.replayed());
+    }
+    // Run by the second deploy (its keyed name): its neighbours replay it.
+    let ran = send(&second, pay("two", "{}")).await;
+    assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
+    for instance in [&first, &after] {
+        let retry = send(instance, pay("two", "{}")).await;
+        assert!(retry.replayed(), "{retry:?}");
+        assert_eq!(retry.body, ran.body);
+    }
+    assert_eq!(calls.get(), 4);
+}
+
+async fn instances_of_neighbouring_deploys_run_a_request_once<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    let calls = Calls::default();
+    let deploys = [Hashing::plain(), plain_to_keyed(), keyed_from_plain(), Hashing::keyed(SECRET)];
+    let instances: Vec<Router> = deploys.into_iter().map(|d| deploy(&h, &calls, d)).collect();
+    // Each rolling deploy runs two neighbours side by side: 50 duplicates spread over them,
+    // one handler run, every other answer 202 or the replay.
+    for (round, pair) in instances.windows(2).enumerate() {
+        let key: &'static str = Box::leak(format!("k{round}").into_boxed_str());
+        let requests: Vec<_> = (0..50)
+            .map(|i| send_in_background(&pair[i % 2], delayed("/slow", key, 50, "{}")))
+            .collect();
+        let mut originals = 0;
+        for request in requests {
+            let seen = request.await.unwrap();
+            match seen.status.as_u16() {
+                201 if !seen.replayed() => originals += 1,
+                201 => assert_eq!(seen.header("x-payment"), Some(&*format!("pay_{}", round + 1))),
+                202 => seen.assert_problem(202, "in-progress"),
+                other => panic!("unexpected status {other}: {seen:?}"),
+            }
+        }
+        assert_eq!(originals, 1, "deploys {round} and {}", round + 1);
+        assert_eq!(calls.get(), round + 1);
+    }
+}
+
+async fn a_holder_lapsed_under_the_old_names_is_taken_over_under_them<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    // An instance before the change claimed the key and died: its lease lapsed, its record is
+    // kept for the recovery window.
+    let plain = Fingerprint::new("POST", "/payments", "", b"{}");
+    let lease = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
+    let claimed = h.store().claim(&global("k1"), &plain, &OwnerToken::random(), lease).await;
+    assert_eq!(claimed.unwrap(), Claim::Claimed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let calls = Calls::default();
+    let second = deploy(&h, &calls, keyed_from_plain());
+    let ran = send(&second, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
+    // Taken over and completed under the plain name it started with; nothing under the keyed
+    // one (its claim was let go), so that the next look finds the plain record.
+    assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
+    assert_eq!(h.record_count().await, 1);
+    let before = deploy(&h, &calls, Hashing::plain());
+    for instance in [&before, &second] {
+        assert!(send(instance, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    }
+    assert_eq!(calls.get(), 1);
+}
+
+async fn forgetting_a_key_forgets_it_under_both_names<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
+    let calls = Calls::default();
+    let before = deploy(&h, &calls, Hashing::plain());
+    let keyed_only = deploy(&h, &calls, Hashing::keyed(SECRET));
+    let layer = IdempotencyLayer::new(h.store()).hashing(keyed_from_plain());
+    let second = app(&calls).layer(layer.clone());
+    // A record of one key under each name (a deploy skipped: two runs).
+    send(&before, keyed("POST", "/payments", "k1", "{}")).await;
+    send(&keyed_only, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((h.record_count().await, calls.get()), (2, 2));
+    assert!(send(&second, keyed("POST", "/payments", "k1", "{}")).await.replayed());
+    assert_eq!(layer.operator().forget(b"", "k1", false).await.unwrap(), Forgotten::Deleted);
+    assert_eq!(h.record_count().await, 0);
+    let again = send(&second, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((again.status.as_u16(), again.replayed()), (201, false));
+    assert_eq!(calls.get(), 3);
+}
+
+#[test]
+fn the_names_alongside_are_other_names() {
+    let same = Hashing::keyed(SECRET).alongside(Hashing::keyed(SECRET));
+    assert_eq!(same.unwrap_err(), HashingError::SameNames);
+    let nested = Hashing::keyed(SECRET).alongside(plain_to_keyed());
+    assert_eq!(nested.unwrap_err(), HashingError::Nested);
+}
