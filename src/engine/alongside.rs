@@ -62,20 +62,23 @@ impl<St: Store> Engine<St> {
                 Ok(None)
             }
             Ok((Claim::TakenOver, other)) => {
+                // Held under `other` from here, its lease renewed, before anything is awaited:
+                // letting ours go may take a lease of tries (an abandon, when ours was a
+                // takeover too), and a lapse meanwhile would let a retry take it over and run.
+                tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
+                observe::claim(route, "taken_over");
+                let held = named.clone().swapped();
+                let holder = Holder::new(self, held, other.clone(), route.clone(), true);
                 // Ours is let go before the answer too: a retry right after it must find the
-                // request under the names it ran under alone, not ours still held (202). The
-                // claim taken over is handed back with its lapse, never left held, by a caller
-                // that goes away meanwhile.
+                // request under the names it runs under alone, not ours still held (202). A
+                // caller that goes away meanwhile hands the claim taken over back with its
+                // lapse (its holder, dropped, renews it no more).
                 let lease = self.settings.lease();
                 let mut taken =
                     UnsettledClaim { armed: Some((&self.store, key, &other, fingerprint, lease)) };
                 self.let_go(ours, "a lapsed claim under the names alongside is taken over").await;
                 taken.disarm();
-                drop(taken);
-                tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
-                observe::claim(route, "taken_over");
-                let held = named.clone().swapped();
-                Ok(Some(Claimed::Run(Holder::new(self, held, other, route.clone(), true))))
+                Ok(Some(Claimed::Run(holder)))
             }
             Ok((Claim::Replay { response, .. }, _)) => {
                 let opened = self.settings.at_rest.open(key, fingerprint, response);
@@ -102,7 +105,7 @@ impl<St: Store> Engine<St> {
     /// Lets a claim go: released when it was a fresh claim (nothing ran under it); handed back
     /// when it took a lapsed one over (its lease ends, the record stays for its window), so
     /// that the next claim is a takeover again and asks the recovery hook: the operation may
-    /// have happened under it. A future that owns what it needs, to spawn or to await.
+    /// have happened under it.
     fn let_go(
         &self,
         (key, owner, fingerprint, taken_over): (&RecordKey, &OwnerToken, &Fingerprint, bool),

@@ -199,7 +199,8 @@ struct SlowOthers {
     delay: Duration,
     /// Fail those claims instead (the store unreachable for them), writing nothing.
     fail: bool,
-    /// Delay those releases instead of claims' answers (a pool whose connections are busy).
+    /// Delay those releases and touches (an abandon is one) instead of claims' answers (a
+    /// pool whose connections are busy).
     slow_releases: bool,
 }
 
@@ -245,6 +246,9 @@ impl Store for SlowOthers {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
+        if key.as_str() != self.fast && self.slow_releases {
+            tokio::time::sleep(self.delay).await;
+        }
         self.inner.touch(key, owner, lease).await
     }
 }
@@ -362,6 +366,56 @@ async fn a_takeover_under_the_other_names_is_answered_after_ours_is_let_go() {
     let retry = send(&instance, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((retry.status.as_u16(), retry.replayed()), (201, true), "{retry:?}");
     assert_eq!(calls.get(), 1);
+}
+
+/// A takeover under the other names whose own claim was a takeover too lets that one go with
+/// an abandon, which tries for up to a lease: the claim it took over is renewed meanwhile, so
+/// that a retry finds it held (202), and never takes it over to run the request a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_let_go_after_a_takeover_under_the_other_names_keeps_the_lease_renewed() {
+    let inner = MemoryStore::new();
+    // A holder under the keyed names (deploy 3) died: its claim lapsed, kept for its window.
+    let died = Calls::default();
+    let keyed_only = IdempotencyLayer::new(inner.clone())
+        .hashing(Hashing::keyed(SECRET))
+        .lease(Duration::from_millis(100))
+        .keep_alive(None);
+    let dying = app(&died).layer(keyed_only);
+    let gone = tokio::time::timeout(
+        Duration::from_millis(50),
+        send(&dying, delayed("/slow", "k1", 60_000, "{}")),
+    );
+    assert!(gone.await.is_err());
+    // And one under the plain names.
+    let plain = Fingerprint::new("POST", "/slow", "", b"{}");
+    let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
+    inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    // Deploy 2 takes both over: the plain claim to run under, and its own, let go with an
+    // abandon whose store answers 1.5 s late, five of its 300 ms leases.
+    let slow = SlowOthers {
+        inner: inner.clone(),
+        fast: global("k1").as_str().to_owned(),
+        delay: Duration::from_millis(1500),
+        fail: false,
+        slow_releases: true,
+    };
+    let calls = Calls::default();
+    let deploy2 = IdempotencyLayer::new(slow)
+        .hashing(keyed_from_plain())
+        .lease(Duration::from_millis(300))
+        .waiting(Waiting::off());
+    let first = send_in_background(&app(&calls).layer(deploy2), delayed("/slow", "k1", 0, "{}"));
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let deploy1 = IdempotencyLayer::new(inner.clone())
+        .lease(Duration::from_millis(300))
+        .waiting(Waiting::off());
+    let retry = send(&app(&calls).layer(deploy1), delayed("/slow", "k1", 0, "{}")).await;
+    retry.assert_problem(202, "in-progress");
+    let first = first.await.unwrap();
+    assert_eq!((first.status.as_u16(), first.replayed()), (201, false), "{first:?}");
+    assert_eq!(calls.get(), 1, "run twice");
 }
 
 /// A claim that took a lapsed one over, whose look at the other names fails, hands the key
