@@ -62,23 +62,21 @@ impl<St: Store> Engine<St> {
                 Ok(None)
             }
             Ok((Claim::TakenOver, other)) => {
-                // Held under `other` from here, its lease renewed, before anything is awaited:
-                // letting ours go may take a lease of tries (an abandon, when ours was a
-                // takeover too), and a lapse meanwhile would let a retry take it over and run.
                 tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
                 observe::claim(route, "taken_over");
+                // Held under `other` from here: its holder, and its lease's renewals, first.
                 let held = named.clone().swapped();
-                let holder = Holder::new(self, held, other.clone(), route.clone(), true);
-                // Ours is let go before the answer too: a retry right after it must find the
-                // request under the names it runs under alone, not ours still held (202). A
-                // caller that goes away meanwhile hands the claim taken over back with its
-                // lapse (its holder, dropped, renews it no more).
-                let lease = self.settings.lease();
-                let mut taken =
-                    UnsettledClaim { armed: Some((&self.store, key, &other, fingerprint, lease)) };
-                self.let_go(ours, "a lapsed claim under the names alongside is taken over").await;
-                taken.disarm();
-                Ok(Some(Claimed::Run(holder)))
+                let holder = HandBack(Some(Holder::new(self, held, other, route.clone(), true)));
+                // Ours is let go before the answer, so that a retry right after it finds the
+                // request under the names it runs under alone, not ours still held (202). In
+                // a task of its own (a caller that goes away does not stop it), waited for a
+                // third of a lease at most: an abandon of ours tries for up to a lease, and
+                // the operation must not wait past the lease it holds (without keep-alive,
+                // nothing renews it). A caller gone meanwhile hands the claim taken over back.
+                let why = "a lapsed claim under the names alongside is taken over";
+                let letting_go = tokio::spawn(self.let_go(ours, why));
+                drop(tokio::time::timeout(self.settings.lease / 3, letting_go).await);
+                Ok(Some(Claimed::Run(holder.keep())))
             }
             Ok((Claim::Replay { response, .. }, _)) => {
                 let opened = self.settings.at_rest.open(key, fingerprint, response);
@@ -119,6 +117,26 @@ impl<St: Store> Engine<St> {
             } else {
                 release(&store, &key, &owner, None, why).await;
             }
+        }
+    }
+}
+
+/// The holder of a claim taken over under the names alongside, handed back (its renewals
+/// stopped first, so that none lands after; its lapse kept for the next claim) if it is
+/// dropped before it is kept: its caller went away.
+struct HandBack<St: Store>(Option<Holder<St>>);
+
+impl<St: Store> HandBack<St> {
+    fn keep(mut self) -> Holder<St> {
+        // `None` only inside `drop` (as tokio-util's `DropGuard::disarm` says of its own).
+        self.0.take().expect("a holder is taken only once")
+    }
+}
+
+impl<St: Store> Drop for HandBack<St> {
+    fn drop(&mut self) {
+        if let Some(holder) = self.0.take() {
+            drop(tokio::spawn(holder.hand_back("its caller went away")));
         }
     }
 }

@@ -224,18 +224,18 @@ impl<St: Store> Holder<St> {
             failure,
             "idempotency: recovery failed; the operation does not run"
         );
-        self.hand_back().await;
+        self.hand_back("recovery failed").await;
         Asked::Refused
     }
 
     /// Ends the lease now, keeping the record for its recovery window, so that the next
     /// claim takes it over (and asks the hook again) rather than claiming it fresh. Without
     /// a window there is nothing to keep: the claim is released.
-    async fn hand_back(mut self) {
+    pub(super) async fn hand_back(mut self, why: &'static str) {
         self.stop_renewal().await;
         let lease = self.settings.lease();
         if lease.recovery_window.is_zero() {
-            return self.release("recovery failed").await;
+            return self.release(why).await;
         }
         let ended = Lease::new(Duration::ZERO).recovery_window(lease.recovery_window);
         match self.store.touch(&self.key, &self.owner, ended).await {

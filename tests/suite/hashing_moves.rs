@@ -369,53 +369,59 @@ async fn a_takeover_under_the_other_names_is_answered_after_ours_is_let_go() {
 }
 
 /// A takeover under the other names whose own claim was a takeover too lets that one go with
-/// an abandon, which tries for up to a lease: the claim it took over is renewed meanwhile, so
-/// that a retry finds it held (202), and never takes it over to run the request a second time.
+/// an abandon, which tries for up to a lease (its store answers late: a busy pool). The
+/// operation does not wait for it past a third of its lease, with keep-alive or without: a
+/// retry after the lease finds the operation done (the replay), never a lapsed claim to take
+/// over and run a second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_let_go_after_a_takeover_under_the_other_names_keeps_the_lease_renewed() {
-    let inner = MemoryStore::new();
-    // A holder under the keyed names (deploy 3) died: its claim lapsed, kept for its window.
-    let died = Calls::default();
-    let keyed_only = IdempotencyLayer::new(inner.clone())
-        .hashing(Hashing::keyed(SECRET))
-        .lease(Duration::from_millis(100))
-        .keep_alive(None);
-    let dying = app(&died).layer(keyed_only);
-    let gone = tokio::time::timeout(
-        Duration::from_millis(50),
-        send(&dying, delayed("/slow", "k1", 60_000, "{}")),
-    );
-    assert!(gone.await.is_err());
-    // And one under the plain names.
-    let plain = Fingerprint::new("POST", "/slow", "", b"{}");
-    let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
-    inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+async fn a_slow_let_go_after_a_takeover_under_the_other_names_never_lets_the_claim_lapse() {
+    for keep_alive in [Some(Duration::from_secs(60)), None] {
+        let inner = MemoryStore::new();
+        // A holder under the keyed names (deploy 3) died: its claim lapsed, kept for its window.
+        let died = Calls::default();
+        let keyed_only = IdempotencyLayer::new(inner.clone())
+            .hashing(Hashing::keyed(SECRET))
+            .lease(Duration::from_millis(100))
+            .keep_alive(None);
+        let dying = app(&died).layer(keyed_only);
+        let gone = tokio::time::timeout(
+            Duration::from_millis(50),
+            send(&dying, delayed("/slow", "k1", 60_000, "{}")),
+        );
+        assert!(gone.await.is_err());
+        // And one under the plain names.
+        let plain = Fingerprint::new("POST", "/slow", "", b"{}");
+        let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
+        inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
 
-    // Deploy 2 takes both over: the plain claim to run under, and its own, let go with an
-    // abandon whose store answers 1.5 s late, five of its 300 ms leases.
-    let slow = SlowOthers {
-        inner: inner.clone(),
-        fast: global("k1").as_str().to_owned(),
-        delay: Duration::from_millis(1500),
-        fail: false,
-        slow_releases: true,
-    };
-    let calls = Calls::default();
-    let deploy2 = IdempotencyLayer::new(slow)
-        .hashing(keyed_from_plain())
-        .lease(Duration::from_millis(300))
-        .waiting(Waiting::off());
-    let first = send_in_background(&app(&calls).layer(deploy2), delayed("/slow", "k1", 0, "{}"));
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let deploy1 = IdempotencyLayer::new(inner.clone())
-        .lease(Duration::from_millis(300))
-        .waiting(Waiting::off());
-    let retry = send(&app(&calls).layer(deploy1), delayed("/slow", "k1", 0, "{}")).await;
-    retry.assert_problem(202, "in-progress");
-    let first = first.await.unwrap();
-    assert_eq!((first.status.as_u16(), first.replayed()), (201, false), "{first:?}");
-    assert_eq!(calls.get(), 1, "run twice");
+        // Deploy 2 takes both over: the plain claim to run under, and its own, let go with an
+        // abandon whose store answers 1.5 s late, five of its 300 ms leases.
+        let slow = SlowOthers {
+            inner: inner.clone(),
+            fast: global("k1").as_str().to_owned(),
+            delay: Duration::from_millis(1500),
+            fail: false,
+            slow_releases: true,
+        };
+        let calls = Calls::default();
+        let deploy2 = IdempotencyLayer::new(slow)
+            .hashing(keyed_from_plain())
+            .lease(Duration::from_millis(300))
+            .keep_alive(keep_alive)
+            .waiting(Waiting::off());
+        let deploy2 = app(&calls).layer(deploy2);
+        let first = send_in_background(&deploy2, delayed("/slow", "k1", 0, "{}"));
+        // Past the lease of the claim the first took over, while its abandon is still on the
+        // wire: a deploy-1 instance's retry.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let deploy1 = IdempotencyLayer::new(inner.clone()).waiting(Waiting::off());
+        let retry = send(&app(&calls).layer(deploy1), delayed("/slow", "k1", 0, "{}")).await;
+        assert_eq!((retry.status.as_u16(), retry.replayed()), (201, true), "{retry:?}");
+        let first = first.await.unwrap();
+        assert_eq!((first.status.as_u16(), first.replayed()), (201, false), "{first:?}");
+        assert_eq!(calls.get(), 1, "run twice (keep-alive {keep_alive:?})");
+    }
 }
 
 /// A claim that took a lapsed one over, whose look at the other names fails, hands the key
