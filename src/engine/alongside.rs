@@ -70,12 +70,14 @@ impl<St: Store> Engine<St> {
                 // Ours is let go before the answer, so that a retry right after it finds the
                 // request under the names it runs under alone, not ours still held (202). In
                 // a task of its own (a caller that goes away does not stop it), waited for a
-                // third of a lease at most: an abandon of ours tries for up to a lease, and
-                // the operation must not wait past the lease it holds (without keep-alive,
-                // nothing renews it). A caller gone meanwhile hands the claim taken over back.
+                // third of a lease at most, and only while renewals hold the claim taken over:
+                // an abandon of ours tries for up to a lease, and the operation must not spend
+                // the lease it holds waiting for it. A caller gone meanwhile hands it back.
                 let why = "a lapsed claim under the names alongside is taken over";
                 let letting_go = tokio::spawn(self.let_go(ours, why));
-                drop(tokio::time::timeout(self.settings.lease / 3, letting_go).await);
+                if self.renewals.is_some() {
+                    drop(tokio::time::timeout(self.settings.lease / 3, letting_go).await);
+                }
                 Ok(Some(Claimed::Run(holder.keep())))
             }
             Ok((Claim::Replay { response, .. }, _)) => {
@@ -135,8 +137,11 @@ impl<St: Store> HandBack<St> {
 
 impl<St: Store> Drop for HandBack<St> {
     fn drop(&mut self) {
-        if let Some(holder) = self.0.take() {
-            drop(tokio::spawn(holder.hand_back("its caller went away")));
+        // Dropped outside any runtime (its own shut down): nothing can hand it back, and its
+        // lease lapses, as a holder's does when its process dies.
+        if let (Some(holder), Ok(runtime)) = (self.0.take(), tokio::runtime::Handle::try_current())
+        {
+            drop(runtime.spawn(holder.hand_back("its caller went away")));
         }
     }
 }
