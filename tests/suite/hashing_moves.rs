@@ -341,23 +341,31 @@ async fn a_caller_gone_while_the_look_lets_go_leaves_nothing_held() {
     }
 }
 
+/// A holder under the plain names that died on `path`: its claim of `k1` lapsed 100 ms after
+/// it, kept for its window.
+async fn lapsed_under_plain(store: &MemoryStore, path: &str) {
+    let plain = Fingerprint::new("POST", path, "", b"{}");
+    let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
+    store.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+}
+
+impl SlowOthers {
+    /// Releases and touches of every key but the plain `k1` answered `delay` late.
+    fn letting_go_late(inner: &MemoryStore, delay: Duration) -> Self {
+        let fast = global("k1").as_str().to_owned();
+        Self { inner: inner.clone(), fast, delay, fail: false, slow_releases: true }
+    }
+}
+
 /// A request that took a lapsed holder over under the other names is answered after the claim
 /// under its own names is let go (a slow release: a busy pool): a retry right after the answer
 /// gets the replay, never the 202 of a claim that nobody holds any more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_under_the_other_names_is_answered_after_ours_is_let_go() {
     let inner = MemoryStore::new();
-    let plain = Fingerprint::new("POST", "/payments", "", b"{}");
-    let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
-    inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let slow = SlowOthers {
-        inner: inner.clone(),
-        fast: global("k1").as_str().to_owned(),
-        delay: Duration::from_millis(300),
-        fail: false,
-        slow_releases: true,
-    };
+    lapsed_under_plain(&inner, "/payments").await;
+    let slow = SlowOthers::letting_go_late(&inner, Duration::from_millis(300));
     let calls = Calls::default();
     let layer = IdempotencyLayer::new(slow).waiting(Waiting::off()).hashing(keyed_from_plain());
     let instance = app(&calls).layer(layer);
@@ -390,20 +398,11 @@ async fn a_slow_let_go_after_a_takeover_under_the_other_names_never_lets_the_cla
         );
         assert!(gone.await.is_err());
         // And one under the plain names.
-        let plain = Fingerprint::new("POST", "/slow", "", b"{}");
-        let lapse = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
-        inner.claim(&global("k1"), &plain, &OwnerToken::random(), lapse).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        lapsed_under_plain(&inner, "/slow").await;
 
         // Deploy 2 takes both over: the plain claim to run under, and its own, let go with an
         // abandon whose store answers 1.5 s late, five of its 300 ms leases.
-        let slow = SlowOthers {
-            inner: inner.clone(),
-            fast: global("k1").as_str().to_owned(),
-            delay: Duration::from_millis(1500),
-            fail: false,
-            slow_releases: true,
-        };
+        let slow = SlowOthers::letting_go_late(&inner, Duration::from_millis(1500));
         let calls = Calls::default();
         let deploy2 = IdempotencyLayer::new(slow)
             .hashing(keyed_from_plain())
