@@ -7,7 +7,9 @@
 //! - **The same answer**: every 2xx answer for a key carries the same receipt as the first, and
 //!   that receipt is an execution the database holds.
 //! - **An answer**: every client that stayed within its retry budget got a 2xx; none was
-//!   refused (a 4xx other than 409 in progress, a 500).
+//!   refused (a 4xx other than 409 in progress, a 500). A budget runs out no sooner than
+//!   `AFTER_HEAL` after the faults heal: what is checked is that every key is answered once
+//!   the system is whole again, not that a key whose every attempt fell in a fault was.
 //! - **No panic** in any process's log.
 //!
 //! In a `--lossy` run, a rerun with a restart without AOF or a failover between its executions

@@ -6,7 +6,7 @@
 
 use std::{
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
@@ -26,8 +26,16 @@ pub(crate) const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(3);
 /// thirteen it missed it in one 60-second run of two.
 const DOUBLE_CLICK: u8 = 64;
 
-/// How long a client keeps retrying one key.
+/// How long a client keeps retrying one key, at least: a key whose budget ran out while the
+/// faults went on is retried until the faults have been healed for [`AFTER_HEAL`]. The
+/// promise checked is liveness once the system is whole again; while a nemesis breaks it
+/// without pause, a key unlucky enough to have every attempt fall in a fault gets no answer,
+/// and no store could give it one.
 pub(crate) const BUDGET: Duration = Duration::from_secs(60);
+
+/// How long after the faults heal a key still unanswered is retried: the slowest recovery the
+/// run allows (a lease and a recovery window lapsing, a pool reconnecting), and then some.
+pub(crate) const AFTER_HEAL: Duration = Duration::from_secs(20);
 
 /// Whether `status` is a final answer: a 2xx other than 202, which both doors give while the
 /// original still runs (the client retries it, as it does a 409 or a 5xx).
@@ -68,6 +76,8 @@ pub(crate) struct KeyEnd {
 pub(crate) struct History {
     pub(crate) attempts: Mutex<Vec<Attempt>>,
     pub(crate) ends: Mutex<Vec<KeyEnd>>,
+    /// When the last fault healed: a key's budget does not run out before [`AFTER_HEAL`] past it.
+    pub(crate) healed: OnceLock<Instant>,
 }
 
 /// Where a door's requests go.
@@ -96,7 +106,8 @@ pub(crate) async fn client(
     }
 }
 
-/// Sends `body` under `key` until a 2xx, a final refusal, or the budget runs out.
+/// Sends `body` under `key` until a 2xx, a final refusal, or the budget runs out (never before
+/// the faults have been healed for [`AFTER_HEAL`]).
 async fn one_key(
     http: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
     targets: &Targets,
@@ -127,7 +138,8 @@ async fn one_key(
             Some(202 | 409 | 500..=599) | None => {}
             Some(other) => break (false, Some(other)),
         }
-        if started.elapsed() > BUDGET {
+        let healed = history.healed.get().is_some_and(|at| at.elapsed() > AFTER_HEAL);
+        if started.elapsed() > BUDGET && healed {
             break (false, None);
         }
         let jitter = Duration::from_millis(u64::from(rand::random::<u8>()));

@@ -3,6 +3,9 @@
 
 use std::future::Future;
 
+use tokio::task::JoinHandle;
+use tokio_util::task::TaskTracker;
+
 use super::{
     Claimed, Engine, Holder, UnsettledClaim, observe,
     observe::Label,
@@ -66,15 +69,18 @@ impl<St: Store> Engine<St> {
                 observe::claim(route, "taken_over");
                 // Held under `other` from here: its holder, and its lease's renewals, first.
                 let held = named.clone().swapped();
-                let holder = HandBack(Some(Holder::new(self, held, other, route.clone(), true)));
+                let holder = Holder::new(self, held, other, route.clone(), true);
+                let holder = HandBack(Some(holder), self.settings.tasks.clone());
                 // Ours is let go before the answer, so that a retry right after it finds the
                 // request under the names it runs under alone, not ours still held (202). In
                 // a task of its own (a caller that goes away does not stop it), waited for a
                 // third of a lease at most, and only while renewals hold the claim taken over:
                 // an abandon of ours tries for up to a lease, and the operation must not spend
                 // the lease it holds waiting for it. A caller gone meanwhile hands it back.
+                // Counted on the task tracker, as the operation is: a service that shuts down
+                // waits for it, and does not leave ours held for a lease.
                 let why = "a lapsed claim under the names alongside is taken over";
-                let letting_go = tokio::spawn(self.let_go(ours, why));
+                let letting_go = spawn(self.settings.tasks.as_ref(), self.let_go(ours, why));
                 if self.renewals.is_some() {
                     drop(tokio::time::timeout(self.settings.lease / 3, letting_go).await);
                 }
@@ -125,8 +131,9 @@ impl<St: Store> Engine<St> {
 
 /// The holder of a claim taken over under the names alongside, handed back (its renewals
 /// stopped first, so that none lands after; its lapse kept for the next claim) if it is
-/// dropped before it is kept: its caller went away.
-struct HandBack<St: Store>(Option<Holder<St>>);
+/// dropped before it is kept: its caller went away. The hand-back is counted on the task
+/// tracker, when there is one.
+struct HandBack<St: Store>(Option<Holder<St>>, Option<TaskTracker>);
 
 impl<St: Store> HandBack<St> {
     fn keep(mut self) -> Holder<St> {
@@ -139,9 +146,21 @@ impl<St: Store> Drop for HandBack<St> {
     fn drop(&mut self) {
         // Dropped outside any runtime (its own shut down): nothing can hand it back, and its
         // lease lapses, as a holder's does when its process dies.
-        if let (Some(holder), Ok(runtime)) = (self.0.take(), tokio::runtime::Handle::try_current())
+        if tokio::runtime::Handle::try_current().is_ok()
+            && let Some(holder) = self.0.take()
         {
-            drop(runtime.spawn(holder.hand_back("its caller went away")));
+            drop(spawn(self.1.as_ref(), holder.hand_back("its caller went away")));
         }
+    }
+}
+
+/// Spawns `work` on the current runtime, counted on `tracker` when there is one.
+fn spawn(
+    tracker: Option<&TaskTracker>,
+    work: impl Future<Output = ()> + Send + 'static,
+) -> JoinHandle<()> {
+    match tracker {
+        Some(tracker) => tracker.spawn(work),
+        None => tokio::spawn(work),
     }
 }

@@ -21,7 +21,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 /// so the build is asked for here (a no-op when it is fresh), once per example and binary.
 pub fn binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
-    let mut built = BUILT.get_or_init(Mutex::default).lock().unwrap();
+    // A build that failed panics below, holding the lock: the next test builds again, and says
+    // why, rather than failing on the poisoned lock.
+    let mut built =
+        BUILT.get_or_init(Mutex::default).lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     if let Some(path) = built.get(name) {
         return path.clone();
     }

@@ -376,6 +376,32 @@ async fn a_takeover_under_the_other_names_is_answered_after_ours_is_let_go() {
     assert_eq!(calls.get(), 1);
 }
 
+/// The claim under the request's own names, let go in a task of its own after a takeover under
+/// the other names, is counted on the layer's task tracker: a service that shuts down (here
+/// without keep-alive, so that nothing waits for the let-go before the answer) waits for it,
+/// and the next instance's retry finds the request done, not the claim still held (202).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_let_go_after_a_takeover_under_the_other_names_is_waited_for_at_shutdown() {
+    let inner = MemoryStore::new();
+    lapsed_under_plain(&inner, "/payments").await;
+    let slow = SlowOthers::letting_go_late(&inner, Duration::from_millis(500));
+    let (calls, tasks) = (Calls::default(), tokio_util::task::TaskTracker::new());
+    let layer = IdempotencyLayer::new(slow)
+        .waiting(Waiting::off())
+        .keep_alive(None)
+        .task_tracker(tasks.clone())
+        .hashing(keyed_from_plain());
+    let ran = send(&app(&calls).layer(layer), keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false), "{ran:?}");
+    // The service shuts down, and the next instance takes the retry.
+    tasks.close();
+    tasks.wait().await;
+    let next = IdempotencyLayer::new(inner).waiting(Waiting::off()).hashing(keyed_from_plain());
+    let retry = send(&app(&calls).layer(next), keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((retry.status.as_u16(), retry.replayed()), (201, true), "{retry:?}");
+    assert_eq!(calls.get(), 1);
+}
+
 /// A takeover under the other names whose own claim was a takeover too lets that one go with
 /// an abandon, which tries for up to a lease (its store answers late: a busy pool). The
 /// operation does not wait for it past a third of its lease, with keep-alive or without: a
