@@ -265,6 +265,11 @@ async fn run_in(
     let rows = read_rows(&database.url).await?;
     let attempts = history.attempts.lock().unwrap().clone();
     let ends = history.ends.lock().unwrap().clone();
+    if ends.iter().any(|end| !end.answered) {
+        // A key left unanswered: what held it, while the processes still run.
+        let snapshot = database_snapshot(&database.url).await;
+        std::fs::write(dir.join("database.txt"), snapshot)?;
+    }
     let faults = nemesis.faults.lock().unwrap().clone();
     let mut logs: Vec<PathBuf> = Vec::new();
     for procs in [&nemesis.instances, &nemesis.workers, &nemesis.redis] {
@@ -316,6 +321,41 @@ async fn read_rows(url: &str) -> Result<Vec<Row>, BoxError> {
             written_ms: r.get(6),
         })
         .collect())
+}
+
+/// The records still in progress (PostgresStore's table) and every session of the run's
+/// database with its transaction and what it waits for: what a key left unanswered waited on.
+async fn database_snapshot(url: &str) -> String {
+    let queries = [
+        "SELECT key, state, encode(owner, 'hex'), lease_until - clock_timestamp(), \
+         expires_at - clock_timestamp(), waited FROM idempotency_records WHERE state <> 'C'",
+        "SELECT pid, application_name, state, clock_timestamp() - xact_start, \
+         clock_timestamp() - state_change, wait_event_type, wait_event, left(query, 300) \
+         FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()",
+        "SELECT l.pid, l.locktype, l.mode, l.granted, c.relname FROM pg_locks l \
+         LEFT JOIN pg_class c ON c.oid = l.relation WHERE l.pid <> pg_backend_pid()",
+    ];
+    let client = match system::connect(url).await {
+        Ok(client) => client,
+        Err(error) => return format!("no connection: {error}\n"),
+    };
+    let mut snapshot = String::new();
+    for sql in queries {
+        snapshot.push_str(&format!("-- {sql}\n"));
+        match client.simple_query(sql).await {
+            Ok(messages) => {
+                for message in messages {
+                    if let tokio_postgres::SimpleQueryMessage::Row(row) = message {
+                        let columns = (0..row.len()).map(|i| row.get(i).unwrap_or("NULL"));
+                        snapshot.push_str(&columns.collect::<Vec<_>>().join(" | "));
+                        snapshot.push('\n');
+                    }
+                }
+            }
+            Err(error) => snapshot.push_str(&format!("failed: {error}\n")),
+        }
+    }
+    snapshot
 }
 
 fn write_history(
