@@ -411,3 +411,106 @@ async fn a_holder_taken_over_cannot_commit_while_the_new_holder_runs() {
     let replay = idem.run("payments", "evt_1", b"{}", |_| async { Ok::<i64, BoxError>(0) }).await;
     assert!(matches!(replay, Ok(Outcome::Replayed(again)) if again == id), "{replay:?}");
 }
+
+/// A TCP proxy to the database that can hold the server's replies (a network that delays one
+/// direction): bytes the server sends wait in the proxy until it lets them go.
+#[derive(Clone)]
+struct HoldingProxy {
+    port: u16,
+    held: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl HoldingProxy {
+    async fn start(target: u16) -> Self {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let held = Arc::new(tokio::sync::watch::Sender::new(false));
+        let watched = held.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let server = tokio::net::TcpStream::connect(("127.0.0.1", target)).await.unwrap();
+                let mut held = watched.subscribe();
+                tokio::spawn(async move {
+                    let (mut client_read, mut client_write) = client.into_split();
+                    let (mut server_read, mut server_write) = server.into_split();
+                    let up = tokio::io::copy(&mut client_read, &mut server_write);
+                    let down = async {
+                        let mut buffer = vec![0; 16 * 1024];
+                        while let Ok(n @ 1..) = server_read.read(&mut buffer).await {
+                            let _ = held.wait_for(|held| !*held).await;
+                            if client_write.write_all(&buffer[..n]).await.is_err() {
+                                break;
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        _ = up => {}
+                        () = down => {}
+                    }
+                });
+            }
+        });
+        Self { port, held }
+    }
+
+    fn hold(&self, held: bool) {
+        self.held.send_replace(held);
+    }
+}
+
+/// A `BEGIN` whose answer comes later than the store's command timeout: the transaction fails
+/// (`TransactionError::Store`), and the connection it began on is closed, not handed back to
+/// the pool inside a transaction that nothing would end (sqlx counts a transaction only once
+/// `BEGIN`'s answer is read, launchbadge/sqlx#4393). Were it handed back, the next operations
+/// on it would run inside that transaction: a completed record never committed, and another
+/// instance's delivery of that event answered "in progress", or an error, never its replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_begin_answered_after_the_timeout_leaves_no_transaction_open() {
+    let d = TestDatabase::create("txn").await;
+    let (direct_pool, _) = setup(&d).await;
+    let proxy = HoldingProxy::start(d.port()).await;
+    // One connection, so that every operation after the timeout is on the one it began on.
+    let proxied = PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect_lazy_with(d.options().host("127.0.0.1").port(proxy.port));
+    let store =
+        PostgresStore::new(proxied).sweep_every(None).command_timeout(Duration::from_millis(300));
+    let idem = Idempotent::new(store.clone());
+
+    let (slow, slow_proxy) = (store.clone(), proxy.clone());
+    let timed_out = idem
+        .run("payments", "evt_1", b"{}", move |context| async move {
+            slow_proxy.hold(true);
+            let began = slow
+                .transaction(&context, |_| Box::pin(async { Ok::<_, sqlx::Error>(Json(1_i64)) }));
+            let began = began.await;
+            slow_proxy.hold(false);
+            began.map(|Json(id)| id).map_err(BoxError::from)
+        })
+        .await;
+    let Err(Error::Operation(error)) = timed_out else { panic!("ran: {timed_out:?}") };
+    let timeout = error.downcast_ref::<TransactionError<sqlx::Error>>();
+    assert!(matches!(timeout, Some(TransactionError::Store(StoreError::Timeout(_)))), "{error}");
+
+    // The next event completes on this instance (its record written outside any transaction),
+    // and another instance's delivery of it is a replay.
+    let ran = idem.run("payments", "evt_2", b"{}", |_| async { Ok::<i64, BoxError>(2) }).await;
+    assert!(matches!(ran, Ok(Outcome::Ran(2))), "{ran:?}");
+    let other = Idempotent::new(PostgresStore::new(direct_pool.clone()).sweep_every(None));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let redelivered = other
+        .run("payments", "evt_2", b"{}", move |_| async move {
+            counted.fetch_add(1, Ordering::SeqCst);
+            Ok::<i64, BoxError>(3)
+        })
+        .await;
+    assert!(matches!(redelivered, Ok(Outcome::Replayed(2))), "{redelivered:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let open = "SELECT count(*) FROM pg_stat_activity \
+                WHERE datname = current_database() AND state LIKE 'idle in transaction%'";
+    let open: i64 = sqlx::query_scalar(open).fetch_one(&direct_pool).await.unwrap();
+    assert_eq!(open, 0, "a session left inside a transaction");
+}

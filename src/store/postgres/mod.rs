@@ -1,6 +1,7 @@
 //! [`PostgresStore`]: records in PostgreSQL, the durable authority.
 
 mod admin;
+mod begin;
 mod listener;
 mod schema;
 mod sweeper;
@@ -15,6 +16,7 @@ use std::{
 use bytes::Bytes;
 use sqlx::{Executor as _, PgPool, Row as _, postgres::PgRow};
 
+pub(crate) use self::begin::Beginning;
 use self::{listener::Listener, schema::Statements, sweeper::Sweeper};
 pub use self::{schema::TableNameError, sweeper::LapsedClaims};
 // What the app-level tables beside the stores (`crate::durable`) share with this store: its
@@ -257,7 +259,12 @@ pub(crate) async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<
     // would make the future not `Send` for every lifetime, and `tokio::spawn` refuse it).
     let locked =
         format!("SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\n{schema}");
-    let mut tx = pool.begin().await.map_err(StoreError::unavailable)?;
+    // Within the pool's own acquire timeout, as `pool.begin()` waits; begun through
+    // `Beginning`, so that a caller that gives up on a start leaves no transaction open (and
+    // the advisory lock held, every other instance's start waiting on it).
+    let timeout = pool.options().get_acquire_timeout();
+    let mut beginning = Beginning::acquire(pool, timeout).await?;
+    let mut tx = beginning.begin(timeout).await?;
     let connection: &mut sqlx::PgConnection = &mut tx;
     connection.execute(sqlx::raw_sql(&locked)).await.map_err(StoreError::unavailable)?;
     tx.commit().await.map_err(StoreError::unavailable)

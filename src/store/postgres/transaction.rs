@@ -9,7 +9,7 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use sqlx::{PgConnection, PgPool, Row as _};
 
-use super::{PostgresStore, bounded, corrupt, millis};
+use super::{Beginning, PostgresStore, bounded, corrupt, millis};
 use crate::{
     context::IdempotencyContext,
     store::{Commit, Committable, EncodedOutcome, Running, StoreError, TransactionError},
@@ -71,7 +71,9 @@ where
     // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
     // rolled back, and sqlx rolls the transaction back.
     let mut running = Running::new(completion.commit.clone());
-    let mut tx = bounded(timeout, pool.begin()).await.map_err(TransactionError::Store)?;
+    let mut connection =
+        Beginning::acquire(pool, timeout).await.map_err(TransactionError::Store)?;
+    let mut tx = connection.begin(timeout).await.map_err(TransactionError::Store)?;
     let value = operation(&mut tx).await.map_err(TransactionError::Operation)?;
     let (outcome, value) =
         value.encode(context).await.map_err(|why| TransactionError::NotStored(why.to_string()))?;

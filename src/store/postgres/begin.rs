@@ -1,0 +1,48 @@
+//! [`Beginning`]: a transaction begun on a pooled connection that no cancellation leaves open.
+
+use std::time::Duration;
+
+use sqlx::{PgPool, Postgres, pool::PoolConnection};
+
+use super::bounded;
+use crate::store::StoreError;
+
+/// A pooled connection whose `BEGIN` is in flight: closed, not returned to its pool, when
+/// dropped before the `BEGIN` is known to have ended (the timeout, or the caller gone). sqlx
+/// (0.8.4 to 0.9, launchbadge/sqlx#4393) counts a transaction only once `BEGIN`'s answer is
+/// read, and rolls back on drop only what it counted: a `BEGIN` cancelled in flight would leave
+/// the session inside a transaction that nothing ends, and the pool would hand it on. Every
+/// later statement on it (a claim's, a complete's) would run inside it: its row locks held for
+/// as long as the connection lives, its writes never committed, every other claim of those keys
+/// answered "in progress". Closing the connection ends the transaction.
+pub(crate) struct Beginning {
+    connection: PoolConnection<Postgres>,
+    /// `BEGIN`'s answer was read: sqlx's own transaction rolls back on drop from here.
+    begun: bool,
+}
+
+impl Beginning {
+    /// A connection of `pool`, within `timeout` (a wait for one cancelled leaves nothing).
+    pub(crate) async fn acquire(pool: &PgPool, timeout: Duration) -> Result<Self, StoreError> {
+        let connection = bounded(timeout, pool.acquire()).await?;
+        Ok(Self { connection, begun: false })
+    }
+
+    /// Its transaction, begun within `timeout`.
+    pub(crate) async fn begin(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<sqlx::Transaction<'_, Postgres>, StoreError> {
+        let tx = bounded(timeout, sqlx::Acquire::begin(&mut self.connection)).await?;
+        self.begun = true;
+        Ok(tx)
+    }
+}
+
+impl Drop for Beginning {
+    fn drop(&mut self) {
+        if !self.begun {
+            self.connection.close_on_drop();
+        }
+    }
+}
