@@ -1,11 +1,6 @@
 //! [`Beginning`]: a transaction begun on a pooled connection that no cancellation leaves open.
 
-use std::time::Duration;
-
-use sqlx::{PgPool, Postgres, pool::PoolConnection};
-
-use super::bounded;
-use crate::store::StoreError;
+use sqlx::{Postgres, pool::PoolConnection};
 
 /// A pooled connection whose `BEGIN` is in flight: closed, not returned to its pool, when
 /// dropped before the `BEGIN` is known to have ended (the timeout, or the caller gone). sqlx
@@ -22,18 +17,16 @@ pub(crate) struct Beginning {
 }
 
 impl Beginning {
-    /// A connection of `pool`, within `timeout` (a wait for one cancelled leaves nothing).
-    pub(crate) async fn acquire(pool: &PgPool, timeout: Duration) -> Result<Self, StoreError> {
-        let connection = bounded(timeout, pool.acquire()).await?;
-        Ok(Self { connection, begun: false })
+    /// `connection`, before its `BEGIN`.
+    pub(crate) fn new(connection: PoolConnection<Postgres>) -> Self {
+        Self { connection, begun: false }
     }
 
-    /// Its transaction, begun within `timeout`.
-    pub(crate) async fn begin(
-        &mut self,
-        timeout: Duration,
-    ) -> Result<sqlx::Transaction<'_, Postgres>, StoreError> {
-        let tx = bounded(timeout, sqlx::Acquire::begin(&mut self.connection)).await?;
+    /// Its transaction. Given up before `BEGIN`'s answer is read, or failed, the connection is
+    /// closed when this is dropped.
+    pub(crate) async fn begin(&mut self) -> Result<sqlx::Transaction<'_, Postgres>, sqlx::Error> {
+        self.begun = false;
+        let tx = sqlx::Acquire::begin(&mut self.connection).await?;
         self.begun = true;
         Ok(tx)
     }

@@ -259,12 +259,11 @@ pub(crate) async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<
     // would make the future not `Send` for every lifetime, and `tokio::spawn` refuse it).
     let locked =
         format!("SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\n{schema}");
-    // Within the pool's own acquire timeout, as `pool.begin()` waits; begun through
-    // `Beginning`, so that a caller that gives up on a start leaves no transaction open (and
-    // the advisory lock held, every other instance's start waiting on it).
-    let timeout = pool.options().get_acquire_timeout();
-    let mut beginning = Beginning::acquire(pool, timeout).await?;
-    let mut tx = beginning.begin(timeout).await?;
+    // As `pool.begin()` would, through `Beginning`: a caller that gives up on a start leaves
+    // no transaction open (and the advisory lock held, every other instance's start waiting).
+    let connection = pool.acquire().await.map_err(StoreError::unavailable)?;
+    let mut beginning = Beginning::new(connection);
+    let mut tx = beginning.begin().await.map_err(StoreError::unavailable)?;
     let connection: &mut sqlx::PgConnection = &mut tx;
     connection.execute(sqlx::raw_sql(&locked)).await.map_err(StoreError::unavailable)?;
     tx.commit().await.map_err(StoreError::unavailable)

@@ -71,9 +71,18 @@ where
     // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
     // rolled back, and sqlx rolls the transaction back.
     let mut running = Running::new(completion.commit.clone());
-    let mut connection =
-        Beginning::acquire(pool, timeout).await.map_err(TransactionError::Store)?;
-    let mut tx = connection.begin(timeout).await.map_err(TransactionError::Store)?;
+    // The checkout and `BEGIN` within one command timeout, as every store operation is.
+    let started = tokio::time::Instant::now();
+    let connection = bounded(timeout, pool.acquire()).await.map_err(TransactionError::Store)?;
+    let mut connection = Beginning::new(connection);
+    let left = timeout.saturating_sub(started.elapsed());
+    let mut tx = match bounded(left, connection.begin()).await {
+        Ok(tx) => tx,
+        Err(StoreError::Timeout(_)) => {
+            return Err(TransactionError::Store(StoreError::Timeout(timeout)));
+        }
+        Err(error) => return Err(TransactionError::Store(error)),
+    };
     let value = operation(&mut tx).await.map_err(TransactionError::Operation)?;
     let (outcome, value) =
         value.encode(context).await.map_err(|why| TransactionError::NotStored(why.to_string()))?;
