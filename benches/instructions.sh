@@ -18,14 +18,28 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 case "$file" in /* | "") ;; *) file=$PWD/$file ;; esac
 cd "$root/benches/load"
 if [ -z "${REDIS_URL:-}" ]; then
-  # A port nothing answers on.
-  port=$(( 20000 + RANDOM % 40000 ))
-  while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$(( 20000 + RANDOM % 40000 )); done
-  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --logfile /dev/null &
-  redis_pid=$!
+  # A port nothing answers on, below the kernel's ephemeral range (a port an outgoing
+  # connection holds answers nothing and still cannot be bound). A server that exits or does
+  # not answer within 5 s (the port taken meanwhile) is tried again on another port, up to
+  # five times, rather than waited for forever.
+  redis_pid=""
   trap 'kill $redis_pid 2>/dev/null || true' EXIT
-  redis_url=redis://127.0.0.1:$port
-  until redis-cli -u "$redis_url" ping >/dev/null 2>&1; do sleep 0.1; done
+  for attempt in 1 2 3 4 5; do
+    port=$(( 20000 + RANDOM % 12000 ))
+    while (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do port=$(( 20000 + RANDOM % 12000 )); done
+    redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --logfile /dev/null &
+    redis_pid=$!
+    redis_url=redis://127.0.0.1:$port
+    for _ in $(seq 50); do
+      redis-cli -u "$redis_url" ping >/dev/null 2>&1 && break 2
+      kill -0 "$redis_pid" 2>/dev/null || break
+      sleep 0.1
+    done
+    echo "redis-server on port $port did not answer (attempt $attempt); another port" >&2
+    kill "$redis_pid" 2>/dev/null || true
+    redis_pid=""
+  done
+  [ -n "$redis_pid" ] || { echo "no redis-server answered in five attempts" >&2; exit 1; }
 else
   redis_url=$REDIS_URL
 fi
