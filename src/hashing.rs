@@ -47,7 +47,10 @@
 //! another request there is a mismatch, and a holder there whose lease lapsed is taken over
 //! under that name. Nothing is copied from one name to the other: deploy 3 waits until every
 //! record under a plain name has expired. Two instances of deploys 1 and 2 each hold the name
-//! they claim while they look at the other's: one of the two sees the other. A caller that
+//! they claim while they look at the other's: one of the two sees the other. When both do,
+//! the one whose own name sorts first keeps its claim and waits (within its wait, and a quarter
+//! of its lease) for the other's to be let go, then runs; the other is answered as in progress.
+//! Without that rule, duplicates meeting so in a burst could all be answered 202. A caller that
 //! goes away during the look leaves nothing held; a claim that took a lapsed one over is handed
 //! back with its lapse, not released, whatever the look finds that lets it go. Between
 //! deploys, each claim won costs a claim and a release more. The plain names and fingerprints

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use tokio::task::JoinHandle;
+use tokio::{task::JoinHandle, time::Instant};
 use tokio_util::task::TaskTracker;
 
 use super::{
@@ -15,14 +15,15 @@ use crate::{
     fingerprint::Fingerprint,
     hashing::Named,
     key::RecordKey,
-    store::{Claim, Lease, OwnerToken, Store, StoreError},
+    store::{Claim, Fenced, Lease, OwnerToken, Store, StoreError},
 };
 
 impl<St: Store> Engine<St> {
     /// After a claim won under `named`'s names for `owner`, the request's names alongside,
     /// claimed for a moment, decide. Nothing there (or a claim of ours that lapsed): the claim
     /// stands (`None`). A completed request there is replayed; one running there is in
-    /// progress; another request there is a mismatch; a lapsed holder there is taken over under
+    /// progress (waited for first, ours kept, when our names sort first: below); another
+    /// request there is a mismatch; a lapsed holder there is taken over under
     /// those names, so that a fence keyed by them (a table beside the store) still fences it
     /// out. Except when the claim stands, ours is let go (handed back when it was a takeover).
     ///
@@ -37,6 +38,7 @@ impl<St: Store> Engine<St> {
         owner: &OwnerToken,
         taken_over: bool,
         route: &Label,
+        waits_until: Option<Instant>,
     ) -> Result<Option<Claimed<St>>, StoreError> {
         let (our_key, our_fingerprint) = (&named.key, &named.fingerprint);
         let Some((key, fingerprint)) = &named.alongside else { return Ok(None) };
@@ -44,7 +46,30 @@ impl<St: Store> Engine<St> {
         let mut guard = UnsettledClaim {
             armed: Some((&self.store, our_key, owner, our_fingerprint, abandoned)),
         };
-        let looked = self.claim_once(key, fingerprint, false).await;
+        let mut looked = self.claim_once(key, fingerprint, false).await;
+        // Two requests of neighbouring deploys whose claims land within a round trip of each
+        // other each see the other's in progress. Were both to let go, their releases would
+        // wake both deploys' waiters together, to collide again, wave after wave, until every
+        // duplicate is answered 202 and none ran: safe, not live. So one of the two, the one
+        // whose own names sort first (both see the same two), keeps its claim and waits on
+        // the names alongside (woken by their release) within its wait and a quarter of a
+        // lease; the other lets go, as before.
+        let mut kept = false;
+        if matches!(looked, Ok((Claim::InProgress { .. }, _)))
+            && our_key.as_str() < key.as_str()
+            && let Some(wait) = waits_until
+                .map(|until| until.saturating_duration_since(Instant::now()))
+                .map(|left| left.min(self.settings.lease / 4))
+                .filter(|wait| !wait.is_zero())
+            && let Ok(_place) = self.settings.waiters.clone().try_acquire_owned()
+        {
+            tracing::debug!(
+                key_hash = our_key.hash(),
+                "idempotency: waiting on the names alongside"
+            );
+            looked = self.wait(key, fingerprint, wait).await;
+            kept = true;
+        }
         let ours = (our_key, owner, our_fingerprint, taken_over);
         // Ours is let go before the answer (a retry right after it finds the key free), with
         // the guard still armed: a caller that goes away meanwhile abandons it.
@@ -62,7 +87,7 @@ impl<St: Store> Engine<St> {
                     UnsettledClaim { armed: Some((&self.store, key, &other, fingerprint, lease)) };
                 release(&self.store, key, &other, None, "looked at alongside").await;
                 probe.disarm();
-                Ok(None)
+                if kept { self.still_ours(ours, route).await } else { Ok(None) }
             }
             Ok((Claim::TakenOver, other)) => {
                 tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
@@ -106,6 +131,34 @@ impl<St: Store> Engine<St> {
         };
         guard.disarm();
         decided
+    }
+
+    /// Whether the claim under our names still holds after a wait on the names alongside
+    /// (renewed to a whole lease, fenced by its owner): `None` when it does, and it runs. A
+    /// pause past its lease may have let a request of the neighbouring deploy take it over
+    /// (and run): then ours is in progress, and nothing of ours is left to let go.
+    async fn still_ours(
+        &self,
+        ours: (&RecordKey, &OwnerToken, &Fingerprint, bool),
+        route: &Label,
+    ) -> Result<Option<Claimed<St>>, StoreError> {
+        let (key, owner) = (ours.0, ours.1);
+        match self.store.touch(key, owner, self.settings.lease()).await {
+            Ok(Fenced::Applied) => Ok(None),
+            Ok(Fenced::Rejected) => {
+                tracing::warn!(
+                    key_hash = key.hash(),
+                    "idempotency: the claim lapsed while waiting on the names alongside"
+                );
+                observe::claim(route, "in_progress");
+                Ok(Some(Claimed::InProgress { retry_after: self.settings.retry_after }))
+            }
+            Err(error) => {
+                observe::store_error(route, "touch");
+                self.let_go(ours, "the claim could not be renewed after the look").await;
+                Err(error)
+            }
+        }
     }
 
     /// Lets a claim go: released when it was a fresh claim (nothing ran under it); handed back

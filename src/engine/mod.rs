@@ -213,6 +213,13 @@ impl<St: Store> Engine<St> {
         route: Label,
         wait_until: Option<tokio::time::Instant>,
     ) -> Result<Claimed<St>, StoreError> {
+        // The request's whole wait, its own caller's deadline within it: a look at the names
+        // alongside waits only within what is left of it.
+        // (Read from the clock only while a service moves between namings.)
+        let waits_until = (self.settings.wait)
+            .filter(|_| named.alongside.is_some())
+            .map(after)
+            .map(|end| wait_until.map_or(end, |until| end.min(until)));
         let claimed = self.claim_or_wait(&named.key, &named.fingerprint, &route, wait_until).await;
         let (claim, owner) = match claimed {
             Ok(claimed) => claimed,
@@ -225,7 +232,13 @@ impl<St: Store> Engine<St> {
             Claim::Claimed | Claim::TakenOver => {
                 if named.alongside.is_some()
                     && let Some(decided) = self
-                        .look_alongside(&named, &owner, claim == Claim::TakenOver, &route)
+                        .look_alongside(
+                            &named,
+                            &owner,
+                            claim == Claim::TakenOver,
+                            &route,
+                            waits_until,
+                        )
                         .await?
                 {
                     return Ok(decided);

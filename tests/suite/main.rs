@@ -28,6 +28,7 @@ mod encryption;
 mod expiry_header;
 mod faults;
 mod hashing;
+mod hashing_collisions;
 mod hashing_moves;
 mod hostile;
 mod key_prefixes;
