@@ -12,7 +12,7 @@ use tonic::{
 };
 use tonic_types::{ErrorDetails, StatusExt as _};
 
-use crate::store::TransactionError;
+use crate::store::{TransactionError, transaction::Failure};
 
 /// A status as a trailers-only response.
 pub(super) fn answer(status: Status) -> Response<Body> {
@@ -35,27 +35,10 @@ pub(super) fn retry_after(code: Code, message: &str, retry_after: Duration) -> R
 /// not store and a misuse `INTERNAL`, with the reason.
 impl<E: std::fmt::Display> From<TransactionError<E>> for Status {
     fn from(error: TransactionError<E>) -> Self {
-        match error {
-            TransactionError::Operation(error) => {
-                tracing::error!(%error, "idempotency: the handler's transaction failed");
-                Status::internal("the call's transaction failed")
-            }
-            TransactionError::Store(error) => {
-                tracing::error!(%error, "idempotency: the handler's transaction was rolled back");
-                Status::unavailable(format!("rolled back: {error}"))
-            }
-            TransactionError::CommitUnknown(error) => {
-                tracing::error!(%error, "idempotency: the commit's answer was lost");
-                Status::unavailable("the commit's answer was lost: retry to learn its outcome")
-            }
-            TransactionError::NotStored(reason) => {
-                tracing::error!(reason, "idempotency: the handler's outcome is not stored");
-                Status::internal(format!("the outcome is not stored: {reason}"))
-            }
-            TransactionError::Misuse(reason) => {
-                tracing::error!(reason, "idempotency: the handler's transaction was refused");
-                Status::internal(reason)
-            }
+        match error.failure() {
+            Failure::Handler(None) => Status::internal("the call's transaction failed"),
+            Failure::Handler(Some(reason)) => Status::internal(reason),
+            Failure::Store(detail) => Status::unavailable(detail),
         }
     }
 }

@@ -23,7 +23,7 @@ use super::{
 };
 use crate::{
     context::{Encoding, IdempotencyContext},
-    store::{Committable, EncodeError, TransactionError},
+    store::{Committable, EncodeError, TransactionError, transaction::Failure},
 };
 
 /// The HTTP door's encoding of a committed outcome: the layer's own rules (store policy,
@@ -96,31 +96,15 @@ impl Committable for Response {
 /// outcome the layer does not store and a misuse 500 `handler-failed`, with the reason.
 impl<E: fmt::Display> IntoResponse for TransactionError<E> {
     fn into_response(self) -> Response {
-        match self {
-            Self::Operation(error) => {
-                tracing::error!(%error, "idempotency: the handler's transaction failed");
-                problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::HandlerFailed, None)
-            }
-            Self::Store(error) => {
-                tracing::error!(%error, "idempotency: the handler's transaction was rolled back");
-                let detail = error.to_string();
+        match self.failure() {
+            Failure::Handler(reason) => problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                ProblemType::HandlerFailed,
+                reason.as_deref(),
+            ),
+            Failure::Store(detail) => {
                 let status = StatusCode::SERVICE_UNAVAILABLE;
                 problem_retry_after(status, ProblemType::StoreUnavailable, Some(&detail), 1)
-            }
-            Self::CommitUnknown(error) => {
-                tracing::error!(%error, "idempotency: the commit's answer was lost");
-                let detail = "the commit's answer was lost: retry to learn its outcome";
-                let status = StatusCode::SERVICE_UNAVAILABLE;
-                problem_retry_after(status, ProblemType::StoreUnavailable, Some(detail), 1)
-            }
-            Self::NotStored(reason) => {
-                tracing::error!(reason, "idempotency: the handler's outcome is not stored");
-                let status = StatusCode::INTERNAL_SERVER_ERROR;
-                problem(status, ProblemType::HandlerFailed, Some(&reason))
-            }
-            Self::Misuse(reason) => {
-                tracing::error!(reason, "idempotency: the handler's transaction was refused");
-                problem(StatusCode::INTERNAL_SERVER_ERROR, ProblemType::HandlerFailed, Some(reason))
             }
         }
     }

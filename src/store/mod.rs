@@ -29,7 +29,7 @@ pub(crate) mod postgres;
 mod redis;
 mod regional;
 mod subscription;
-mod transaction;
+pub(crate) mod transaction;
 
 use std::{fmt, future::Future, time::Duration};
 

@@ -82,6 +82,45 @@ impl<E> TransactionError<E> {
     }
 }
 
+/// A [`TransactionError`] as every front door answers it: the handler's fault (never retried
+/// by the client to any effect) or the store's (the retry learns what committed).
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The operation's own error (never shown: `None`), an outcome the door does not store or
+    /// a misuse: the reason.
+    Handler(Option<String>),
+    /// Rolled back by the store, or the commit's answer lost: what to tell the client.
+    Store(String),
+}
+
+impl<E: fmt::Display> TransactionError<E> {
+    /// Logs it, once, and says how a door answers it.
+    pub(crate) fn failure(self) -> Failure {
+        match self {
+            Self::Operation(error) => {
+                tracing::error!(%error, "idempotency: the handler's transaction failed");
+                Failure::Handler(None)
+            }
+            Self::Store(error) => {
+                tracing::error!(%error, "idempotency: the handler's transaction was rolled back");
+                Failure::Store(format!("rolled back: {error}"))
+            }
+            Self::CommitUnknown(error) => {
+                tracing::error!(%error, "idempotency: the commit's answer was lost");
+                Failure::Store("the commit's answer was lost: retry to learn its outcome".into())
+            }
+            Self::NotStored(reason) => {
+                tracing::error!(reason, "idempotency: the handler's outcome is not stored");
+                Failure::Handler(Some(format!("the outcome is not stored: {reason}")))
+            }
+            Self::Misuse(reason) => {
+                tracing::error!(reason, "idempotency: the handler's transaction was refused");
+                Failure::Handler(Some(reason.to_owned()))
+            }
+        }
+    }
+}
+
 impl<E: fmt::Display> fmt::Display for TransactionError<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
