@@ -3,13 +3,14 @@
 
 use std::future::Future;
 
-use tokio::{task::JoinHandle, time::Instant};
+use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 
 use super::{
     Claimed, Engine, Holder, UnsettledClaim, observe,
     observe::Label,
     settle::{abandon, release},
+    spawn,
 };
 use crate::{
     fingerprint::Fingerprint,
@@ -43,8 +44,10 @@ impl<St: Store> Engine<St> {
         let (our_key, our_fingerprint) = (&named.key, &named.fingerprint);
         let Some((key, fingerprint)) = &named.alongside else { return Ok(None) };
         let abandoned = self.settings.abandoned_lease();
+        let tasks = self.settings.tasks.as_ref();
         let mut guard = UnsettledClaim {
             armed: Some((&self.store, our_key, owner, our_fingerprint, abandoned)),
+            tasks,
         };
         let mut looked = self.claim_once(key, fingerprint, false).await;
         // Two requests of neighbouring deploys whose claims land within a round trip of each
@@ -83,9 +86,11 @@ impl<St: Store> Engine<St> {
                 // Released before ours runs (a retry on the other names finds them free), and
                 // abandoned, never left held, by a caller that goes away meanwhile.
                 let lease = Lease::new(self.settings.lease);
-                let mut probe =
-                    UnsettledClaim { armed: Some((&self.store, key, &other, fingerprint, lease)) };
-                release(&self.store, key, &other, None, "looked at alongside").await;
+                let mut probe = UnsettledClaim {
+                    armed: Some((&self.store, key, &other, fingerprint, lease)),
+                    tasks,
+                };
+                release(&self.store, key, &other, None, "looked at alongside", tasks).await;
                 probe.disarm();
                 if kept { self.still_ours(ours, route).await } else { Ok(None) }
             }
@@ -172,11 +177,12 @@ impl<St: Store> Engine<St> {
     ) -> impl Future<Output = ()> + Send + 'static {
         let (store, key, owner) = (self.store.clone(), key.clone(), owner.clone());
         let (fingerprint, lease) = (fingerprint.clone(), self.settings.lease());
+        let tasks = self.settings.tasks.clone();
         async move {
             if taken_over {
                 abandon(&store, &key, &owner, &fingerprint, lease).await;
             } else {
-                release(&store, &key, &owner, None, why).await;
+                release(&store, &key, &owner, None, why, tasks.as_ref()).await;
             }
         }
     }
@@ -204,16 +210,5 @@ impl<St: Store> Drop for HandBack<St> {
         {
             drop(spawn(self.1.as_ref(), holder.hand_back("its caller went away")));
         }
-    }
-}
-
-/// Spawns `work` on the current runtime, counted on `tracker` when there is one.
-fn spawn(
-    tracker: Option<&TaskTracker>,
-    work: impl Future<Output = ()> + Send + 'static,
-) -> JoinHandle<()> {
-    match tracker {
-        Some(tracker) => tracker.spawn(work),
-        None => tokio::spawn(work),
     }
 }

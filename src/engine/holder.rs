@@ -296,7 +296,8 @@ impl<St: Store> Holder<St> {
     /// Deletes the claim, so that a retry runs the operation again.
     pub(crate) async fn release(mut self, why: &'static str) {
         self.stop_renewal().await;
-        release(&self.store, &self.key, &self.owner, Some(&self.route), why).await;
+        let tasks = self.settings.tasks.as_ref();
+        release(&self.store, &self.key, &self.owner, Some(&self.route), why, tasks).await;
     }
 
     /// Stores `outcome` for the retention period. `answered` runs after the first attempt,

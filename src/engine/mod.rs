@@ -30,10 +30,10 @@ mod run;
 mod setters;
 mod settle;
 
-use std::{sync::Arc, time::Duration};
+use std::{future::Future, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use tokio::sync::Semaphore;
+use tokio::{sync::Semaphore, task::JoinHandle};
 use tokio_util::task::TaskTracker;
 
 pub use self::complete::Completed;
@@ -355,8 +355,10 @@ impl<St: Store> Engine<St> {
         let owner = OwnerToken::random();
         let lease = self.settings.lease();
         let abandoned = self.settings.abandoned_lease();
-        let mut guard =
-            UnsettledClaim { armed: Some((&self.store, key, &owner, fingerprint, abandoned)) };
+        let mut guard = UnsettledClaim {
+            armed: Some((&self.store, key, &owner, fingerprint, abandoned)),
+            tasks: self.settings.tasks.as_ref(),
+        };
         let claim = if waiting {
             self.store.claim_waiting(key, fingerprint, &owner, lease).await
         } else {
@@ -370,9 +372,11 @@ impl<St: Store> Engine<St> {
     }
 }
 
-/// Abandons, on drop, a claim whose outcome its caller never saw.
+/// Abandons, on drop, a claim whose outcome its caller never saw (counted on `tasks`, when
+/// there is a tracker: a service shutting down waits for it).
 pub(super) struct UnsettledClaim<'a, St: Store> {
     pub(super) armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken, &'a Fingerprint, Lease)>,
+    pub(super) tasks: Option<&'a TaskTracker>,
 }
 
 impl<St: Store> UnsettledClaim<'_, St> {
@@ -388,10 +392,23 @@ impl<St: Store> Drop for UnsettledClaim<'_, St> {
                 (store.clone(), key.clone(), owner.clone(), fingerprint.clone());
             // Fenced by the token: ends the claim only if it landed, and refuses it if it
             // lands later.
-            drop(tokio::spawn(
-                async move { abandon(&store, &key, &owner, &fingerprint, lease).await },
-            ));
+            let abandoning =
+                async move { abandon(&store, &key, &owner, &fingerprint, lease).await };
+            drop(spawn(self.tasks, abandoning));
         }
+    }
+}
+
+/// Spawns `work` on the current runtime, counted on `tracker` when there is one: the work a
+/// claim leaves behind (a let-go, a release's retries, an abandon), which a service shutting
+/// down waits for.
+pub(super) fn spawn(
+    tracker: Option<&TaskTracker>,
+    work: impl Future<Output = ()> + Send + 'static,
+) -> JoinHandle<()> {
+    match tracker {
+        Some(tracker) => tracker.spawn(work),
+        None => tokio::spawn(work),
     }
 }
 

@@ -4,6 +4,8 @@
 use super::observe::Label;
 use std::{future::Future, time::Duration};
 
+use tokio_util::task::TaskTracker;
+
 use bytes::Bytes;
 
 use super::observe;
@@ -108,7 +110,8 @@ pub(super) async fn complete_while_held<St: Store>(
 }
 
 /// Releases the key if `owner` still holds it. A release the store fails is tried again in
-/// the background (fenced, so a late one cannot delete another owner's record).
+/// the background (fenced, so a late one cannot delete another owner's record), counted on
+/// `tasks` when there is a tracker.
 ///
 /// `route` labels the metrics; the guard of a claim whose outcome is unknown passes `None`:
 /// its claim's failure is counted already, and it settles nothing the caller claimed.
@@ -118,6 +121,7 @@ pub(super) async fn release<St: Store>(
     owner: &OwnerToken,
     route: Option<&Label>,
     why: &'static str,
+    tasks: Option<&TaskTracker>,
 ) {
     let hash = key.hash();
     let error = match store.release(key, owner).await {
@@ -142,7 +146,7 @@ pub(super) async fn release<St: Store>(
     tracing::warn!(key_hash = hash, why, %error, "idempotency: release failed; retrying");
     let (store, key, owner) = (store.clone(), key.clone(), owner.clone());
     let route = route.cloned();
-    drop(tokio::spawn(async move {
+    drop(super::spawn(tasks, async move {
         if let Some(outcome) = retry_settle(|| store.release(&key, &owner)).await {
             if let (Fenced::Applied, Some(route)) = (outcome, &route) {
                 observe::settle(route, "released");
