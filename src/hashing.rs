@@ -43,14 +43,21 @@
 //!
 //! After each claim won under one name, the other is claimed for a moment and let go, with
 //! what it held deciding: a completed request there is replayed, one running there is answered
-//! as in progress at once (a retry waits for its original only on the original's deploy),
-//! another request there is a mismatch, and a holder there whose lease lapsed is taken over
-//! under that name. Nothing is copied from one name to the other: deploy 3 waits until every
-//! record under a plain name has expired. Two instances of deploys 1 and 2 each hold the name
-//! they claim while they look at the other's: one of the two sees the other. When both do,
-//! the one whose own name sorts first keeps its claim and waits (within its wait, and a quarter
-//! of its lease) for the other's to be let go, then runs; the other is answered as in progress.
-//! Without that rule, duplicates meeting so in a burst could all be answered 202. A caller that
+//! as in progress (below), another request there is a mismatch, and a holder there whose lease
+//! lapsed is taken over under that name. Nothing is copied from one name to the other: deploy 3
+//! waits until every record under a plain name has expired.
+//!
+//! Two instances of deploys 1 and 2 each hold the name they claim while they look at the
+//! other's: one of the two sees the other, and both may. Were both to let go, duplicates
+//! meeting so in a burst could all be answered 202, the request never run. So the request whose
+//! own name sorts first (both see the same two) keeps its claim and waits on the other name,
+//! within its wait and a quarter of its lease: when it is let go, or left held by a claim that
+//! lapsed (which it takes over), it renews its own claim and runs (fenced: a wait past its
+//! lease, which let another request take its claim over and run, runs nothing); when the request there completes,
+//! it replays it; otherwise it answers as in progress, as the other side does at once. The
+//! request on the other side is answered as in progress at once, as is every request when
+//! waiting is off ([`Waiting::off`](crate::settings::Waiting::off): the consumer door's
+//! default) or too many wait already; their clients' retries find the request run. A caller that
 //! goes away during the look leaves nothing held; a claim that took a lapsed one over is handed
 //! back with its lapse, not released, whatever the look finds that lets it go. Between
 //! deploys, each claim won costs a claim and a release more. The plain names and fingerprints

@@ -3,7 +3,7 @@
 
 use std::future::Future;
 
-use tokio::time::Instant;
+use tokio::{task::JoinHandle, time::Instant};
 use tokio_util::task::TaskTracker;
 
 use super::{
@@ -92,29 +92,44 @@ impl<St: Store> Engine<St> {
                 };
                 release(&self.store, key, &other, None, "looked at alongside", tasks).await;
                 probe.disarm();
-                if kept { self.still_ours(ours, route).await } else { Ok(None) }
+                match kept.then_some(ours) {
+                    None => Ok(None),
+                    Some(ours) => match self.still_ours(ours, route).await {
+                        Ok(true) => Ok(None),
+                        Ok(false) => Ok(Some(self.lapsed_meanwhile(route))),
+                        Err(error) => {
+                            self.let_go(ours, "ours could not be renewed").await;
+                            Err(error)
+                        }
+                    },
+                }
             }
             Ok((Claim::TakenOver, other)) => {
-                tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
-                observe::claim(route, "taken_over");
                 // Held under `other` from here: its holder, and its lease's renewals, first.
+                tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
                 let held = named.clone().swapped();
                 let holder = Holder::new(self, held, other, route.clone(), true);
                 let holder = HandBack(Some(holder), self.settings.tasks.clone());
-                // Ours is let go before the answer, so that a retry right after it finds the
-                // request under the names it runs under alone, not ours still held (202). In
-                // a task of its own (a caller that goes away does not stop it), waited for a
-                // third of a lease at most, and only while renewals hold the claim taken over:
-                // an abandon of ours tries for up to a lease, and the operation must not spend
-                // the lease it holds waiting for it. A caller gone meanwhile hands it back.
-                // Counted on the task tracker, as the operation is: a service that shuts down
-                // waits for it, and does not leave ours held for a lease.
-                let why = "a lapsed claim under the names alongside is taken over";
-                let letting_go = spawn(self.settings.tasks.as_ref(), self.let_go(ours, why));
-                if self.renewals.is_some() {
-                    drop(tokio::time::timeout(self.settings.lease / 3, letting_go).await);
+                if kept {
+                    // Our own wait may have let ours lapse, and another request take it over
+                    // and run under it: the claim taken over runs only once ours is renewed
+                    // (fenced), and is handed back with its lapse otherwise (renewed
+                    // meanwhile; handed back by a caller that goes away).
+                    match self.still_ours(ours, route).await {
+                        Ok(true) => Ok(Some(self.run_taken_over(holder, ours, route).await)),
+                        Ok(false) => {
+                            drop(holder.give_back("ours was taken over meanwhile").await);
+                            Ok(Some(self.lapsed_meanwhile(route)))
+                        }
+                        Err(error) => {
+                            drop(holder.give_back("ours could not be renewed").await);
+                            self.let_go(ours, "ours could not be renewed").await;
+                            Err(error)
+                        }
+                    }
+                } else {
+                    Ok(Some(self.run_taken_over(holder, ours, route).await))
                 }
-                Ok(Some(Claimed::Run(holder.keep())))
             }
             Ok((Claim::Replay { response, .. }, _)) => {
                 let opened = self.settings.at_rest.open(key, fingerprint, response);
@@ -138,32 +153,57 @@ impl<St: Store> Engine<St> {
         decided
     }
 
-    /// Whether the claim under our names still holds after a wait on the names alongside
-    /// (renewed to a whole lease, fenced by its owner): `None` when it does, and it runs. A
-    /// pause past its lease may have let a request of the neighbouring deploy take it over
-    /// (and run): then ours is in progress, and nothing of ours is left to let go.
+    /// Whether the claim under our names still holds (renewed to a whole lease, fenced by its
+    /// owner): `false` when another request took it over after it lapsed (a pause past its
+    /// lease), which may have run under it.
     async fn still_ours(
         &self,
-        ours: (&RecordKey, &OwnerToken, &Fingerprint, bool),
+        (key, owner, ..): (&RecordKey, &OwnerToken, &Fingerprint, bool),
         route: &Label,
-    ) -> Result<Option<Claimed<St>>, StoreError> {
-        let (key, owner) = (ours.0, ours.1);
+    ) -> Result<bool, StoreError> {
         match self.store.touch(key, owner, self.settings.lease()).await {
-            Ok(Fenced::Applied) => Ok(None),
+            Ok(Fenced::Applied) => Ok(true),
             Ok(Fenced::Rejected) => {
                 tracing::warn!(
                     key_hash = key.hash(),
-                    "idempotency: the claim lapsed while waiting on the names alongside"
+                    "idempotency: the claim lapsed during the look alongside"
                 );
-                observe::claim(route, "in_progress");
-                Ok(Some(Claimed::InProgress { retry_after: self.settings.retry_after }))
+                Ok(false)
             }
             Err(error) => {
                 observe::store_error(route, "touch");
-                self.let_go(ours, "the claim could not be renewed after the look").await;
                 Err(error)
             }
         }
+    }
+
+    /// The answer when ours lapsed during the look, and was taken over: in progress.
+    fn lapsed_meanwhile(&self, route: &Label) -> Claimed<St> {
+        observe::claim(route, "in_progress");
+        Claimed::InProgress { retry_after: self.settings.retry_after }
+    }
+
+    /// Runs under the names alongside, whose lapsed claim `holder` took over: ours is let go.
+    async fn run_taken_over(
+        &self,
+        holder: HandBack<St>,
+        ours: (&RecordKey, &OwnerToken, &Fingerprint, bool),
+        route: &Label,
+    ) -> Claimed<St> {
+        observe::claim(route, "taken_over");
+        // Ours is let go before the answer, so that a retry right after it finds the request
+        // under the names it runs under alone, not ours still held (202). In a task of its own
+        // (a caller that goes away does not stop it), waited for a third of a lease at most,
+        // and only while renewals hold the claim taken over: an abandon of ours tries for up
+        // to a lease, and the operation must not spend the lease it holds waiting for it. A
+        // caller gone meanwhile hands it back. Counted on the task tracker, as the operation
+        // is: a service that shuts down waits for it, and does not leave ours held for a lease.
+        let why = "a lapsed claim under the names alongside is taken over";
+        let letting_go = spawn(self.settings.tasks.as_ref(), self.let_go(ours, why));
+        if self.renewals.is_some() {
+            drop(tokio::time::timeout(self.settings.lease / 3, letting_go).await);
+        }
+        Claimed::Run(holder.keep())
     }
 
     /// Lets a claim go: released when it was a fresh claim (nothing ran under it); handed back
@@ -198,6 +238,13 @@ impl<St: Store> HandBack<St> {
     fn keep(mut self) -> Holder<St> {
         // `None` only inside `drop` (as tokio-util's `DropGuard::disarm` says of its own).
         self.0.take().expect("a holder is taken only once")
+    }
+
+    /// Hands it back now, because `why`: in a task of its own (counted on the tracker), which
+    /// a caller that goes away does not stop.
+    fn give_back(mut self, why: &'static str) -> JoinHandle<()> {
+        let holder = self.0.take().expect("a holder is taken only once");
+        spawn(self.1.as_ref(), holder.hand_back(why))
     }
 }
 

@@ -29,8 +29,8 @@ const SECRET: [u8; 32] = [0x5e; 32];
 /// two have been: the two requests of neighbouring deploys both look at the other's names after
 /// both claimed their own, and both find the other's claim there, the collision that is
 /// otherwise a matter of timing. It
-/// can also hold the answer of its first waiting claim for `pause` (a pause of the process, or
-/// of the network, past the claim's lease).
+/// can also hold its first waiting claim for `pause` before it lands (a pause of the process,
+/// or of the network, past the claim's lease), and start every name with a lapsed claim.
 #[derive(Clone)]
 struct Crossing {
     inner: MemoryStore,
@@ -39,10 +39,13 @@ struct Crossing {
     both_looked: Arc<tokio::sync::Barrier>,
     pause: Option<Duration>,
     paused: Arc<AtomicBool>,
+    /// Every name first holds a lapsed claim, kept for its window: an instance of each deploy
+    /// died mid-request, so that each request takes a claim over.
+    lapsed: Option<Arc<Mutex<HashSet<String>>>>,
 }
 
 impl Crossing {
-    fn new(inner: MemoryStore, pause: Option<Duration>) -> Self {
+    fn new(inner: MemoryStore, pause: Option<Duration>, lapsed: bool) -> Self {
         Self {
             inner,
             met: Arc::default(),
@@ -50,6 +53,7 @@ impl Crossing {
             both_looked: Arc::new(tokio::sync::Barrier::new(2)),
             pause,
             paused: Arc::default(),
+            lapsed: lapsed.then(Arc::default),
         }
     }
 }
@@ -62,9 +66,17 @@ impl Store for Crossing {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
+        if let Some(lapsed) = &self.lapsed
+            && lapsed.lock().unwrap().insert(key.as_str().to_owned())
+        {
+            let died =
+                Lease::new(Duration::from_millis(1)).recovery_window(Duration::from_secs(60));
+            self.inner.claim(key, fingerprint, &OwnerToken::random(), died).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
         let claimed = self.inner.claim(key, fingerprint, owner, lease).await;
         let (meeting, barrier) = match claimed {
-            Ok(Claim::Claimed) => ("claimed", &self.both_claimed),
+            Ok(Claim::Claimed | Claim::TakenOver) => ("claimed", &self.both_claimed),
             Ok(Claim::InProgress { .. }) => ("looked", &self.both_looked),
             _ => return claimed,
         };
@@ -83,13 +95,12 @@ impl Store for Crossing {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
-        let claimed = self.inner.claim_waiting(key, fingerprint, owner, lease).await;
         if let Some(pause) = self.pause
             && !self.paused.swap(true, Ordering::SeqCst)
         {
             tokio::time::sleep(pause).await;
         }
-        claimed
+        self.inner.claim_waiting(key, fingerprint, owner, lease).await
     }
 
     async fn subscribe(&self, key: &RecordKey) -> Subscription {
@@ -144,7 +155,7 @@ fn neighbours(store: &Crossing, calls: &Calls, lease: Duration) -> [Router; 2] {
 /// the request, the other is told it is in progress, and both replay it after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_whose_claims_cross_on_neighbouring_deploys_run_once() {
-    let store = Crossing::new(MemoryStore::new(), None);
+    let store = Crossing::new(MemoryStore::new(), None, false);
     let calls = Calls::default();
     let deploys = neighbours(&store, &calls, Duration::from_secs(5));
     let sent =
@@ -164,12 +175,20 @@ async fn duplicates_whose_claims_cross_on_neighbouring_deploys_run_once() {
     assert_eq!(calls.get(), 1);
 }
 
-/// The one that keeps its claim is paused while it waits (its waiting claim's answer held past
-/// its lease): meanwhile its claim lapses, and a third duplicate takes the request over and runs
-/// it. When the pause ends, the claim it kept is no longer its own: it must not run too.
+/// The one that keeps its claim is paused while it waits (its waiting claim lands past its
+/// lease): meanwhile its claim lapses, and a third duplicate takes the request over and runs
+/// it. When the pause ends, the claim it kept is no longer its own: it must not run too,
+/// whether the other names are then free, or hold a lapsed claim it takes over (each deploy
+/// had an instance die mid-request before).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_kept_through_a_pause_past_its_lease_does_not_run_after_a_takeover() {
-    let store = Crossing::new(MemoryStore::new(), Some(Duration::from_millis(1500)));
+    for lapsed in [false, true] {
+        kept_through_a_pause(lapsed).await;
+    }
+}
+
+async fn kept_through_a_pause(lapsed: bool) {
+    let store = Crossing::new(MemoryStore::new(), Some(Duration::from_millis(1500)), lapsed);
     let calls = Calls::default();
     let lease = Duration::from_millis(300);
     let deploys = neighbours(&store, &calls, lease);
@@ -178,13 +197,13 @@ async fn a_claim_kept_through_a_pause_past_its_lease_does_not_run_after_a_takeov
     // Past both claims' leases (and the one the kept claim's look made), within the pause.
     tokio::time::sleep(Duration::from_millis(700)).await;
     let third = send(&deploys[1], keyed("POST", "/payments", "k1", "{}")).await;
-    assert_eq!((third.status.as_u16(), third.replayed()), (201, false), "{third:?}");
+    assert_eq!((third.status.as_u16(), third.replayed()), (201, false), "{lapsed}: {third:?}");
     let [first, second] = sent;
     let seen = [first.await.unwrap(), second.await.unwrap()];
     for crossed in &seen {
-        assert!(crossed.status == 202 || crossed.replayed(), "run twice: {seen:?}");
+        assert!(crossed.status == 202 || crossed.replayed(), "{lapsed}: run twice: {seen:?}");
     }
-    assert_eq!(calls.get(), 1, "{seen:?}");
+    assert_eq!(calls.get(), 1, "{lapsed}: {seen:?}");
     for deploy in &deploys {
         let retry = send(deploy, keyed("POST", "/payments", "k1", "{}")).await;
         assert!(retry.replayed(), "{retry:?}");
