@@ -51,16 +51,19 @@
 //! other's: one of the two sees the other, and both may. Were both to let go, duplicates
 //! meeting so in a burst could all be answered 202, the request never run. So the request whose
 //! own name sorts first (both see the same two) keeps its claim and waits on the other name,
-//! within its wait and a quarter of its lease: when it is let go, or left held by a claim that
-//! lapsed (which it takes over), it renews its own claim and runs (fenced: a wait past its
-//! lease, which let another request take its claim over and run, runs nothing); when the request there completes,
-//! it replays it; otherwise it answers as in progress, as the other side does at once. The
-//! request on the other side is answered as in progress at once, as is every request when
-//! waiting is off ([`Waiting::off`](crate::settings::Waiting::off): the consumer door's
-//! default) or too many wait already; their clients' retries find the request run. A caller that
-//! goes away during the look leaves nothing held; a claim that took a lapsed one over is handed
-//! back with its lapse, not released, whatever the look finds that lets it go. Between
-//! deploys, each claim won costs a claim and a release more. The plain names and fingerprints
+//! within its wait and a quarter of its lease. When the other name is let go, or left to a
+//! claim that lapsed (which it takes over), it renews its own claim, fenced, and runs: a wait
+//! past its lease, which let another request take its claim over and run under it, runs
+//! nothing; a renewal the store does not answer within a third of the lease after such a
+//! takeover is a store error (503). When the request there completes, it replays it; otherwise
+//! it answers what it found when its wait ended (in progress, or a mismatch). The request on
+//! the other side is answered as in progress at once, as is every request when waiting is off
+//! ([`Waiting::off`](crate::settings::Waiting::off): the consumer door's default) or too many
+//! wait already; their clients' retries find the request run. A caller that goes away during
+//! the look leaves nothing held; a claim that took a lapsed one over is handed back with its
+//! lapse, not released, whatever the look finds that lets it go. Between deploys, each claim
+//! won costs a claim and a release more (and the request kept through a collision, its wait
+//! and a renewal). The plain names and fingerprints
 //! are written until deploy 3 (deploy 1 claims under them, deploy 2's look claims there for a
 //! moment), and the logs name them meanwhile: what is stored confirms no guess from deploy 3
 //! on, once the records under plain names have expired.

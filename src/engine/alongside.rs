@@ -1,9 +1,9 @@
 //! The look at a request's other names after a claim, while a service moves from one naming
 //! to another ([`crate::hashing`]).
 
-use std::future::Future;
+use std::{future::Future, time::Duration};
 
-use tokio::{task::JoinHandle, time::Instant};
+use tokio::{sync::oneshot, task::JoinHandle, time::Instant};
 use tokio_util::task::TaskTracker;
 
 use super::{
@@ -70,7 +70,9 @@ impl<St: Store> Engine<St> {
                 key_hash = our_key.hash(),
                 "idempotency: waiting on the names alongside"
             );
+            let started = Instant::now();
             looked = self.wait(key, fingerprint, wait).await;
+            observe::waited(route, started.elapsed());
             kept = true;
         }
         let ours = (our_key, owner, our_fingerprint, taken_over);
@@ -94,13 +96,10 @@ impl<St: Store> Engine<St> {
                 probe.disarm();
                 match kept.then_some(ours) {
                     None => Ok(None),
-                    Some(ours) => match self.still_ours(ours, route).await {
+                    Some(ours) => match self.still_ours(ours, route, &mut guard, None).await {
                         Ok(true) => Ok(None),
                         Ok(false) => Ok(Some(self.lapsed_meanwhile(route))),
-                        Err(error) => {
-                            self.let_go(ours, "ours could not be renewed").await;
-                            Err(error)
-                        }
+                        Err(error) => Err(error),
                     },
                 }
             }
@@ -114,8 +113,11 @@ impl<St: Store> Engine<St> {
                     // Our own wait may have let ours lapse, and another request take it over
                     // and run under it: the claim taken over runs only once ours is renewed
                     // (fenced), and is handed back with its lapse otherwise (renewed
-                    // meanwhile; handed back by a caller that goes away).
-                    match self.still_ours(ours, route).await {
+                    // meanwhile, when keep-alive is on; handed back by a caller that goes
+                    // away). Within a third of its lease, so that it runs with most of its
+                    // lease left, renewed or not.
+                    let bound = Some(self.settings.lease / 3);
+                    match self.still_ours(ours, route, &mut guard, bound).await {
                         Ok(true) => Ok(Some(self.run_taken_over(holder, ours, route).await)),
                         Ok(false) => {
                             drop(holder.give_back("ours was taken over meanwhile").await);
@@ -123,7 +125,6 @@ impl<St: Store> Engine<St> {
                         }
                         Err(error) => {
                             drop(holder.give_back("ours could not be renewed").await);
-                            self.let_go(ours, "ours could not be renewed").await;
                             Err(error)
                         }
                     }
@@ -155,26 +156,58 @@ impl<St: Store> Engine<St> {
 
     /// Whether the claim under our names still holds (renewed to a whole lease, fenced by its
     /// owner): `false` when another request took it over after it lapsed (a pause past its
-    /// lease), which may have run under it.
+    /// lease), which may have run under it. `Err` (the store failed, or did not answer within
+    /// `bound`) lets ours go.
+    ///
+    /// The touch runs in a task of its own, which lets ours go once it has landed when nobody
+    /// is left to hear it (the caller went away, or `bound` ran out): an abandon sent while
+    /// the touch is on the wire could land first, and the touch would then hold ours for a
+    /// lease, with nobody there. Meanwhile `guard` is disarmed.
     async fn still_ours(
         &self,
-        (key, owner, ..): (&RecordKey, &OwnerToken, &Fingerprint, bool),
+        ours: (&RecordKey, &OwnerToken, &Fingerprint, bool),
         route: &Label,
+        guard: &mut UnsettledClaim<'_, St>,
+        bound: Option<Duration>,
     ) -> Result<bool, StoreError> {
-        match self.store.touch(key, owner, self.settings.lease()).await {
-            Ok(Fenced::Applied) => Ok(true),
-            Ok(Fenced::Rejected) => {
+        let (key, owner, fingerprint, _) = ours;
+        let (store, lease, abandoned) =
+            (self.store.clone(), self.settings.lease(), self.settings.abandoned_lease());
+        let (key_, owner_, fingerprint_) = (key.clone(), owner.clone(), fingerprint.clone());
+        let (sender, answer) = oneshot::channel();
+        let armed = guard.armed.take();
+        drop(spawn(self.settings.tasks.as_ref(), async move {
+            let touched = store.touch(&key_, &owner_, lease).await;
+            if let Err(Ok(Fenced::Applied) | Err(_)) = sender.send(touched) {
+                abandon(&store, &key_, &owner_, &fingerprint_, abandoned).await;
+            }
+        }));
+        let answered = match bound {
+            Some(bound) => tokio::time::timeout(bound, answer).await.ok(),
+            None => Some(answer.await),
+        };
+        let Some(answered) = answered else {
+            // The task lets ours go once its touch lands: the guard stays disarmed.
+            observe::store_error(route, "touch");
+            return Err(StoreError::Timeout(bound.unwrap_or_default()));
+        };
+        guard.armed = armed;
+        let error = match answered {
+            Ok(Ok(Fenced::Applied)) => return Ok(true),
+            Ok(Ok(Fenced::Rejected)) => {
                 tracing::warn!(
                     key_hash = key.hash(),
                     "idempotency: the claim lapsed during the look alongside"
                 );
-                Ok(false)
+                return Ok(false);
             }
-            Err(error) => {
-                observe::store_error(route, "touch");
-                Err(error)
-            }
-        }
+            Ok(Err(error)) => error,
+            // Its task was dropped unfinished: the runtime shuts down.
+            Err(_) => StoreError::unavailable("the touch ended without an answer"),
+        };
+        observe::store_error(route, "touch");
+        self.let_go(ours, "ours could not be renewed").await;
+        Err(error)
     }
 
     /// The answer when ours lapsed during the look, and was taken over: in progress.

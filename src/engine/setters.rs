@@ -40,9 +40,14 @@ macro_rules! engine_setters {
         /// Counts every claimed operation on `tracker` until it ends, so that a service
         /// shutting down can wait for the operations still running and the outcomes they store
         /// (`tracker.close(); tracker.wait().await`), and for what a claim leaves to finish
-        /// in the background: a release or an abandon the store failed, tried again (for up to
-        /// a lease with the store down), so that no key stays held for a lease after the
-        /// shutdown. A claimed operation runs in its caller's
+        /// in the background, so that no key stays held for a lease after the shutdown: a
+        /// release the store failed, tried again for about a second; the abandon of a claim
+        /// whose answer its caller never saw (its caller gone, or the store's timeout), tried
+        /// for up to a lease while the store is down; and, while a service moves between
+        /// namings, the let-go of the names a request does not run under. Close the tracker
+        /// once the server has stopped taking requests and answered those it took (axum's
+        /// graceful shutdown): a request still claiming holds no place on it until its claim
+        /// is won. A claimed operation runs in its caller's
         /// task, and in a task of its own once the caller goes away, with a tracker or without:
         /// a caller that goes away does not cancel it.
         pub fn task_tracker(mut self, tracker: tokio_util::task::TaskTracker) -> Self {

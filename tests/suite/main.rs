@@ -30,6 +30,7 @@ mod faults;
 mod hashing;
 mod hashing_collisions;
 mod hashing_moves;
+mod hashing_pauses;
 mod hostile;
 mod key_prefixes;
 mod lease_held;
