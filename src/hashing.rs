@@ -54,8 +54,8 @@
 //! within its wait and a quarter of its lease. When the other name is let go, or left to a
 //! claim that lapsed (which it takes over), it renews its own claim, fenced, and runs: a wait
 //! past its lease, which let another request take its claim over and run under it, runs
-//! nothing; a renewal the store does not answer within a third of the lease after such a
-//! takeover is a store error (503). When the request there completes, it replays it; otherwise
+//! nothing; a renewal the store fails is a store error (503), as is one it does not answer
+//! within a third of the lease after such a takeover. When the request there completes, it replays it; otherwise
 //! it answers what it found when its wait ended (in progress, or a mismatch). The request on
 //! the other side is answered as in progress at once, as is every request when waiting is off
 //! ([`Waiting::off`](crate::settings::Waiting::off): the consumer door's default) or too many

@@ -72,7 +72,9 @@ impl<St: Store> Engine<St> {
             );
             let started = Instant::now();
             looked = self.wait(key, fingerprint, wait).await;
-            observe::waited(route, started.elapsed());
+            if looked.is_ok() {
+                observe::waited(route, started.elapsed());
+            }
             kept = true;
         }
         let ours = (our_key, owner, our_fingerprint, taken_over);
@@ -159,10 +161,11 @@ impl<St: Store> Engine<St> {
     /// lease), which may have run under it. `Err` (the store failed, or did not answer within
     /// `bound`) lets ours go.
     ///
-    /// The touch runs in a task of its own, which lets ours go once it has landed when nobody
-    /// is left to hear it (the caller went away, or `bound` ran out): an abandon sent while
-    /// the touch is on the wire could land first, and the touch would then hold ours for a
-    /// lease, with nobody there. Meanwhile `guard` is disarmed.
+    /// The touch runs in a task of its own; when nobody is left to hear its answer (the caller
+    /// went away, or `bound` ran out), ours is let go once it has landed, by that task or by
+    /// the [`Unheard`] answer: a let-go sent while the touch is on the wire could land first,
+    /// and the touch would then hold ours for a lease, with nobody there. Meanwhile `guard`
+    /// is disarmed.
     async fn still_ours(
         &self,
         ours: (&RecordKey, &OwnerToken, &Fingerprint, bool),
@@ -170,24 +173,31 @@ impl<St: Store> Engine<St> {
         guard: &mut UnsettledClaim<'_, St>,
         bound: Option<Duration>,
     ) -> Result<bool, StoreError> {
-        let (key, owner, fingerprint, _) = ours;
-        let (store, lease, abandoned) =
-            (self.store.clone(), self.settings.lease(), self.settings.abandoned_lease());
-        let (key_, owner_, fingerprint_) = (key.clone(), owner.clone(), fingerprint.clone());
+        let (key, owner, ..) = ours;
+        let (store, lease) = (self.store.clone(), self.settings.lease());
+        let (key_, owner_) = (key.clone(), owner.clone());
+        let why = "its caller went away while ours was renewed";
         let (sender, answer) = oneshot::channel();
+        let mut unheard = Unheard {
+            answer,
+            let_go: Some(self.let_go(ours, why)),
+            tasks: self.settings.tasks.clone(),
+        };
+        let let_go = self.let_go(ours, why);
         let armed = guard.armed.take();
         drop(spawn(self.settings.tasks.as_ref(), async move {
             let touched = store.touch(&key_, &owner_, lease).await;
             if let Err(Ok(Fenced::Applied) | Err(_)) = sender.send(touched) {
-                abandon(&store, &key_, &owner_, &fingerprint_, abandoned).await;
+                let_go.await;
             }
         }));
         let answered = match bound {
-            Some(bound) => tokio::time::timeout(bound, answer).await.ok(),
-            None => Some(answer.await),
+            Some(bound) => tokio::time::timeout(bound, &mut unheard.answer).await.ok(),
+            None => Some((&mut unheard.answer).await),
         };
         let Some(answered) = answered else {
-            // The task lets ours go once its touch lands: the guard stays disarmed.
+            // Ours is let go once the touch lands (`unheard`, or the task): the guard stays
+            // disarmed.
             observe::store_error(route, "touch");
             return Err(StoreError::Timeout(bound.unwrap_or_default()));
         };
@@ -257,6 +267,28 @@ impl<St: Store> Engine<St> {
             } else {
                 release(&store, &key, &owner, None, why, tasks.as_ref()).await;
             }
+        }
+    }
+}
+
+/// The answer of a touch of ours on the wire ([`Engine::still_ours`]). Dropped unread, it
+/// closes: a touch not answered yet then finds nobody to answer, and its task lets ours go; one
+/// answered already (applied, or failed, so perhaps landed) is read here, and ours let go.
+/// Either way once, after the touch.
+struct Unheard<F: Future<Output = ()> + Send + 'static> {
+    answer: oneshot::Receiver<Result<Fenced, StoreError>>,
+    let_go: Option<F>,
+    tasks: Option<TaskTracker>,
+}
+
+impl<F: Future<Output = ()> + Send + 'static> Drop for Unheard<F> {
+    fn drop(&mut self) {
+        self.answer.close();
+        if let Ok(Ok(Fenced::Applied) | Err(_)) = self.answer.try_recv()
+            && let Some(let_go) = self.let_go.take()
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            drop(spawn(self.tasks.as_ref(), let_go));
         }
     }
 }

@@ -40,6 +40,8 @@ struct Script {
     seeded: Arc<AtomicBool>,
     touch_a: Option<Duration>,
     touched: Arc<AtomicBool>,
+    /// Told when that touch has landed, before its answer goes back.
+    touch_landed: Arc<tokio::sync::Notify>,
     /// every claim answered this late (its effect at once)
     late_claims: Option<Duration>,
 }
@@ -55,6 +57,7 @@ impl Script {
             seeded: Arc::default(),
             touch_a: None,
             touched: Arc::default(),
+            touch_landed: Arc::default(),
             late_claims: None,
         }
     }
@@ -132,9 +135,12 @@ impl Store for Script {
         {
             // Sent: it lands after `delay` whether or not its caller still waits.
             let (inner, key, owner) = (self.inner.clone(), key.clone(), owner.clone());
+            let told = self.touch_landed.clone();
             let landed = tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
-                inner.touch(&key, &owner, lease).await
+                let touched = inner.touch(&key, &owner, lease).await;
+                told.notify_one();
+                touched
             });
             return landed.await.unwrap();
         }
@@ -202,9 +208,16 @@ async fn slow_touch(keep: Option<Duration>) {
 /// A caller that goes away while the kept request's fenced touch of its own claim is on the
 /// wire: were ours abandoned at once (its lapse kept: a hook is there), the touch would land
 /// after it and lease ours again for a whole lease that nobody holds (the retry 202). It is
-/// abandoned once the touch has landed.
+/// let go once the touch has landed: whether the caller went away before the touch's answer,
+/// or just after it, the answer sent and never read.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_caller_gone_while_ours_is_renewed_after_the_look_leaves_nothing_held() {
+    for answered in [false, true] {
+        caller_gone_during_the_renewal(answered).await;
+    }
+}
+
+async fn caller_gone_during_the_renewal(answered: bool) {
     let (kept, _other, a, b) = sides().await;
     let mut store = Script::new(MemoryStore::new());
     *store.a.lock().unwrap() = Some(a);
@@ -221,14 +234,22 @@ async fn a_caller_gone_while_ours_is_renewed_after_the_look_leaves_nothing_held(
             .waiting(w)
     };
     let ka: Router = app(&calls).layer(layer(Waiting::up_to(Duration::from_secs(5))));
-    let gone = tokio::time::timeout(
-        Duration::from_millis(150),
-        send(&ka, delayed("/slow", "k1", 0, "{}")),
-    )
-    .await;
-    assert!(gone.is_err(), "{gone:?}");
+    let mut request = Box::pin(send(&ka, delayed("/slow", "k1", 0, "{}")));
+    if answered {
+        // Not polled again once the touch has landed: its answer reaches nobody.
+        tokio::select! {
+            biased;
+            () = store.touch_landed.notified() => {}
+            seen = &mut request => panic!("answered: {seen:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    } else {
+        let gone = tokio::time::timeout(Duration::from_millis(150), &mut request).await;
+        assert!(gone.is_err(), "{gone:?}");
+    }
+    drop(request);
     tokio::time::sleep(Duration::from_millis(600)).await;
     let kn: Router = app(&calls).layer(layer(Waiting::off()));
     let retry = send(&kn, delayed("/slow", "k1", 0, "{}")).await;
-    assert_eq!(retry.status.as_u16(), 201, "{retry:?}");
+    assert_eq!(retry.status.as_u16(), 201, "{answered}: {retry:?}");
 }
