@@ -120,7 +120,11 @@ impl<St: Store> Engine<St> {
                     // lease left, renewed or not.
                     let bound = Some(self.settings.lease / 3);
                     match self.still_ours(ours, route, &mut guard, bound).await {
-                        Ok(true) => Ok(Some(self.run_taken_over(holder, ours, route).await)),
+                        Ok(true) => {
+                            // Ours is let go by `run_taken_over`, in a task of its own.
+                            guard.disarm();
+                            Ok(Some(self.run_taken_over(holder, ours, route).await))
+                        }
                         Ok(false) => {
                             drop(holder.give_back("ours was taken over meanwhile").await);
                             Ok(Some(self.lapsed_meanwhile(route)))
@@ -131,6 +135,7 @@ impl<St: Store> Engine<St> {
                         }
                     }
                 } else {
+                    guard.disarm();
                     Ok(Some(self.run_taken_over(holder, ours, route).await))
                 }
             }
@@ -201,9 +206,12 @@ impl<St: Store> Engine<St> {
             observe::store_error(route, "touch");
             return Err(StoreError::Timeout(bound.unwrap_or_default()));
         };
-        guard.armed = armed;
         let error = match answered {
-            Ok(Ok(Fenced::Applied)) => return Ok(true),
+            Ok(Ok(Fenced::Applied)) => {
+                guard.armed = armed;
+                return Ok(true);
+            }
+            // Not ours any more: nothing of ours to guard, nor to let go.
             Ok(Ok(Fenced::Rejected)) => {
                 tracing::warn!(
                     key_hash = key.hash(),
@@ -216,7 +224,11 @@ impl<St: Store> Engine<St> {
             Err(_) => StoreError::unavailable("the touch ended without an answer"),
         };
         observe::store_error(route, "touch");
-        self.let_go(ours, "ours could not be renewed").await;
+        // Let go once, here, in a task a caller that goes away does not stop: the guard stays
+        // disarmed.
+        let letting_go =
+            spawn(self.settings.tasks.as_ref(), self.let_go(ours, "ours could not be renewed"));
+        drop(letting_go.await);
         Err(error)
     }
 

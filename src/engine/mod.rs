@@ -387,7 +387,11 @@ impl<St: Store> UnsettledClaim<'_, St> {
 
 impl<St: Store> Drop for UnsettledClaim<'_, St> {
     fn drop(&mut self) {
-        if let Some((store, key, owner, fingerprint, lease)) = self.armed.take() {
+        // Dropped outside any runtime (its own shut down): nothing can abandon it, and the
+        // claim lapses with its lease, as a holder's does when its process dies.
+        if let Some((store, key, owner, fingerprint, lease)) = self.armed.take()
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
             let (store, key, owner, fingerprint) =
                 (store.clone(), key.clone(), owner.clone(), fingerprint.clone());
             // Fenced by the token: ends the claim only if it landed, and refuses it if it
