@@ -69,10 +69,15 @@ async fn setup(d: &TestDatabase) -> (App, Router) {
         .route("/pay-then-answer-otherwise", post(pay_then_answer_otherwise))
         .route("/pay-twice-ignoring-the-commit", post(pay_twice_ignoring_the_commit))
         .route("/commit-a-500", post(commit_a_500))
+        .route("/commit-a-500-answered-by-the-layer", post(commit_a_500_answered_by_the_layer))
         .route("/pay-slowly", post(pay_slowly))
         .route("/pay-slowly-and-retry", post(pay_slowly_and_retry))
         .route("/pay-nested", post(pay_nested))
         .route("/pay-through-another-store", post(pay_through_another_store))
+        .route(
+            "/pay-through-another-store-answered-by-the-layer",
+            post(pay_through_another_store_answered_by_the_layer),
+        )
         .with_state(app.clone())
         .layer(IdempotencyLayer::new(store));
     (app, router)
@@ -168,6 +173,15 @@ async fn pay_through_another_store(
         }
         other => panic!("committed through another store: {other:?}"),
     }
+}
+
+/// The same misuse, its error answered as the layer answers it (`IntoResponse`).
+async fn pay_through_another_store_answered_by_the_layer(
+    State(app): State<App>,
+    context: IdempotencyContext,
+) -> Response {
+    let response = created(json!({ "paid": "elsewhere" })).into_response();
+    commit_payment_in(&app.other, &app, &context, "a", response).await.into_response()
 }
 
 /// Commits one response, then returns another.
@@ -274,6 +288,15 @@ async fn a_response_the_layer_would_not_store_is_refused_and_its_side_effect_rol
     // A 502 is not stored either: the key is released, and the payment was rolled back.
     assert_eq!(record_state(&app).await, None);
     assert_eq!(payments(&app).await, 0);
+    // The error answered by the layer: the handler's fault, a 500 that says why, not stored.
+    let answered =
+        send(&router, keyed("POST", "/commit-a-500-answered-by-the-layer", "k2", "{}")).await;
+    answered.assert_problem(500, "handler-failed");
+    assert_eq!(
+        answered.problem_detail(),
+        "the outcome is not stored: the store policy does not keep it"
+    );
+    assert_eq!(payments(&app).await, 0);
 }
 
 /// The commit's answer is lost (it lands after the command timeout): the door cannot know
@@ -295,6 +318,15 @@ async fn a_commit_whose_answer_is_lost_is_replayed_not_run_again() {
     assert_eq!((retry.status, retry.body.as_str()), (StatusCode::CREATED, r#"{"paid":"slowly"}"#));
     assert_eq!(retry.headers["idempotency-replayed"], "true");
     assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app).await), (1, 1));
+}
+
+/// A 500 committed, its refusal answered as the layer answers it (`IntoResponse`).
+async fn commit_a_500_answered_by_the_layer(
+    State(app): State<App>,
+    context: IdempotencyContext,
+) -> Response {
+    let failed = (StatusCode::INTERNAL_SERVER_ERROR, "no").into_response();
+    commit_payment_in(&app.store, &app, &context, "a", failed).await.into_response()
 }
 
 /// A handler that retries its transaction after the commit's answer was lost (the commit
@@ -349,6 +381,13 @@ async fn a_commit_through_another_store_is_refused_and_rolled_back() {
         .unwrap();
     assert_eq!(other, 0, "the other store wrote a record");
     assert_eq!(record_state(&app).await, None, "the layer's key is released");
+    // The error answered by the layer: the store's word, a 503 to retry, saying it rolled back.
+    let uri = "/pay-through-another-store-answered-by-the-layer";
+    let answered = send(&router, keyed("POST", uri, "k2", "{}")).await;
+    answered.assert_problem(503, "store-unavailable");
+    assert_eq!(answered.header("retry-after"), Some("1"));
+    assert_eq!(answered.problem_detail(), format!("rolled back: {}", StoreError::FencedOut));
+    assert_eq!(payments(&app).await, 0);
 }
 
 /// A TCP proxy to the database that, once armed, swallows the first message carrying

@@ -29,11 +29,12 @@ mod renewals;
 mod run;
 mod setters;
 mod settle;
+mod unsettled;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use tokio::{sync::Semaphore, task::JoinHandle};
+use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 
 pub use self::complete::Completed;
@@ -43,7 +44,7 @@ pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::{engine_setters, inner_service_accessors};
-use self::settle::abandon;
+use self::unsettled::{UnsettledClaim, spawn};
 use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
@@ -369,50 +370,6 @@ impl<St: Store> Engine<St> {
         }
         drop(guard);
         Ok((claim?, owner))
-    }
-}
-
-/// Abandons, on drop, a claim whose outcome its caller never saw (counted on `tasks`, when
-/// there is a tracker: a service shutting down waits for it).
-pub(super) struct UnsettledClaim<'a, St: Store> {
-    pub(super) armed: Option<(&'a St, &'a RecordKey, &'a OwnerToken, &'a Fingerprint, Lease)>,
-    pub(super) tasks: Option<&'a TaskTracker>,
-}
-
-impl<St: Store> UnsettledClaim<'_, St> {
-    pub(super) fn disarm(&mut self) {
-        self.armed = None;
-    }
-}
-
-impl<St: Store> Drop for UnsettledClaim<'_, St> {
-    fn drop(&mut self) {
-        // Dropped outside any runtime (its own shut down): nothing can abandon it, and the
-        // claim lapses with its lease, as a holder's does when its process dies.
-        if let Some((store, key, owner, fingerprint, lease)) = self.armed.take()
-            && tokio::runtime::Handle::try_current().is_ok()
-        {
-            let (store, key, owner, fingerprint) =
-                (store.clone(), key.clone(), owner.clone(), fingerprint.clone());
-            // Fenced by the token: ends the claim only if it landed, and refuses it if it
-            // lands later.
-            let abandoning =
-                async move { abandon(&store, &key, &owner, &fingerprint, lease).await };
-            drop(spawn(self.tasks, abandoning));
-        }
-    }
-}
-
-/// Spawns `work` on the current runtime, counted on `tracker` when there is one: the work a
-/// claim leaves behind (a let-go, a release's retries, an abandon), which a service shutting
-/// down waits for.
-pub(super) fn spawn(
-    tracker: Option<&TaskTracker>,
-    work: impl Future<Output = ()> + Send + 'static,
-) -> JoinHandle<()> {
-    match tracker {
-        Some(tracker) => tracker.spawn(work),
-        None => tokio::spawn(work),
     }
 }
 

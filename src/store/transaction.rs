@@ -60,7 +60,7 @@ pub enum TransactionError<E> {
     /// keep or marked `layer::ReleaseKey`, a response over the stored limits, a value serde
     /// cannot encode, a response committed for the consumer door): rolled back, its side
     /// effect with it (committed with its key released, it would run again on the retry).
-    /// The reason.
+    /// Why, as a sentence ("the outcome is not stored: the store policy does not keep it").
     NotStored(String),
     /// The commit was sent, and its answer was lost (the connection broke, or the command
     /// timeout ran out): the transaction committed, or not. Nothing is retried; the key stays
@@ -111,7 +111,7 @@ impl<E: fmt::Display> TransactionError<E> {
             }
             Self::NotStored(reason) => {
                 tracing::error!(reason, "idempotency: the handler's outcome is not stored");
-                Failure::Handler(Some(format!("the outcome is not stored: {reason}")))
+                Failure::Handler(Some(reason))
             }
             Self::Misuse(reason) => {
                 tracing::error!(reason, "idempotency: the handler's transaction was refused");
@@ -126,9 +126,7 @@ impl<E: fmt::Display> fmt::Display for TransactionError<E> {
         match self {
             Self::Operation(error) => write!(f, "the operation failed: {error}"),
             Self::Store(error) => write!(f, "rolled back: {error}"),
-            Self::NotStored(reason) => {
-                write!(f, "rolled back: the outcome is not stored: {reason}")
-            }
+            Self::NotStored(reason) => write!(f, "rolled back: {reason}"),
             Self::CommitUnknown(error) => {
                 write!(f, "the commit's answer was lost, it may have committed: {error}")
             }

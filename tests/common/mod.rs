@@ -440,6 +440,13 @@ impl Seen {
         self.header("idempotency-replayed") == Some("true")
     }
 
+    /// The problem's `detail`.
+    pub fn problem_detail(&self) -> String {
+        let json: serde_json::Value =
+            serde_json::from_str(&self.body).expect("problem body is JSON");
+        json["detail"].as_str().expect("detail").to_owned()
+    }
+
     /// Asserts a problem+json answer with `status` and the given `type` suffix.
     pub fn assert_problem(&self, status: u16, type_suffix: &str) {
         assert_eq!(self.status.as_u16(), status, "{self:?}");
