@@ -6,9 +6,10 @@
 //! worker's LIFO slot, writes each before the next is queued). Here an operation that starts
 //! while no other of the store's runs sends its commands straight out, as before (an idle store
 //! pays two atomic additions an operation); one that starts while others run queues its
-//! commands, and one task, spawned by the first of them, yields once (every task already
-//! runnable sends first) and writes the queue as one pipeline (`req_packed_commands` on the
-//! same redis-rs connection), giving each command's reply, or the pipeline's error, to its own
+//! commands, and one task, spawned by the first of them, yields (every task already runnable
+//! sends first, and the tasks the runtime's driver wakes meanwhile, for up to three turns while
+//! each brings more) and writes the queue as one pipeline (`req_packed_commands` on the same
+//! redis-rs connection), giving each command's reply, or the pipeline's error, to its own
 //! sender.
 //!
 //! What an operation sees does not change: its command's own reply (a server error, such as
@@ -125,12 +126,29 @@ where
     }
 }
 
-/// Writes the queue as one pipeline, once every task already runnable has had its turn.
+/// The most turns of the scheduler a batch waits for while each adds commands to it.
+const MOST_TURNS: usize = 3;
+
+/// Writes the queue as one pipeline, once every task already runnable has had its turn, and
+/// the tasks those turns woke while they queue more (up to [`MOST_TURNS`]).
 async fn flush<C>(mut flushing: Flushing<C>)
 where
     C: ConnectionLike + Clone + Send + 'static,
 {
-    tokio::task::yield_now().await;
+    // Under load, each turn of the scheduler wakes tasks (replies read, requests accepted)
+    // that queue commands of their own: one batch carries them all, and Redis reads and
+    // answers one pipeline rather than several (about a fifth less Redis CPU a request at
+    // 16 connections: `BENCHMARKS.md`, "More turns before a batch"). A turn that queued
+    // nothing ends the wait at once.
+    let mut queued = flushing.queued();
+    for _ in 0..MOST_TURNS {
+        tokio::task::yield_now().await;
+        let now_queued = flushing.queued();
+        if now_queued == queued {
+            break;
+        }
+        queued = now_queued;
+    }
     let waiting = flushing.take();
     let now = Instant::now();
     // A command whose operation ended (a dropped request) or whose time is up is not sent.
@@ -188,6 +206,13 @@ struct Flushing<C> {
 }
 
 impl<C> Flushing<C> {
+    /// How many commands wait in the queue, every runtime's.
+    fn queued(&self) -> usize {
+        self.batcher.as_ref().map_or(0, |batcher| {
+            batcher.queue.lock().unwrap_or_else(PoisonError::into_inner).waiting.len()
+        })
+    }
+
     /// The queue's commands of this runtime, and the next command from this runtime spawns
     /// the next batch's task. Another runtime's commands wait for its own task (one is
     /// pending: each runtime's first command queued since its last task took spawns one), as
