@@ -135,11 +135,15 @@ async fn flush<C>(mut flushing: Flushing<C>)
 where
     C: ConnectionLike + Clone + Send + 'static,
 {
-    // Under load, each turn of the scheduler wakes tasks (replies read, requests accepted)
+    // Under load, each turn of the scheduler runs tasks (replies read, requests accepted)
     // that queue commands of their own: one batch carries them all, and Redis reads and
     // answers one pipeline rather than several (about a fifth less Redis CPU a request at
     // 16 connections: `BENCHMARKS.md`, "More turns before a batch"). A turn that queued
-    // nothing ends the wait at once.
+    // nothing ends the wait at once. What a turn holds depends on the runtime: on a
+    // current-thread one, the tasks its driver woke run before this one resumes; on a
+    // multi-thread one, a yielded task resumes first (in the worker's LIFO slot), and those
+    // tasks queue their commands during the next turn, which follows only if this one brought
+    // some (the queue it found, run before the driver's poll).
     let mut queued = flushing.queued();
     for _ in 0..MOST_TURNS {
         tokio::task::yield_now().await;
@@ -223,6 +227,9 @@ impl<C> Flushing<C> {
         let Some(batcher) = self.batcher.take() else { return Vec::new() };
         let mut queue = batcher.queue.lock().unwrap_or_else(PoisonError::into_inner);
         queue.flushing.take_if(|runtime| *runtime == self.runtime);
+        // A command whose operation ended is never sent, whichever runtime's it is: one of a
+        // runtime that shut down before its task took it would otherwise stay queued.
+        queue.waiting.retain(|waiting| !waiting.reply.is_closed());
         let here = |waiting: &mut Waiting<C>| waiting.runtime == self.runtime;
         queue.waiting.extract_if(.., here).collect()
     }
