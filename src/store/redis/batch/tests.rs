@@ -147,48 +147,28 @@ async fn commands_queued_together_go_out_as_one_batch_each_with_its_own_reply() 
     assert_eq!(fake.sent(), [("batch", 3), ("batch", 1)]);
 }
 
-/// `tasks` commands sent by a chain of tasks, each woken by I/O (a byte on a socket) that the
-/// one before writes once its command is queued: each comes one poll of the runtime's driver
-/// after the one before, as a command does whose request or reply is read meanwhile. With
-/// `pause`, the first writes its byte one turn late: its turn brings the batch nothing.
+/// `commands` commands, each queued one turn of the runtime after the one before (a task that
+/// yields between them), as commands come whose requests or replies are read meanwhile. With
+/// `pause`, the second comes two turns after the first: a turn brings the batch nothing.
 ///
-/// On tokio's current-thread runtime (this test's), whose driver's wakes run before the tasks
-/// that yielded. The writer is a blocking `std` socket, written at once: tokio's own became
-/// writable before any poll of the driver only in 1.54.
-async fn chained(batcher: &Arc<Batcher<Fake>>, fake: &Fake, tasks: usize, pause: bool) {
-    use std::io::Write as _;
-    use tokio::{io::AsyncReadExt, net::UnixStream};
-    let (mut writers, mut readers) = (Vec::new(), Vec::new());
-    for _ in 0..tasks {
-        let (writer, reader) = std::os::unix::net::UnixStream::pair().unwrap();
-        reader.set_nonblocking(true).unwrap();
-        writers.push(writer);
-        readers.push(UnixStream::from_std(reader).unwrap());
+/// On tokio's current-thread runtime (this test's), where a task that yielded resumes after
+/// the tasks that yielded before it: this one before the batch's task, each turn.
+async fn one_a_turn(batcher: &Arc<Batcher<Fake>>, fake: &Fake, commands: usize, pause: bool) {
+    let mut replies = Vec::new();
+    for k in 0..commands {
+        if k == 1 && pause {
+            tokio::task::yield_now().await;
+        }
+        if k > 0 {
+            tokio::task::yield_now().await;
+        }
+        let mut reply = Box::pin(send(batcher, fake, "x", LONG));
+        // Polled once: queued.
+        assert!(futures_util::poll!(reply.as_mut()).is_pending());
+        replies.push(reply);
     }
-    // Link `k` reads its byte, queues its command, and writes link `k + 1`'s byte.
-    let mut next = writers.into_iter().skip(1).map(Some).chain([None]);
-    let mut links = Vec::new();
-    for (k, mut reader) in readers.into_iter().enumerate() {
-        let (batcher, fake, mut next) = (batcher.clone(), fake.clone(), next.next().flatten());
-        links.push(tokio::spawn(async move {
-            if k > 0 {
-                reader.read_u8().await.unwrap();
-            }
-            let reply = send(&batcher, &fake, "x", LONG);
-            let mut reply = std::pin::pin!(reply);
-            // Polled once: queued.
-            assert!(futures_util::poll!(&mut reply).is_pending());
-            if let Some(next) = &mut next {
-                if pause && k == 0 {
-                    tokio::task::yield_now().await;
-                }
-                next.write_all(&[1]).unwrap();
-            }
-            assert_eq!(reply.await.unwrap(), Value::BulkString(b"x".to_vec()));
-        }));
-    }
-    for link in links {
-        link.await.unwrap();
+    for reply in replies {
+        assert_eq!(reply.await.unwrap(), Value::BulkString(b"x".to_vec()));
     }
 }
 
@@ -197,18 +177,18 @@ async fn a_batch_waits_for_the_commands_each_turn_brings_for_three_turns() {
     // The first command is queued before the batch's task runs; each of its three turns
     // brings one more.
     let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
-    chained(&batcher, &fake, 4, false).await;
+    one_a_turn(&batcher, &fake, 4, false).await;
     assert_eq!(fake.sent(), [("batch", 4)]);
     // A fifth comes after the third turn: the next batch's.
     let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
-    chained(&batcher, &fake, 5, false).await;
+    one_a_turn(&batcher, &fake, 5, false).await;
     assert_eq!(fake.sent(), [("batch", 4), ("batch", 1)]);
 }
 
 #[tokio::test]
 async fn a_turn_that_brings_no_command_ends_the_batchs_wait() {
     let (batcher, fake) = (Arc::new(Batcher::default()), Fake::new(Pipelines::Echo));
-    chained(&batcher, &fake, 2, true).await;
+    one_a_turn(&batcher, &fake, 2, true).await;
     assert_eq!(fake.sent(), [("batch", 1), ("batch", 1)]);
 }
 
