@@ -41,20 +41,18 @@
 //!
 #![doc = include_str!("../docs/dedup.md")]
 
-use std::{
-    collections::{HashMap, HashSet},
-    hash::Hash,
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::time::{Duration, SystemTime};
 
 use crate::{
-    fingerprint::Fingerprint,
     hashing::{Hashing, Names},
     key::RecordKey,
     store::{BucketBatch, DedupStore, FilterBatch, StoreError},
 };
 
+use self::events::{Bucket, Events, answers, member, once_each};
+
 mod bloom;
+mod events;
 
 /// Sets, or filters, per bucket unless given: enough that one hot bucket is not one Cluster
 /// slot.
@@ -354,115 +352,4 @@ impl<St: DedupStore> Dedup<St> {
         let key = |bucket: u128| format!("{}:{bucket}", tag.as_str());
         [key(bucket.saturating_sub(1)), key(bucket), key(bucket + 1)]
     }
-}
-
-/// A page's events for a bucketed strategy: each distinct one's hash, grouped by shard.
-struct Events {
-    /// Each distinct event's hash, in the order first met.
-    hashes: Vec<[u8; 32]>,
-    /// For each event of the page, the index of its hash (`None` for a repeat in the page).
-    firsts: Vec<Option<usize>>,
-    /// Each shard met, with its events' indices in `hashes`, in order.
-    shards: Vec<(u16, Vec<usize>)>,
-}
-
-impl Events {
-    fn of(names: &Names, scope: &str, ids: &[impl AsRef<[u8]>], shards: u16) -> Self {
-        let hashes = ids.iter().map(|id| {
-            let hash = names.fingerprint(&Fingerprint::of_fields(&[scope.as_bytes(), id.as_ref()]));
-            *hash.as_bytes()
-        });
-        let (hashes, firsts) = once_each(hashes);
-        let mut grouped: Vec<(u16, Vec<usize>)> = Vec::new();
-        let mut group_of: HashMap<u16, usize> = HashMap::new();
-        for (i, hash) in hashes.iter().enumerate() {
-            let shard = u16::from_be_bytes([hash[0], hash[1]]) % shards.max(1);
-            let group = *group_of.entry(shard).or_insert_with(|| {
-                grouped.push((shard, Vec::new()));
-                grouped.len() - 1
-            });
-            grouped[group].1.push(i);
-        }
-        Self { hashes, firsts, shards: grouped }
-    }
-
-    /// The store's answers, one list per shard, put back in the order of `hashes`.
-    fn scatter(&self, by_shard: &[Vec<bool>]) -> Result<Vec<bool>, StoreError> {
-        let mut fresh = vec![false; self.hashes.len()];
-        let answered = by_shard.iter().map(Vec::len).eq(self.shards.iter().map(|(_, e)| e.len()));
-        if !answered {
-            return Err(StoreError::Unavailable("the store answered for other events".into()));
-        }
-        for ((_, events), answers) in self.shards.iter().zip(by_shard) {
-            for (&i, &new) in events.iter().zip(answers) {
-                fresh[i] = new;
-            }
-        }
-        Ok(fresh)
-    }
-}
-
-/// The bucket an event seen `at` falls in, and when its set or filter expires.
-struct Bucket {
-    number: u128,
-    expire_at: SystemTime,
-}
-
-impl Bucket {
-    fn at(at: SystemTime, window: Duration) -> Self {
-        let window_ms = window.as_millis().max(1);
-        let number = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() / window_ms;
-        // Kept while the bucket after it checks it, and a quarter window more for clocks that
-        // differ between instances and the store.
-        let expire_ms = (number + 2) * window_ms + window_ms / 4;
-        let expire_ms = u64::try_from(expire_ms).unwrap_or(u64::MAX);
-        Self { number, expire_at: UNIX_EPOCH + Duration::from_millis(expire_ms) }
-    }
-
-    /// The bucket of `at`, unless it has expired already (its set or filter would expire as
-    /// it is written, and every event in it would be answered new).
-    fn within_horizon(at: SystemTime, window: Duration) -> Result<Self, StoreError> {
-        let bucket = Self::at(at, window);
-        match SystemTime::now().duration_since(bucket.expire_at) {
-            Ok(past) => Err(StoreError::BeyondHorizon(past)),
-            Err(_) => Ok(bucket),
-        }
-    }
-}
-
-/// An event's member in a bucket set: the half of its hash that the shard does not use.
-fn member(hash: &[u8; 32]) -> [u8; 16] {
-    let mut member = [0; 16];
-    member.copy_from_slice(&hash[16..]);
-    member
-}
-
-/// For each event of a page, whether it is new: its first occurrence's answer, and `false`
-/// for a repeat in the page.
-fn answers(firsts: &[Option<usize>], fresh: &[bool]) -> Result<Vec<bool>, StoreError> {
-    firsts
-        .iter()
-        .map(|first| match first {
-            None => Ok(false),
-            Some(i) => fresh.get(*i).copied().ok_or_else(|| {
-                StoreError::Unavailable("the store answered for fewer events".into())
-            }),
-        })
-        .collect()
-}
-
-/// `items` once each, in order, and for each item where its first occurrence is among them
-/// (`None` for a repeat): the same event twice in one page is new the first time only.
-fn once_each<T: Hash + Eq + Clone>(items: impl Iterator<Item = T>) -> (Vec<T>, Vec<Option<usize>>) {
-    let (mut unique, mut firsts, mut seen) = (Vec::new(), Vec::new(), HashSet::new());
-    for item in items {
-        match seen.insert(item.clone()) {
-            true => {
-                firsts.push(Some(unique.len()));
-                unique.push(item);
-            }
-            false => firsts.push(None),
-        }
-    }
-    (unique, firsts)
 }

@@ -2,6 +2,7 @@
 
 mod admin;
 mod batch;
+mod bounded;
 mod builders;
 mod checks;
 mod clock;

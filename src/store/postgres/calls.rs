@@ -1,0 +1,81 @@
+//! How a call reaches the database: within its timeout ([`bounded`]), its errors told as the
+//! store's, its durations in milliseconds, and the migrations run one instance at a time.
+
+use std::time::Duration;
+
+use sqlx::{Executor as _, PgPool, Row as _, postgres::PgRow};
+
+use super::Beginning;
+use crate::store::{Fenced, StoreError};
+
+/// The longest duration written to the database: 30 years, in milliseconds. A configured
+/// duration as long as `Duration::MAX` means "keep it", never an overflow.
+const LONGEST_MS: i64 = 30 * 365 * 24 * 60 * 60 * 1000;
+
+/// Runs `schema` in one transaction under an advisory lock named after `table`, so that
+/// instances starting side by side do not collide (two `CREATE TABLE IF NOT EXISTS` at once
+/// fail on the catalog's unique index).
+pub(crate) async fn migrate(pool: &PgPool, table: &str, schema: &str) -> Result<(), StoreError> {
+    // One statement, so that no borrow of the transaction is held across two awaits (which
+    // would make the future not `Send` for every lifetime, and `tokio::spawn` refuse it).
+    let locked =
+        format!("SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\n{schema}");
+    // As `pool.begin()` would, through `Beginning`: a caller that gives up on a start leaves
+    // no transaction open (and the advisory lock held, every other instance's start waiting).
+    let connection = pool.acquire().await.map_err(StoreError::unavailable)?;
+    let mut beginning = Beginning::new(connection);
+    let mut tx = beginning.begin().await.map_err(StoreError::unavailable)?;
+    let connection: &mut sqlx::PgConnection = &mut tx;
+    connection.execute(sqlx::raw_sql(&locked)).await.map_err(StoreError::unavailable)?;
+    tx.commit().await.map_err(StoreError::unavailable)
+}
+
+/// How long a claim waits for a row another transaction holds locked before it answers "in
+/// progress": half the command timeout, so that the answer comes within it; at least a
+/// millisecond (0 would be no limit).
+pub(super) fn lock_wait(command_timeout: Duration) -> i64 {
+    millis(command_timeout / 2).max(1)
+}
+
+/// `call`, within `timeout`: its error is the store being unavailable, its timeout
+/// [`StoreError::Timeout`]. Every call of the PostgreSQL stores goes through here.
+pub(crate) async fn bounded<T>(
+    timeout: Duration,
+    call: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(store_error(error)),
+        Err(_) => Err(StoreError::Timeout(timeout)),
+    }
+}
+
+/// A database error as the store reports it: a missing function or table is the schema
+/// missing (`migrate()` was not run), any other error the store being unavailable.
+fn store_error(error: sqlx::Error) -> StoreError {
+    // undefined_function, undefined_table
+    let missing = error
+        .as_database_error()
+        .and_then(sqlx::error::DatabaseError::code)
+        .is_some_and(|code| code == "42883" || code == "42P01");
+    if missing {
+        StoreError::SchemaMissing(error.to_string())
+    } else {
+        StoreError::unavailable(error)
+    }
+}
+
+/// `duration` in whole milliseconds, at most 30 years.
+pub(crate) fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(LONGEST_MS).min(LONGEST_MS)
+}
+
+/// A fenced function's answer: 1 (or 2) when applied, 0 when another owner holds the key.
+pub(super) fn fenced(row: &PgRow) -> Result<Fenced, StoreError> {
+    let outcome: i32 = row.try_get(0).map_err(corrupt)?;
+    Ok(if outcome == 0 { Fenced::Rejected } else { Fenced::Applied })
+}
+
+pub(super) fn corrupt(error: sqlx::Error) -> StoreError {
+    StoreError::CorruptRecord(format!("an answer of another shape: {error}"))
+}
