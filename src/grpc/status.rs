@@ -56,4 +56,18 @@ mod tests {
         let info = status.get_details_retry_info().expect("RetryInfo");
         assert_eq!(info.retry_delay, Some(Duration::from_millis(1500)));
     }
+
+    #[test]
+    fn a_transaction_error_is_the_status_a_client_can_act_on() {
+        let not_stored = "the outcome is not stored: the store policy does not keep OK";
+        let status = Status::from(TransactionError::<String>::NotStored(not_stored.into()));
+        assert_eq!((status.code(), status.message()), (Code::Internal, not_stored));
+        let failed = Status::from(TransactionError::Operation("card declined: 4242".to_owned()));
+        assert_eq!(failed.code(), Code::Internal);
+        assert!(!failed.message().contains("4242"), "the operation's error is never shown");
+        let lost = Status::from(TransactionError::<String>::CommitUnknown(
+            crate::store::StoreError::FencedOut,
+        ));
+        assert_eq!(lost.code(), Code::Unavailable);
+    }
 }

@@ -372,4 +372,23 @@ mod tests {
         assert!(slot.start(true).is_err(), "a transaction began after a commit");
         assert!(matches!(slot.outcome(), Some(Commit::Committed(_))));
     }
+
+    /// An outcome not stored says so once, in its `Display` and in what a door answers (the
+    /// encoder's sentence is carried whole).
+    #[test]
+    fn an_outcome_not_stored_says_so_once() {
+        let reason = EncodeError::NotStored("the store policy does not keep it").to_string();
+        let error = TransactionError::<String>::NotStored(reason);
+        let said = "the outcome is not stored: the store policy does not keep it";
+        assert_eq!(error.to_string(), format!("rolled back: {said}"));
+        match error.failure() {
+            Failure::Handler(Some(detail)) => assert_eq!(detail, said),
+            other => panic!("{other:?}"),
+        }
+        let store = TransactionError::<String>::Store(StoreError::FencedOut);
+        assert_eq!(store.to_string(), format!("rolled back: {}", StoreError::FencedOut));
+        assert!(
+            matches!(store.failure(), Failure::Store(detail) if detail.starts_with("rolled back: "))
+        );
+    }
 }
