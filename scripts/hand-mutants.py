@@ -27,6 +27,7 @@ SQL = "sql/postgres.sql"
 SCHEMA_RS = "src/store/postgres/schema.rs"
 TXN = [["--test", "transactional"]]
 TXN_HTTP = [["--test", "transactional_http"]]
+HELD = [["--test", "held_transactions"]]
 OPERATOR_REDIS = ["--test", "operator", "--", "redis::", "cluster::"]
 OPERATOR_MEMORY = ["--test", "operator", "--", "memory::"]
 OPERATOR_PG = ["--test", "operator", "--", "postgres::"]
@@ -170,13 +171,36 @@ MUTANTS = [
      "DELETE FROM idempotency_records WHERE key = p_key AND state = 'P' AND owner = p_owner",
      "DELETE FROM idempotency_records WHERE key = p_key AND owner = p_owner", TXN_HTTP),
     ("postgres migrate without its advisory lock", "src/store/postgres/calls.rs",
-     "\"SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\\n{schema}\"",
-     "\"{schema}\"", [["--test", "postgres"]]),
+     "\"SELECT pg_advisory_xact_lock(hashtext('axum-idempotency:{table}'));\\n\\\n", "\"\\\n",
+     [["--test", "postgres"]]),
+    ("postgres migrate running its schema when it is current", "src/store/postgres/calls.rs",
+     "if bounded(timeout, is_current.fetch_one(pool)).await? {",
+     "if bounded(timeout, is_current.fetch_one(pool)).await? && false {", HELD),
+    ("postgres migrate waiting for a table's lock without a limit", "src/store/postgres/calls.rs",
+     "SET LOCAL lock_timeout = {wait};", "SET LOCAL lock_timeout = 0;", HELD),
+    ("postgres claim taking over a lapsed lease its holder's transaction holds", SQL,
+     "            IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_records:' || p_key, 0))\n            THEN\n                outcome := 3;\n                remaining_ms := 200;\n                RETURN;\n            END IF;\n            IF v_late THEN\n                outcome := 6;\n                RETURN;\n            END IF;\n            -- The lease lapsed",
+     "            IF v_late THEN\n                outcome := 6;\n                RETURN;\n            END IF;\n            -- The lease lapsed",
+     HELD),
+    ("postgres claim marking waited a record its holder's transaction holds", SQL,
+     "        IF p_waiting AND NOT r.waited THEN\n            IF NOT pg_try_advisory_xact_lock",
+     "        IF p_waiting AND NOT r.waited THEN\n            IF false AND NOT pg_try_advisory_xact_lock",
+     HELD),
+    ("postgres transaction without the key's lock", "src/store/postgres/transaction.rs",
+     "SELECT pg_advisory_lock(hashtextextended($1, 0))", "SELECT $1::text", HELD),
+    ("checkpoints mark without the idle limit", "src/durable/checkpoints.rs",
+     "RETURNING set_config('idle_in_transaction_session_timeout', $6, true)",
+     "RETURNING $6::text", HELD),
+    ("settle not waiting for the operation's context", "src/store/transaction.rs",
+     "_ if state.context_alive && tokio::time::Instant::now() < give_up => true,",
+     "_ if false => true,", HELD),
+    ("a transaction begun after its door settled", "src/store/transaction.rs",
+     "        if state.closed {", "        if false {", HELD),
     ("recovery points resumed for another request", "src/durable/checkpoints.rs",
-     "SELECT result, fingerprint = $3 FROM", "SELECT result, true FROM", [["--test", "recovery_points"]]),
+     "SELECT result, fingerprint = $3 FROM", "SELECT result, true FROM", [["--test", "suite", "--", "recovery_points::"]]),
     ("recovery points kept past the key's retention", "src/durable/checkpoints.rs",
-     "            .bind(millis(context.retention()));",
-     "            .bind(millis(Duration::from_secs(86_400)));", [["--test", "recovery_points"]]),
+     "            .bind(millis(context.retention()))\n",
+     "            .bind(millis(Duration::from_secs(86_400)))\n", [["--test", "suite", "--", "recovery_points::"]]),
     # The complete of the owner's live claim, a plain statement (the function's first update,
     # which stays in the function for the previous version's instances: the mutants above of
     # its owner comparison and its notification). Not mutated, being equivalent: dropping

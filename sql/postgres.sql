@@ -108,6 +108,13 @@ BEGIN
             RETURN;
         END;
         IF v_absent OR r.expires_at <= v_now OR (r.state = 'X' AND r.owner <> p_owner) THEN
+            IF NOT v_absent AND r.state = 'P' AND NOT pg_try_advisory_xact_lock(
+                    hashtextextended('idempotency_records:' || p_key, 0)) THEN
+                -- Expired, and its holder's transaction runs: held (see the lapsed lease).
+                outcome := 3;
+                remaining_ms := 200;
+                RETURN;
+            END IF;
             IF v_late THEN
                 outcome := 6;
                 RETURN;
@@ -142,6 +149,18 @@ BEGIN
             RETURN;
         END IF;
         IF r.lease_until <= v_now THEN
+            -- The holder's transaction (PostgresStore::transaction) holds the key's lock, taken
+            -- before its BEGIN and let go after its COMMIT, and does not renew the lease while
+            -- it runs: the holder is alive, however long it runs, and is not taken over. The
+            -- lock ends with its session when the process dies. Polled, not waited for: no
+            -- write of the row while that transaction runs (it would make a REPEATABLE READ or
+            -- SERIALIZABLE transaction's own write of the record a concurrent update).
+            IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_records:' || p_key, 0))
+            THEN
+                outcome := 3;
+                remaining_ms := 200;
+                RETURN;
+            END IF;
             IF v_late THEN
                 outcome := 6;
                 RETURN;
@@ -154,6 +173,13 @@ BEGIN
             RETURN;
         END IF;
         IF p_waiting AND NOT r.waited THEN
+            IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_records:' || p_key, 0))
+            THEN
+                -- The holder's transaction runs (see the lapsed lease): polled, not marked.
+                outcome := 3;
+                remaining_ms := 200;
+                RETURN;
+            END IF;
             UPDATE idempotency_records SET waited = true WHERE key = p_key;
         END IF;
         outcome := 3;

@@ -12,7 +12,7 @@ use crate::{
     fingerprint::Fingerprint,
     hashing::Named,
     key::RecordKey,
-    store::{CommitSlot, EncodeError, EncodedOutcome, OwnerToken},
+    store::{CommitSlot, EncodeError, EncodedOutcome, Lease, OwnerToken},
 };
 
 /// How a front door stores an outcome an operation commits in a store's transaction
@@ -98,6 +98,10 @@ struct Context {
 pub(crate) struct Completion {
     pub(crate) owner: OwnerToken,
     pub(crate) retention: Duration,
+    /// The claim's lease: a store that holds the key while the operation's transaction runs
+    /// renews it before and after.
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
+    pub(crate) lease: Lease,
     /// What became of the claim's transaction, once a store ran one.
     #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
     pub(crate) commit: Arc<CommitSlot>,
@@ -116,13 +120,22 @@ impl Completion {
     /// The completion of a claim, sharing the holder's commit slot.
     pub(crate) fn new(
         owner: OwnerToken,
-        retention: Duration,
+        (retention, lease): (Duration, Lease),
         commit: Arc<CommitSlot>,
         at_rest: AtRest,
         encoding: Arc<dyn Encoding>,
         durable: Option<DurableTable>,
     ) -> Self {
-        Self { owner, retention, commit, at_rest, encoding, durable }
+        commit.context_alive(true);
+        Self { owner, retention, lease, commit, at_rest, encoding, durable }
+    }
+}
+
+/// Dropped with the last clone of the operation's context: the door's settle, which waits for
+/// a transaction that may still begin on it, goes on.
+impl Drop for Completion {
+    fn drop(&mut self) {
+        self.commit.context_alive(false);
     }
 }
 
@@ -168,6 +181,12 @@ impl IdempotencyContext {
             outcome,
             retention: completion.retention,
         })
+    }
+
+    /// The claim's lease; ten seconds (the doors' default) for a context no door gave.
+    #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
+    pub(crate) fn lease(&self) -> Duration {
+        self.completion().map_or(Duration::from_secs(10), |c| c.lease.duration)
     }
 
     /// How long the door keeps the claim's outcome; a day for a context no door gave.

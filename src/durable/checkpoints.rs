@@ -124,6 +124,11 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
     /// transaction's): it is done if and only if the transaction commits. It is kept for the
     /// context's retention.
     ///
+    /// Mark a step last, just before the commit: from the mark, the database ends the
+    /// transaction (rolls it back) if it waits for the app longer than the claim's lease (at
+    /// least the command timeout), so that a transaction whose app died or was cut off does
+    /// not hold the step's row for as long as TCP keep-alive takes to notice (hours).
+    ///
     /// # Errors
     ///
     /// - [`StoreError::FencedOut`] when the step is marked already (another holder of the key
@@ -139,20 +144,25 @@ CREATE INDEX IF NOT EXISTS idempotency_steps_expires_at ON idempotency_steps (ex
     ) -> Result<(), StoreError> {
         let result = serde_json::to_vec(result)
             .map_err(|error| StoreError::CorruptRecord(format!("step {step:?}: {error}")))?;
-        // An expired mark is the past: taken over. A live one is another holder's.
+        // An expired mark is the past: taken over. A live one is another holder's. From the
+        // mark, the transaction holds the step's row: one left idle (its app gone, or cut off
+        // from the database) is ended by the database after the claim's lease, rather than
+        // after TCP keep-alive gives up (hours), holding the step and every `migrate` back.
         let insert = "INSERT INTO idempotency_steps AS t
                 (key_hash, step, fingerprint, result, expires_at)
             VALUES ($1, $2, $3, $4, clock_timestamp() + $5 * interval '1 millisecond')
             ON CONFLICT (key_hash, step) DO UPDATE SET fingerprint = excluded.fingerprint,
                 result = excluded.result, expires_at = excluded.expires_at
             WHERE t.expires_at <= clock_timestamp()
-            RETURNING 1";
-        let query = sqlx::query_scalar::<_, i32>(insert)
+            RETURNING set_config('idle_in_transaction_session_timeout', $6, true)";
+        let idle = millis(context.lease().max(self.command_timeout)).max(1).to_string();
+        let query = sqlx::query_scalar::<_, String>(insert)
             .bind(context.key_hash())
             .bind(step)
             .bind(&context.fingerprint().as_bytes()[..])
             .bind(result)
-            .bind(millis(context.retention()));
+            .bind(millis(context.retention()))
+            .bind(idle);
         match bounded(self.command_timeout, query.fetch_optional(connection)).await? {
             Some(_) => Ok(()),
             None => Err(StoreError::FencedOut),

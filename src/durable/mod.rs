@@ -39,13 +39,20 @@ macro_rules! table_calls {
         }
 
         /// Creates the table when it is missing ([`SCHEMA`](Self::SCHEMA)), under an advisory
-        /// lock, so that instances starting side by side do not collide. Safe on every start.
+        /// lock, so that instances starting side by side do not collide. Safe on every start,
+        /// under traffic: when the table's comment names this version's schema (written by the
+        /// last `migrate`), it runs nothing and takes no lock on the table; otherwise it waits
+        /// for each lock on the table at most half the
+        /// [command timeout](Self::command_timeout).
         ///
         /// # Errors
         ///
-        /// When the database cannot be reached or refuses the schema.
+        /// When the database cannot be reached or refuses the schema, or a lock on the table
+        /// was not granted in time (a long transaction holds it): nothing was changed, and
+        /// `migrate` may be run again.
         pub async fn migrate(&self) -> Result<(), crate::store::StoreError> {
-            crate::store::postgres::migrate(&self.pool, $table, Self::SCHEMA).await
+            let schema = ($table, Self::SCHEMA);
+            crate::store::postgres::migrate(&self.pool, schema, self.command_timeout).await
         }
 
         /// Deletes the expired rows, and returns how many.

@@ -68,7 +68,7 @@ impl<St: Store> Engine<St> {
         let owner = OwnerToken::random();
         let completion = Completion::new(
             owner.clone(),
-            settings.retention,
+            (settings.retention, settings.lease()),
             Arc::new(CommitSlot::default()),
             settings.at_rest.clone(),
             door.encoding(),

@@ -128,6 +128,11 @@ impl<St: Store> Holder<St> {
         &self.commit
     }
 
+    /// How long the claim holds its key without a renewal.
+    pub(super) fn lease_duration(&self) -> Duration {
+        self.settings.lease
+    }
+
     /// What the door knows of this claim when it settles it.
     pub(super) fn held(&self) -> Held {
         let (key, fingerprint) = (self.key.clone(), self.fingerprint.clone());
@@ -145,7 +150,7 @@ impl<St: Store> Holder<St> {
     ) -> IdempotencyContext {
         let completion = Completion::new(
             self.owner.clone(),
-            self.settings.retention,
+            (self.settings.retention, self.settings.lease()),
             self.commit.clone(),
             self.settings.at_rest.clone(),
             encoding,

@@ -260,7 +260,10 @@ async fn settle_output<St: Store, D: Door, E>(
     output: D::Output,
     answer: Answer<D::Answer, E>,
 ) {
-    match holder.commit_slot().outcome() {
+    // A transaction the operation spawned and did not await is waited for, as long as it runs,
+    // and a context it left alive for at most a lease (the key is held meanwhile).
+    let patience = holder.lease_duration();
+    match holder.commit_slot().clone().settled(patience).await {
         // Committed in the record store's transaction: the engine writes nothing.
         Some(Commit::Committed(committed)) => {
             let answered = door.committed(output, committed, &holder.held()).await;

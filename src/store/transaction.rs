@@ -175,9 +175,21 @@ impl fmt::Debug for EncodedOutcome {
 /// was settled by its own operation) and the front door.
 #[derive(Debug, Default)]
 pub(crate) struct CommitSlot {
-    state: Mutex<Stage>,
+    state: Mutex<SlotState>,
+    /// Told of every change of the state: the settle waits for a transaction to end, or for
+    /// the operation's context to be dropped.
+    changed: tokio::sync::Notify,
     /// The holder began to complete the record itself.
     completing: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct SlotState {
+    stage: Stage,
+    /// The operation's context (a clone of it) is alive: a transaction may still begin.
+    context_alive: bool,
+    /// The door settles: no transaction begins any more.
+    closed: bool,
 }
 
 /// Where the claim's transaction is.
@@ -222,15 +234,15 @@ impl CommitSlot {
     /// record settled is not a lost lease.
     pub(crate) fn begun(&self) -> bool {
         self.completing.load(std::sync::atomic::Ordering::SeqCst)
-            || !matches!(*self.lock(), Stage::None)
+            || !matches!(self.lock().stage, Stage::None)
     }
 
     /// Whether a transaction that writes the record itself runs now: the lease is not renewed
     /// meanwhile, since a renewal's write of the record would make a REPEATABLE READ or
-    /// SERIALIZABLE transaction's own write of it fail (a concurrent update), and the owner
-    /// token fences the transaction's write anyway.
+    /// SERIALIZABLE transaction's own write of it fail (a concurrent update); the store holds
+    /// the key by a lock of the transaction's session instead.
     pub(crate) fn holds_record(&self) -> bool {
-        matches!(*self.lock(), Stage::Running { in_record_store: true })
+        matches!(self.lock().stage, Stage::Running { in_record_store: true })
     }
 
     /// Says that the holder begins to complete the record.
@@ -238,25 +250,63 @@ impl CommitSlot {
         self.completing.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
-    /// What became of the operation's transactions, if it began one.
-    pub(crate) fn outcome(&self) -> Option<Commit> {
-        match &*self.lock() {
-            Stage::None => None,
-            Stage::RolledBack => Some(Commit::RolledBack),
-            // A transaction still running when its operation returned (spawned and left):
-            // its fate is not known here.
-            Stage::Running { .. } => Some(Commit::Unknown),
-            Stage::Ended(commit) => Some(commit.clone()),
+    /// Says that the operation's context is alive (`true`, when it is made) or was dropped,
+    /// every clone of it.
+    pub(crate) fn context_alive(&self, alive: bool) {
+        self.lock().context_alive = alive;
+        self.changed.notify_waiters();
+    }
+
+    /// What became of the operation's transactions, once the door may settle: when the
+    /// operation returned with a transaction of its claim still running (spawned, and not
+    /// awaited), once that transaction ended; while a clone of its context is alive (a
+    /// transaction may be about to begin in a task the operation spawned), once it was dropped
+    /// or after `patience`. From then no transaction of the claim begins
+    /// ([`start`](Self::start) refuses it), so that what the door answers, what it stores and
+    /// what the database committed agree.
+    pub(crate) async fn settled(&self, patience: Duration) -> Option<Commit> {
+        let give_up = tokio::time::Instant::now() + patience;
+        loop {
+            let changed = self.changed.notified();
+            let mut changed = std::pin::pin!(changed);
+            changed.as_mut().enable();
+            let waiting_for_context = {
+                let mut state = self.lock();
+                match state.stage {
+                    Stage::Running { .. } => false,
+                    _ if state.context_alive && tokio::time::Instant::now() < give_up => true,
+                    _ => {
+                        state.closed = true;
+                        return state.stage.outcome();
+                    }
+                }
+            };
+            if waiting_for_context {
+                let _ = tokio::time::timeout_at(give_up, changed).await;
+            } else {
+                changed.await;
+            }
         }
     }
 
-    /// Begins a transaction, unless one runs or ended in a commit (known or not);
-    /// `in_record_store` when the transaction writes the record itself.
+    /// What became of the operation's transactions, if it began one.
+    #[cfg(test)]
+    pub(crate) fn outcome(&self) -> Option<Commit> {
+        self.lock().stage.outcome()
+    }
+
+    /// Begins a transaction, unless one runs or ended in a commit (known or not), or the door
+    /// settles already; `in_record_store` when the transaction writes the record itself.
     pub(crate) fn start(&self, in_record_store: bool) -> Result<(), &'static str> {
-        let mut stage = self.lock();
-        match &*stage {
+        let mut state = self.lock();
+        if state.closed {
+            return Err("the operation returned before this transaction began (a transaction \
+                        spawned and not awaited, begun after its door settled): await the \
+                        transaction in the operation");
+        }
+        match &state.stage {
             Stage::None | Stage::RolledBack => {
-                *stage = Stage::Running { in_record_store };
+                state.stage = Stage::Running { in_record_store };
                 Ok(())
             }
             Stage::Running { .. } => Err("a transaction of this claim is running (a nested call)"),
@@ -269,14 +319,28 @@ impl CommitSlot {
 
     /// Ends the running transaction.
     pub(crate) fn end(&self, commit: Commit) {
-        *self.lock() = match commit {
+        self.lock().stage = match commit {
             Commit::RolledBack => Stage::RolledBack,
             commit => Stage::Ended(commit),
         };
+        self.changed.notify_waiters();
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Stage> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, SlotState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Stage {
+    fn outcome(&self) -> Option<Commit> {
+        match self {
+            Self::None => None,
+            Self::RolledBack => Some(Commit::RolledBack),
+            // A transaction still running (spawned and left, past the settle's patience): its
+            // fate is not known here.
+            Self::Running { .. } => Some(Commit::Unknown),
+            Self::Ended(commit) => Some(commit.clone()),
+        }
     }
 }
 
@@ -299,8 +363,9 @@ impl Running {
     }
 
     /// Ends the transaction with `commit`.
-    pub(crate) fn end(mut self, commit: Commit) {
-        self.ending = Some(commit);
+    pub(crate) fn end_with(&mut self, commit: Commit) {
+        self.ending = None;
+        self.slot.end(commit);
     }
 }
 
@@ -368,7 +433,7 @@ mod tests {
         assert!(slot.start(true).is_err(), "a transaction began after an unknown commit");
         let slot = Arc::new(CommitSlot::default());
         slot.start(true).unwrap();
-        Running::new(slot.clone()).end(Commit::Committed(Bytes::from_static(b"r")));
+        Running::new(slot.clone()).end_with(Commit::Committed(Bytes::from_static(b"r")));
         assert!(slot.start(true).is_err(), "a transaction began after a commit");
         assert!(matches!(slot.outcome(), Some(Commit::Committed(_))));
     }

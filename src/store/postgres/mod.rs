@@ -140,13 +140,21 @@ impl PostgresStore {
 
     /// Creates the table, its index and its functions where missing (and replaces the
     /// functions with this version's), in one transaction under an advisory lock, so that
-    /// instances starting side by side do not collide. Safe to run on every start.
+    /// instances starting side by side do not collide. Safe to run on every start, under
+    /// traffic: when the table's comment names this version's schema (written by the last
+    /// `migrate`), it runs nothing and takes no lock on the table; otherwise it waits for each
+    /// lock on the table at most half the [command timeout](Self::command_timeout), so that
+    /// the claims queued behind it still answer in time.
     ///
     /// # Errors
     ///
-    /// When the database cannot be reached or refuses the schema.
+    /// When the database cannot be reached or refuses the schema, or a lock on the table was
+    /// not granted in time (a long transaction holds it): [`StoreError::Unavailable`], which
+    /// says so; nothing was changed, and `migrate` may be run again.
     pub async fn migrate(&self) -> Result<(), StoreError> {
-        migrate(&self.inner.pool, &self.inner.statements.table, &self.inner.statements.schema).await
+        let statements = &self.inner.statements;
+        let schema = (&*statements.table, &*statements.schema);
+        migrate(&self.inner.pool, schema, self.command_timeout).await
     }
 
     /// Runs `query` within the command timeout.

@@ -11,18 +11,35 @@ use sqlx::{PgConnection, PgPool, Row as _};
 
 use super::{Beginning, PostgresStore, bounded, corrupt, millis};
 use crate::{
-    context::IdempotencyContext,
+    context::{Completion, IdempotencyContext},
     store::{Commit, Committable, EncodedOutcome, Running, StoreError, TransactionError},
 };
 
 /// Where a transaction's outcome is kept.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kept<'a> {
-    /// In the record itself (`PostgresStore`): the transaction completes the claim.
-    InRecord,
+    /// In the record itself (`PostgresStore`): the transaction completes the claim, and the
+    /// key is held by its lock while the transaction runs (see [`KeyLock`]).
+    InRecord(KeyLock<'a>),
     /// In this table beside the record store (`DurableOutcomes`): the door stores it in the
     /// record store too, and must answer from this table.
     Beside(&'a crate::recovery::DurableTable),
+}
+
+/// The lock a record store's transaction holds its key by, from before its `BEGIN` to after
+/// its `COMMIT`: a session-level advisory lock named after the table and the key, which the
+/// claim function looks at before it takes a lapsed lease over. The lease is not renewed
+/// while the transaction runs (a renewal's write of the record would make a REPEATABLE READ or
+/// SERIALIZABLE transaction's own write of it a concurrent update); the lock holds the key
+/// instead, for as long as the holder's session lives, and no longer: a process that dies
+/// ends its session and its lock. Taken outside the transaction, so that the operation's
+/// first statement may still set its isolation level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyLock<'a> {
+    /// The records' table, which names the lock with the key.
+    pub(crate) table: &'a str,
+    /// The table's renewal statement (`touch`).
+    pub(crate) touch: &'a str,
 }
 
 /// Writes an encoded outcome in the transaction: `Ok(true)` when written, `Ok(false)` when the
@@ -71,12 +88,70 @@ where
     // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
     // rolled back, and sqlx rolls the transaction back.
     let mut running = Running::new(completion.commit.clone());
-    // The checkout and `BEGIN` within one command timeout, as every store operation is.
+    // The checkout, the key's lock and `BEGIN` within one command timeout, as every store
+    // operation is.
     let started = tokio::time::Instant::now();
     let connection = bounded(timeout, pool.acquire()).await.map_err(TransactionError::Store)?;
     let mut connection = Beginning::new(connection);
+    let held = match where_kept {
+        Kept::InRecord(lock) => {
+            let left = timeout.saturating_sub(started.elapsed());
+            let held = Held { lock, name: format!("{}:{}", lock.table, context.key().as_str()) };
+            match bounded(left, held.take(&mut connection, completion)).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    held.let_go(&mut connection, None, timeout).await;
+                    return Err(TransactionError::Store(StoreError::FencedOut));
+                }
+                Err(error) => return Err(TransactionError::Store(error)),
+            }
+            Some(held)
+        }
+        Kept::Beside(_) => None,
+    };
     let left = timeout.saturating_sub(started.elapsed());
-    let mut tx = match bounded(left, connection.begin()).await {
+    let result = in_transaction(
+        &mut connection,
+        (left, timeout),
+        (write, statement),
+        where_kept,
+        context,
+        operation,
+        &mut running,
+    )
+    .await;
+    if let Some(held) = held {
+        // Renewed before it is let go, unless it committed (a completed record is never
+        // renewed): the holder's renewals resume a period on, and the lease lapsed meanwhile
+        // when the transaction outlived it. A commit whose fate is unknown leaves the
+        // connection as it is: closed, which ends the lock.
+        let renew = match &result {
+            Ok(_) | Err(TransactionError::CommitUnknown(_)) => None,
+            Err(_) => Some(completion),
+        };
+        if !matches!(result, Err(TransactionError::CommitUnknown(_))) {
+            held.let_go(&mut connection, renew, timeout).await;
+        }
+    }
+    result
+}
+
+/// The transaction itself, on `connection`: begun within `begin` (what is left of the
+/// command timeout), the operation, its outcome written by `write`, the commit.
+async fn in_transaction<O, E, F>(
+    connection: &mut Beginning,
+    (begin, timeout): (Duration, Duration),
+    (write, statement): (Write, &str),
+    where_kept: Kept<'_>,
+    context: &IdempotencyContext,
+    operation: F,
+    running: &mut Running,
+) -> Result<O, TransactionError<E>>
+where
+    O: Committable,
+    F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<O, E>> + Send,
+{
+    let mut tx = match bounded(begin, connection.begin()).await {
         Ok(tx) => tx,
         Err(StoreError::Timeout(_)) => {
             return Err(TransactionError::Store(StoreError::Timeout(timeout)));
@@ -96,8 +171,8 @@ where
     running.committing();
     match tokio::time::timeout(timeout, tx.commit()).await {
         Ok(Ok(())) => {
-            running.end(match where_kept {
-                Kept::InRecord => Commit::Committed(encoded.outcome),
+            running.end_with(match where_kept {
+                Kept::InRecord(_) => Commit::Committed(encoded.outcome),
                 Kept::Beside(_) => Commit::CommittedBeside(encoded.outcome),
             });
             Ok(value)
@@ -105,17 +180,81 @@ where
         // The server answered that it refused the commit and rolled the transaction back (a
         // deferred constraint, a serialization failure, the transaction ended for idling).
         Ok(Err(error)) if rolled_back(&error) => {
-            running.end(Commit::RolledBack);
+            running.end_with(Commit::RolledBack);
             Err(TransactionError::Store(StoreError::unavailable(error)))
         }
         Ok(Err(error)) => {
-            running.end(Commit::Unknown);
+            running.end_with(Commit::Unknown);
             Err(TransactionError::CommitUnknown(StoreError::unavailable(error)))
         }
         // Dropped mid-flight: sent or not, its fate is unknown.
         Err(_) => {
-            running.end(Commit::Unknown);
+            running.end_with(Commit::Unknown);
             Err(TransactionError::CommitUnknown(StoreError::Timeout(timeout)))
+        }
+    }
+}
+
+/// A record store's transaction's hold on its key: [`KeyLock`], named `name`.
+struct Held<'a> {
+    lock: KeyLock<'a>,
+    name: String,
+}
+
+impl Held<'_> {
+    /// Takes the key's lock on `connection`, then renews the claim's lease, fenced: `false`
+    /// when the claim is no longer this holder's (taken over before the lock was granted).
+    /// The connection is closed rather than handed back from the moment the lock is asked
+    /// for until [`let_go`](Self::let_go) lets it go.
+    async fn take(
+        &self,
+        connection: &mut Beginning,
+        completion: &Completion,
+    ) -> Result<bool, sqlx::Error> {
+        connection.holds_lock(true);
+        let lock = sqlx::query("SELECT pg_advisory_lock(hashtextextended($1, 0))").bind(&self.name);
+        lock.execute(connection.connection()).await?;
+        self.renew(connection.connection(), completion).await
+    }
+
+    /// The claim's lease renewed, fenced by its owner token: whether it was.
+    async fn renew(
+        &self,
+        connection: &mut PgConnection,
+        completion: &Completion,
+    ) -> Result<bool, sqlx::Error> {
+        let key = self.name.strip_prefix(self.lock.table).and_then(|rest| rest.strip_prefix(':'));
+        let renew = sqlx::query(self.lock.touch)
+            .bind(key.unwrap_or_default())
+            .bind(completion.owner.as_bytes())
+            .bind(millis(completion.lease.duration))
+            .bind(millis(completion.lease.recovery_window));
+        let outcome: i32 = renew.fetch_one(connection).await?.try_get(0)?;
+        Ok(outcome == 1)
+    }
+
+    /// Renews the lease (`renew`, unless the outcome committed) and lets the key's lock go,
+    /// each within `timeout`; when either fails, the connection is closed rather than
+    /// handed back, which ends the lock with its session.
+    async fn let_go(
+        self,
+        connection: &mut Beginning,
+        renew: Option<&Completion>,
+        timeout: Duration,
+    ) {
+        if let Some(completion) = renew
+            && !matches!(
+                bounded(timeout, self.renew(connection.connection(), completion)).await,
+                Ok(true)
+            )
+        {
+            return;
+        }
+        let unlock =
+            sqlx::query("SELECT pg_advisory_unlock(hashtextextended($1, 0))").bind(&self.name);
+        let unlocked = bounded(timeout, unlock.fetch_one(connection.connection())).await;
+        if unlocked.is_ok_and(|row| row.try_get::<bool, _>(0).unwrap_or(false)) {
+            connection.holds_lock(false);
         }
     }
 }
@@ -193,14 +332,19 @@ impl PostgresStore {
     /// - *A savepoint or the caller's own transaction*: cannot be passed; the store begins its
     ///   own top-level transaction.
     /// - *A holder whose lease was taken over*: [`StoreError::FencedOut`], rolled back; the
-    ///   other holder runs the operation. While the transaction runs, the lease is not renewed
-    ///   (a renewal's write of the record would make a REPEATABLE READ or SERIALIZABLE
-    ///   transaction's own write fail): a transaction longer than the lease can be taken over
-    ///   by a retry, and of the two only one commits.
-    /// - *Spawning the transaction and returning before it ended*: the door settles without
-    ///   it (the response returned is stored, or the key released when the transaction was
-    ///   running); the transaction is then fenced out and rolled back. Nothing is paid twice,
-    ///   and nothing is paid: await it.
+    ///   other holder runs the operation.
+    /// - *A transaction longer than the lease* (a slow provider call inside it), at any
+    ///   isolation level: it holds its key by a lock of its session, taken before its
+    ///   `BEGIN` (with the lease renewed, fenced) and let go after its `COMMIT`. The lease is
+    ///   not renewed while it runs (a renewal's write of the record would make a REPEATABLE
+    ///   READ or SERIALIZABLE transaction's own write of it fail); every duplicate is answered
+    ///   "in progress" meanwhile, and never takes the key over. A process that dies inside it
+    ///   ends its session, and the lock with it: the retry takes over once the lease lapses.
+    ///   It holds for as long as the recovery window (the retention by default).
+    /// - *Spawning the transaction and returning before it ended*: the door waits for it (a
+    ///   transaction that runs, until it ends; a clone of the context still alive, up to a
+    ///   lease) and answers what it committed. A transaction that begins after the door
+    ///   settled is refused before it writes ([`TransactionError::Misuse`]): await it.
     ///
     /// A transaction whose COMMIT is lost on the way (a partition) keeps the record's row
     /// locked until the database ends it: the store sets the transaction's
@@ -227,8 +371,9 @@ impl PostgresStore {
         let pool = (&self.inner.pool, self.command_timeout);
         let write: Write =
             |tx, encoded, timeout, statement| Box::pin(write(tx, encoded, timeout, statement));
-        let statement = &*self.inner.statements.commit;
-        run(pool, (write, statement), Kept::InRecord, context, operation).await
+        let statements = &self.inner.statements;
+        let lock = KeyLock { table: &statements.table, touch: &statements.touch };
+        run(pool, (write, &statements.commit), Kept::InRecord(lock), context, operation).await
     }
 }
 
