@@ -238,3 +238,125 @@ fn six_runtimes_side_by_side_share_the_pools_connections() {
     let made = admin_runtime.block_on(received(&mut admin)) - before;
     assert!(made <= STORE_CONNECTIONS, "{made} connections made, the pool holds {POOL_SIZE}");
 }
+
+/// This process's TCP sockets whose remote port is `port`, but for those from `except` (local
+/// ports). Every state counts but `TIME_WAIT` (both ends closed, the server forgot it) and
+/// `LISTEN`: a socket closed on our side while the server is stopped (`FIN_WAIT2`) still sits
+/// in the server's accept queue, and Redis accepts it on resume, against its `maxclients`,
+/// as it does one still connecting or connected.
+fn sockets_to(port: u16, except: &[u16]) -> usize {
+    const TIME_WAIT: &str = "06";
+    const LISTEN: &str = "0A";
+    let port_of = |address: &str| {
+        let hex = address.rsplit(':').next()?;
+        u16::from_str_radix(hex, 16).ok()
+    };
+    ["/proc/self/net/tcp", "/proc/self/net/tcp6"]
+        .iter()
+        .filter_map(|table| std::fs::read_to_string(table).ok())
+        .map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter(|line| {
+                    let fields: Vec<&str> = line.split_whitespace().collect();
+                    let (Some(local), Some(remote), Some(state)) =
+                        (fields.get(1), fields.get(2), fields.get(3))
+                    else {
+                        return false;
+                    };
+                    port_of(remote) == Some(port)
+                        && ![TIME_WAIT, LISTEN].contains(state)
+                        && !port_of(local).is_some_and(|local| except.contains(&local))
+                })
+                .count()
+        })
+        .sum()
+}
+
+/// The local port of `admin`, as the server names its peer (`CLIENT INFO`, `addr=ip:port`).
+async fn local_port(admin: &mut MultiplexedConnection) -> u16 {
+    let info: String = redis::cmd("CLIENT").arg("INFO").query_async(admin).await.unwrap();
+    info.split_whitespace()
+        .find_map(|field| field.strip_prefix("addr="))
+        .and_then(|address| address.rsplit(':').next()?.parse().ok())
+        .expect("addr= in CLIENT INFO")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_stopped_for_5_s_under_200_clients_gets_at_most_the_pools_connections() {
+    let server = RedisServer::start_with(&["--maxclients", "60"]);
+    let mut admin = server.connection().await;
+    let admin_port = local_port(&mut admin).await;
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(server.store()));
+
+    // Sampled from a thread of its own: the runtime's two workers are busy with the clients.
+    let stop_sampling = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (stop, port) = (stop_sampling.clone(), server.port);
+        std::thread::spawn(move || {
+            let started = std::time::Instant::now();
+            let mut samples = Vec::new();
+            while !stop.load(Ordering::SeqCst) {
+                samples.push((started.elapsed(), sockets_to(port, &[admin_port])));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            samples
+        })
+    };
+    let stop_clients = Arc::new(AtomicBool::new(false));
+    let resumed = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..200)
+        .map(|client| {
+            let (app, stop, resumed) = (app.clone(), stop_clients.clone(), resumed.clone());
+            tokio::spawn(async move {
+                let (mut answered, mut answered_after_resume, mut n) = (0, 0, 0);
+                while !stop.load(Ordering::SeqCst) {
+                    n += 1;
+                    let key = format!("stall-{client}-{n}");
+                    let seen = send(&app, keyed("POST", "/payments", &key, "{}")).await;
+                    assert!(matches!(seen.status.as_u16(), 201 | 503), "{key}: {seen:?}");
+                    if seen.status == 201 {
+                        answered += 1;
+                        answered_after_resume += usize::from(resumed.load(Ordering::SeqCst));
+                    }
+                    // A client's pause between requests, so that 200 of them leave the
+                    // machine some room.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                (answered, answered_after_resume)
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    server.signal("-STOP");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    server.signal("-CONT");
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    resumed.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_clients.store(true, Ordering::SeqCst);
+    let (mut answered, mut answered_after_resume) = (0, 0);
+    for client in clients {
+        let (all, after) = client.await.unwrap();
+        answered += all;
+        answered_after_resume += after;
+    }
+    stop_sampling.store(true, Ordering::SeqCst);
+    let samples = sampler.join().unwrap();
+
+    let most = samples.iter().map(|(_, count)| *count).max().unwrap_or(0) as u64;
+    let rejected = info_field(&mut admin, "stats", "rejected_connections").await;
+    let made = received(&mut admin).await;
+    let series: Vec<_> = samples.iter().step_by(5).map(|(_, count)| count).collect();
+    eprintln!(
+        "stall: at most {most} sockets to Redis (every 500 ms: {series:?}); {made} connections \
+         received, {rejected} rejected; {answered} requests answered, {answered_after_resume} \
+         in the last 2 s"
+    );
+    assert!(answered_after_resume > 0, "no request answered after Redis resumed");
+    assert_eq!(rejected, 0, "connections refused at maxclients on resume");
+    assert!(most <= STORE_CONNECTIONS, "{most} sockets at once, the pool holds {POOL_SIZE}");
+}

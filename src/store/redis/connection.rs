@@ -2,6 +2,8 @@
 //! comes from: always the store's deadpool-redis pool (or a Cluster's), never a connection the
 //! store makes by itself.
 
+mod reconnect;
+
 use std::{
     future::Future,
     pin::Pin,
@@ -26,6 +28,7 @@ use super::checks::{check_version, warn_unless_noeviction};
 use super::cluster::{ClusterPool, pool_error};
 use crate::store::StoreError;
 use crate::store::clock::ServerClock;
+use reconnect::Reconnect;
 
 impl From<RedisError> for StoreError {
     fn from(e: RedisError) -> Self {
@@ -66,16 +69,9 @@ struct Shared {
     connection: SharedConnection,
 }
 
-/// One shared connection per runtime, a clone of one of the pool's connections, taken from
-/// the pool when there is none or the last one failed.
-///
-/// Every connection the store uses is one its pool made, so the store never holds more than
-/// the pool's `max_size` connections (plus the subscriber's, see `subscriber.rs`): a checkout
-/// waits for a free one, however many requests come at once. The clone is kept, not the
-/// checkout: checking a connection out per operation would cost the pool's `PING` round trip
-/// each time.
-pub(super) struct Connections {
-    pub(super) source: Source,
+/// The shared connections, and the connect that makes the next one: under one lock, so that
+/// a caller that finds neither starts the one connect.
+struct Slots {
     /// The shared connections, each with the runtime that took it from the pool: a
     /// connection's driver is a task of the runtime that made it, and ends with that runtime.
     /// An operation uses the one its own runtime took, so a store shared by runtimes one after
@@ -84,10 +80,29 @@ pub(super) struct Connections {
     /// runtimes side by side may take the same pooled connection; when its runtime ends, the
     /// other's next operation fails once and takes a new one.) At most [`RUNTIMES`] (an
     /// application has one runtime or a handful), the oldest dropped first.
-    shared: Mutex<Vec<Shared>>,
-    /// Held while a connection is taken from the pool and checked: the operations that find
-    /// none at once (a cold start of many requests) wait for that one, not take one each.
-    connecting: tokio::sync::Mutex<()>,
+    shared: Vec<Shared>,
+    reconnect: Reconnect,
+}
+
+impl Slots {
+    /// The connection shared on `runtime`, when there is one.
+    fn find(&self, runtime: Option<runtime::Id>) -> Option<(u64, SharedConnection)> {
+        let found = self.shared.iter().find(|shared| shared.runtime == runtime)?;
+        Some((found.id, found.connection.clone()))
+    }
+}
+
+/// One shared connection per runtime, a clone of one of the pool's connections, taken from
+/// the pool when there is none or the last one failed.
+///
+/// Every connection the store uses is one its pool made, and one connect at a time takes it
+/// (`reconnect.rs`), so the store never holds more than the pool's `max_size` connections
+/// (plus the subscriber's, see `subscriber.rs`), however many requests come at once, a stalled
+/// server's included. The clone is kept, not the checkout: checking a connection out per
+/// operation would cost the pool's `PING` round trip each time.
+pub(super) struct Connections {
+    pub(super) source: Source,
+    slots: Mutex<Slots>,
     /// The id of the next connection taken.
     next_id: AtomicU64,
     /// The batches of the operations that run together on a standalone server's connection;
@@ -108,8 +123,7 @@ impl Connections {
         Self {
             batcher,
             source,
-            shared: Mutex::new(Vec::new()),
-            connecting: tokio::sync::Mutex::new(()),
+            slots: Mutex::new(Slots { shared: Vec::new(), reconnect: Reconnect::default() }),
             next_id: AtomicU64::new(0),
             eviction_checked: AtomicBool::new(false),
             clock: ServerClock::default(),
@@ -118,29 +132,11 @@ impl Connections {
 
     /// The connection shared on `runtime`, when there is one.
     fn cached(&self, runtime: Option<runtime::Id>) -> Option<(u64, SharedConnection)> {
-        let shared = self.shared();
-        let found = shared.iter().find(|shared| shared.runtime == runtime)?;
-        Some((found.id, found.connection.clone()))
+        self.slots().find(runtime)
     }
 
-    /// The connection shared on `runtime`, the caller's: the one there is, or a new one from
-    /// the pool, checked. One caller at a time takes one; the others wait for it.
-    async fn connection(
-        &self,
-        runtime: Option<runtime::Id>,
-    ) -> Result<(u64, SharedConnection), StoreError> {
-        let _connecting = self.connecting.lock().await;
-        if let Some(cached) = self.cached(runtime) {
-            return Ok(cached);
-        }
-        self.connect(runtime).await
-    }
-
-    /// A new connection from the pool, checked and shared on `runtime`.
-    async fn connect(
-        &self,
-        runtime: Option<runtime::Id>,
-    ) -> Result<(u64, SharedConnection), StoreError> {
+    /// A new connection from the pool, checked.
+    async fn connect(&self) -> Result<SharedConnection, StoreError> {
         let mut connection = match &self.source {
             Source::Standalone(pool) => SharedConnection::Standalone((*pool.get().await?).clone()),
             #[cfg(feature = "cluster")]
@@ -165,23 +161,21 @@ impl Connections {
         if !self.eviction_checked.swap(true, Ordering::Relaxed) {
             warn_unless_noeviction(&mut connection).await;
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let mut shared = self.shared();
-        shared.retain(|shared| shared.runtime != runtime);
-        if shared.len() >= RUNTIMES {
-            shared.remove(0);
-        }
-        shared.push(Shared { runtime, id, connection: connection.clone() });
-        Ok((id, connection))
+        Ok(connection)
     }
 
     /// Drops connection `id`, so that the next operation takes another from the pool.
     fn drop_connection(&self, id: u64) {
-        self.shared().retain(|shared| shared.id != id);
+        let mut slots = self.slots();
+        if let Some(at) = slots.shared.iter().position(|shared| shared.id == id) {
+            // Kept (in place of the one kept before) for the probe, should the next connect
+            // fail: its socket is one the server holds already.
+            slots.reconnect.suspect = Some(slots.shared.remove(at).connection);
+        }
     }
 
-    fn shared(&self) -> std::sync::MutexGuard<'_, Vec<Shared>> {
-        self.shared.lock().unwrap_or_else(PoisonError::into_inner)
+    fn slots(&self) -> std::sync::MutexGuard<'_, Slots> {
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The oldest server the scripts run on: Redis 5 replicates a script's writes after
@@ -204,7 +198,11 @@ impl Connections {
     /// connection's driver has ended; one that it took answers no sooner than its reply, or
     /// the loss, comes back: an operation that ends with a lost connection on its first poll
     /// sent nothing.
-    pub(super) async fn run<T, F, Fut>(&self, timeout: Duration, op: F) -> Result<T, StoreError>
+    pub(super) async fn run<T, F, Fut>(
+        self: &Arc<Self>,
+        timeout: Duration,
+        op: F,
+    ) -> Result<T, StoreError>
     where
         F: Fn(Bounded) -> Fut + Send + Sync,
         Fut: Future<Output = Result<T, RedisError>> + Send,
@@ -229,14 +227,14 @@ impl Connections {
                     (Err(Attempt::Redis(error)), true) if error.is_connection_dropped() => {
                         self.drop_connection(id);
                         used = None;
-                        self.run_checked_out(runtime, deadline, &op, &mut used).await
+                        self.run_checked_out(runtime, timeout, deadline, &op, &mut used).await
                     }
                     (result, _) => result,
                 }
             }
             // A checkout and a Cluster's commands (which keep the node timeouts they were
             // built with) go under a tokio timeout.
-            _ => self.run_checked_out(runtime, deadline, &op, &mut used).await,
+            _ => self.run_checked_out(runtime, timeout, deadline, &op, &mut used).await,
         };
         let result = result.map_err(|error| match error {
             Attempt::Redis(error) => to_store_error(error),
@@ -267,8 +265,9 @@ impl Connections {
     /// every store operation's future as large, copied on each move, for a step taken once
     /// per connection (and on a Cluster, whose commands cost more anyway).
     async fn run_checked_out<T, F, Fut>(
-        &self,
+        self: &Arc<Self>,
         runtime: Option<runtime::Id>,
+        timeout: Duration,
         deadline: Instant,
         op: &F,
         used: &mut Option<u64>,
@@ -281,7 +280,7 @@ impl Connections {
             Box::pin(async {
                 let (id, connection) = match self.cached(runtime) {
                     Some(cached) => cached,
-                    None => self.connection(runtime).await.map_err(Attempt::Store)?,
+                    None => self.connection(runtime, timeout).await.map_err(Attempt::Store)?,
                 };
                 *used = Some(id);
                 let operation = self.batcher.as_ref().map(Batcher::start);
