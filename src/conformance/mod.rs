@@ -37,6 +37,7 @@
 
 mod admin;
 mod checks;
+mod sequences;
 
 use std::time::Duration;
 
@@ -44,6 +45,7 @@ use bytes::Bytes;
 
 pub use self::admin::check_admin;
 pub use self::checks::*;
+pub use self::sequences::random_sequences_agree_with_the_model;
 use crate::{
     fingerprint::Fingerprint,
     key::RecordKey,
@@ -77,6 +79,7 @@ macro_rules! __conformance_checks {
             abandon_never_frees_another_owners_key,
             a_response_equal_to_the_owner_token_is_not_a_claim,
             a_waiter_is_woken_by_the_settle,
+            random_sequences_agree_with_the_model,
         );
     };
 }

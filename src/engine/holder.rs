@@ -128,6 +128,11 @@ impl<St: Store> Holder<St> {
         &self.commit
     }
 
+    /// Whether the operation may commit its outcome in a transaction of the store.
+    pub(super) fn commits_in_transactions(&self) -> bool {
+        self.store.commits_in_transactions()
+    }
+
     /// How long the claim holds its key without a renewal.
     pub(super) fn lease_duration(&self) -> Duration {
         self.settings.lease

@@ -139,7 +139,7 @@ struct Ticket {
 impl<St> Renewals<St> {
     /// Renewals of claims on `store` with `lease`, each for at most `ceiling` from its claim.
     fn new(store: St, lease: Lease, ceiling: Duration) -> Self {
-        let period = (lease.duration / 3).min(LONGEST_PERIOD).max(Duration::from_millis(1));
+        let period = period(lease.duration);
         let state = State { claims: Slab::new(), serial: 0, tasks: Vec::new() };
         Self {
             shared: Arc::new(Shared { store, lease, period, ceiling, state: Mutex::new(state) }),
@@ -281,3 +281,8 @@ fn later(at: Instant, by: Duration) -> Instant {
 /// than this old, so that a store that stalls for the lease less this (a failover, a paused
 /// server) never lets a retry take over a key whose holder is alive and settling.
 const LONGEST_PERIOD: Duration = Duration::from_secs(1);
+
+/// How often a claim of `lease` is renewed: a third of its lease, a second at most.
+pub(crate) fn period(lease: Duration) -> Duration {
+    (lease / 3).min(LONGEST_PERIOD).max(Duration::from_millis(1))
+}

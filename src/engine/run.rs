@@ -260,9 +260,14 @@ async fn settle_output<St: Store, D: Door, E>(
     output: D::Output,
     answer: Answer<D::Answer, E>,
 ) {
-    // A transaction the operation spawned and did not await is waited for, as long as it runs,
-    // and a context it left alive for at most a lease (the key is held meanwhile).
-    let patience = holder.lease_duration();
+    // A transaction the operation spawned and did not await is waited for, as long as it runs;
+    // where one may still begin (the store, or the door's table beside it, commits in
+    // transactions), so is a context the operation left alive, for a lease at most (the key is
+    // held meanwhile).
+    let patience = match holder.commits_in_transactions() || door.durable().is_some() {
+        true => holder.lease_duration(),
+        false => Duration::ZERO,
+    };
     match holder.commit_slot().clone().settled(patience).await {
         // Committed in the record store's transaction: the engine writes nothing.
         Some(Commit::Committed(committed)) => {

@@ -281,6 +281,10 @@ impl<St: Store> Store for CachingStore<St> {
     ) -> Result<Fenced, StoreError> {
         self.inner.touch(key, owner, lease).await
     }
+
+    fn commits_in_transactions(&self) -> bool {
+        self.inner.commits_in_transactions()
+    }
 }
 
 impl<St: Admin> Admin for CachingStore<St> {

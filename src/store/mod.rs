@@ -163,6 +163,16 @@ pub trait Store: Clone + Send + Sync + 'static {
         }
     }
 
+    /// Whether an operation may commit its outcome in a transaction of this store
+    /// (`PostgresStore::transaction`): its door then waits, before it settles, for a
+    /// transaction the operation spawned and for the clones of its context (see
+    /// [`IdempotencyContext`](crate::IdempotencyContext)). `false` by default; a store that
+    /// wraps another answers as the other does.
+    #[doc(hidden)]
+    fn commits_in_transactions(&self) -> bool {
+        false
+    }
+
     /// Renews the lease of the record under `key` to `lease` if `owner` still holds it. A
     /// zero `lease.duration` ends the lease now and keeps the record for its recovery window:
     /// the next claim takes it over.

@@ -265,7 +265,8 @@ impl CommitSlot {
     /// ([`start`](Self::start) refuses it), so that what the door answers, what it stores and
     /// what the database committed agree.
     pub(crate) async fn settled(&self, patience: Duration) -> Option<Commit> {
-        let give_up = tokio::time::Instant::now() + patience;
+        let now = tokio::time::Instant::now().into_std();
+        let give_up = tokio::time::Instant::from_std(super::later(now, patience));
         loop {
             let changed = self.changed.notified();
             let mut changed = std::pin::pin!(changed);

@@ -33,6 +33,7 @@ mod hashing_moves;
 mod hashing_pauses;
 mod hostile;
 mod key_prefixes;
+mod late_claim_answers;
 mod lease_held;
 mod ledger;
 #[cfg(feature = "redis")]

@@ -335,6 +335,10 @@ impl Store for PostgresStore {
         self.fenced(query).await
     }
 
+    fn commits_in_transactions(&self) -> bool {
+        true
+    }
+
     async fn touch(
         &self,
         key: &RecordKey,

@@ -283,6 +283,10 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         answer
     }
 
+    fn commits_in_transactions(&self) -> bool {
+        self.regions.iter().any(|(_, store)| store.commits_in_transactions())
+    }
+
     async fn touch(
         &self,
         key: &RecordKey,

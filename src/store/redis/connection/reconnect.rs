@@ -250,6 +250,8 @@ impl Connections {
     /// Asks `suspect` until the server answers, then ends the pause; gives up when it is
     /// gone, or when a connect succeeded first.
     async fn probe(connections: Weak<Self>, mut suspect: SharedConnection) {
+        // A Cluster's connection keeps the node timeouts it was built with.
+        #[cfg_attr(not(feature = "cluster"), allow(irrefutable_let_patterns))]
         if let SharedConnection::Standalone(connection) = &mut suspect {
             connection.set_response_timeout(PROBE_WAIT);
         }

@@ -1,0 +1,545 @@
+//! The protocol of one key, as a model a checker explores exhaustively: a client's attempts,
+//! each handled by one of two instances, against one record in a store, with every fault
+//! interleaved everywhere (a claim's reply lost, an instance crashed or paused at any step, a
+//! lease that lapses, a commit's or a complete's reply lost).
+//!
+//! The store's operations are atomic, each with its fences: `claim` (a fresh claim, a
+//! takeover of a lapsed lease, "in progress", a replay), `complete` and `release` fenced by the
+//! owner token, `abandon` (a claim whose reply its caller never saw). The engine's decisions:
+//! a claim answered "in progress" is asked again once (the wait), then answered 202; a won
+//! claim runs the handler; the handler's outcome is settled by `complete` (tried again while
+//! held), or committed in the store's own transaction (`PostgresStore::transaction`), which
+//! holds the key by its session's lock from before its `BEGIN` to after its `COMMIT`.
+//!
+//! Time is not modelled, only what it does: a lease lapses when its holder does not renew it,
+//! that is when its instance crashed or is paused (faults: the holder is then *excused*, as
+//! GUARANTEES.md's "handler outlives the keep-alive ceiling (or its process dies)" row allows
+//! it a second run), and while a transaction that writes the record runs (renewals pause
+//! there: not a fault, so a second run then is a violation).
+
+use stateright::{Model, Property};
+
+/// Attempts of one request (the original and its retries).
+pub(crate) const ATTEMPTS: usize = 3;
+/// Instances that serve them.
+pub(crate) const INSTANCES: usize = 2;
+/// Claims an attempt makes before it answers 202: the first, and one after its wait.
+const CLAIMS: u8 = 2;
+
+/// Which of today's fences and decisions the model has: each `false` is a negative control
+/// (an older protocol, or a fence removed) that must give a counterexample.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Protocol {
+    /// The handler commits its outcome in the store's transaction (else: `complete`).
+    pub(crate) transactional: bool,
+    /// The transaction holds its key by its session's lock while it runs (else: the lease,
+    /// not renewed while it runs, lapses and may be taken over: issue 62's double run).
+    pub(crate) key_lock: bool,
+    /// `complete` is fenced by the owner token (and refuses a completed record).
+    pub(crate) complete_fenced: bool,
+    /// `release` is fenced by the owner token.
+    pub(crate) release_fenced: bool,
+    /// A `complete` whose reply was lost is tried again while the claim is held.
+    pub(crate) settle_retried: bool,
+    /// An abandoned claim that was never applied leaves a marker that refuses it, landing late.
+    pub(crate) abandon_marker: bool,
+    /// A claim answered too late to hold its lease (its process paused with the answer on the
+    /// wire) is abandoned, not run (`engine::heard_in_time`).
+    pub(crate) late_claim_bound: bool,
+}
+
+impl Protocol {
+    /// The protocol as the code runs it.
+    pub(crate) const TODAY: Self = Self {
+        transactional: false,
+        key_lock: true,
+        complete_fenced: true,
+        release_fenced: true,
+        settle_retried: true,
+        abandon_marker: true,
+        late_claim_bound: true,
+    };
+}
+
+/// The record of the key in the store.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Record {
+    Absent,
+    /// In progress, held by `owner` (an attempt's token); `live` while its lease runs.
+    Held {
+        owner: u8,
+        live: bool,
+    },
+    /// Completed with the response of `owner`'s run.
+    Done {
+        owner: u8,
+    },
+    /// An abandoned claim's marker: `owner`'s claim, landing late, is refused.
+    Marker {
+        owner: u8,
+    },
+}
+
+/// Where one attempt is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Step {
+    /// Not sent yet, or about to claim again after a wait (`claims` made so far).
+    Ready {
+        claims: u8,
+    },
+    /// The claim is on the wire, not applied yet.
+    Claiming {
+        claims: u8,
+    },
+    /// The claim was applied; its reply is on the wire.
+    Replied {
+        claims: u8,
+        reply: Reply,
+    },
+    /// The caller gave up on a claim whose reply it never saw: its guard abandons it.
+    Abandoning,
+    /// The claim was won: the handler runs (before its transaction, if any).
+    Running,
+    /// The handler's transaction runs (its key lock taken, the lease renewed).
+    InTransaction,
+    /// The door settles: `complete` sent (the client has its answer).
+    Completing,
+    Answered(Answer),
+    /// The instance died: nothing more of this attempt.
+    Crashed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Reply {
+    Claimed,
+    InProgress,
+    Replay(u8),
+    Refused,
+}
+
+/// What the client was told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Answer {
+    /// The response of the run of `0` (its own, or replayed).
+    Response(u8),
+    /// 202: in progress, ask again.
+    InProgress,
+    /// 503: nothing stored for it; a retry learns the truth.
+    Unavailable,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct State {
+    pub(crate) record: Record,
+    /// The attempt whose transaction's session holds the key's lock.
+    pub(crate) lock: Option<u8>,
+    pub(crate) steps: [Step; ATTEMPTS],
+    /// The instance each attempt was sent to (`None`: not yet).
+    pub(crate) instance: [Option<u8>; ATTEMPTS],
+    /// Instances paused (a stop of the world, a VM pause): nothing of theirs happens.
+    pub(crate) paused: [bool; INSTANCES],
+    /// Attempts that lost their lease to a fault of their own (a crash, a pause): a second
+    /// run is allowed them (GUARANTEES.md, "handler outlives the keep-alive ceiling (or its
+    /// process dies)").
+    pub(crate) excused: [bool; ATTEMPTS],
+    /// Handler runs begun, by attempt.
+    pub(crate) runs: [u8; ATTEMPTS],
+    /// Claims given up on while still on the wire: they may land after their abandon.
+    pub(crate) late: [bool; ATTEMPTS],
+    /// Claims whose lease lapsed while their answer was on the wire: answered too late.
+    pub(crate) stale: [bool; ATTEMPTS],
+    /// Faults left to inject (crash, pause, lost reply): a bound, so that every path ends.
+    pub(crate) faults: u8,
+    /// A run began while another attempt's run was going on, not excused.
+    pub(crate) ran_beside_a_live_holder: bool,
+    /// A run began after a response was stored.
+    pub(crate) ran_after_stored: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Action {
+    Send { attempt: u8, instance: u8 },
+    Land(u8),
+    LandLate(u8),
+    Receive(u8),
+    GiveUp(u8),
+    Abandon(u8),
+    Begin(u8),
+    Commit { attempt: u8, reply_lost: bool },
+    Settle(u8),
+    Complete { attempt: u8, reply_lost: bool },
+    Lapse,
+    Crash(u8),
+    Pause(u8),
+    Resume(u8),
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct OneKey {
+    pub(crate) protocol: Protocol,
+    pub(crate) faults: u8,
+}
+
+impl OneKey {
+    fn running(state: &State, attempt: usize) -> bool {
+        matches!(state.steps[attempt], Step::Running | Step::InTransaction | Step::Completing)
+    }
+
+    /// Whether `owner`'s lease may lapse now: its instance crashed or is paused; nobody holds
+    /// it any more (its attempt was answered, or its claim landed after it was abandoned); or
+    /// its transaction runs (renewals pause there). A claim whose reply is on the wire has a
+    /// whole lease ahead, and a running holder renews it.
+    fn may_lapse(state: &State, owner: usize) -> bool {
+        let instance = state.instance[owner].map(usize::from);
+        let faulted = instance.is_some_and(|i| state.paused[i]);
+        let holding =
+            Self::running(state, owner) || matches!(state.steps[owner], Step::Replied { .. });
+        faulted || !holding || state.steps[owner] == Step::InTransaction
+    }
+
+    /// The store's claim, applied atomically for `attempt`.
+    fn claim(&self, state: &mut State, attempt: u8) -> Reply {
+        let token = attempt;
+        match state.record {
+            Record::Marker { owner } if owner == token => Reply::Refused,
+            // An abandoned claim's marker is absent for every other claim.
+            Record::Absent | Record::Marker { .. } => {
+                state.record = Record::Held { owner: token, live: true };
+                Reply::Claimed
+            }
+            Record::Done { owner } => Reply::Replay(owner),
+            Record::Held { live: true, .. } => Reply::InProgress,
+            Record::Held { owner, live: false } => {
+                if self.protocol.key_lock && state.lock == Some(owner) {
+                    return Reply::InProgress;
+                }
+                state.record = Record::Held { owner: token, live: true };
+                Reply::Claimed
+            }
+        }
+    }
+
+    /// A run of the handler begins for `attempt`: checked against the runs going on.
+    fn run(state: &mut State, attempt: usize) {
+        if matches!(state.record, Record::Done { .. }) {
+            state.ran_after_stored = true;
+        }
+        // A holder whose lease lapsed to a fault of its own (paused with its claim's reply on
+        // the wire) runs in the window the guarantees allow, beside whoever took it over.
+        let beside = !state.excused[attempt]
+            && (0..ATTEMPTS).any(|other| {
+                other != attempt && Self::running(state, other) && !state.excused[other]
+            });
+        state.ran_beside_a_live_holder |= beside;
+        state.runs[attempt] += 1;
+        state.steps[attempt] = Step::Running;
+    }
+
+    fn release(&self, state: &mut State, attempt: u8) {
+        match state.record {
+            Record::Held { owner, .. } if owner == attempt || !self.protocol.release_fenced => {
+                state.record = Record::Absent;
+            }
+            _ => {}
+        }
+    }
+
+    fn unlock(state: &mut State, attempt: u8) {
+        if state.lock == Some(attempt) {
+            state.lock = None;
+        }
+    }
+}
+
+impl Model for OneKey {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        vec![State {
+            record: Record::Absent,
+            lock: None,
+            steps: [Step::Ready { claims: 0 }; ATTEMPTS],
+            instance: [None; ATTEMPTS],
+            paused: [false; INSTANCES],
+            excused: [false; ATTEMPTS],
+            runs: [0; ATTEMPTS],
+            late: [false; ATTEMPTS],
+            stale: [false; ATTEMPTS],
+            faults: self.faults,
+            ran_beside_a_live_holder: false,
+            ran_after_stored: false,
+        }]
+    }
+
+    fn actions(&self, state: &State, actions: &mut Vec<Action>) {
+        for a in 0..ATTEMPTS {
+            let attempt = a as u8;
+            if state.late[a] {
+                actions.push(Action::LandLate(attempt));
+            }
+            let instance = state.instance[a].map(usize::from);
+            if instance.is_some_and(|i| state.paused[i]) {
+                continue;
+            }
+            match state.steps[a] {
+                Step::Ready { claims: 0 } => {
+                    // Attempts are sent in order; each to either instance.
+                    if a == 0 || state.instance[a - 1].is_some() {
+                        for i in 0..INSTANCES {
+                            actions.push(Action::Send { attempt, instance: i as u8 });
+                        }
+                    }
+                }
+                Step::Ready { .. } => actions.push(Action::Land(attempt)),
+                Step::Claiming { .. } => {
+                    actions.push(Action::Land(attempt));
+                    if state.faults > 0 {
+                        actions.push(Action::GiveUp(attempt));
+                    }
+                }
+                Step::Replied { .. } => {
+                    actions.push(Action::Receive(attempt));
+                    if state.faults > 0 {
+                        actions.push(Action::GiveUp(attempt));
+                    }
+                }
+                Step::Abandoning => actions.push(Action::Abandon(attempt)),
+                Step::Running if self.protocol.transactional => {
+                    actions.push(Action::Begin(attempt));
+                }
+                Step::Running => actions.push(Action::Settle(attempt)),
+                Step::InTransaction => {
+                    actions.push(Action::Commit { attempt, reply_lost: false });
+                    if state.faults > 0 {
+                        actions.push(Action::Commit { attempt, reply_lost: true });
+                    }
+                }
+                Step::Completing => {
+                    actions.push(Action::Complete { attempt, reply_lost: false });
+                    if state.faults > 0 {
+                        actions.push(Action::Complete { attempt, reply_lost: true });
+                    }
+                }
+                Step::Answered(_) | Step::Crashed => {}
+            }
+        }
+        if let Record::Held { owner, live: true } = state.record
+            && Self::may_lapse(state, usize::from(owner))
+        {
+            actions.push(Action::Lapse);
+        }
+        for i in 0..INSTANCES {
+            let instance = i as u8;
+            let busy = (0..ATTEMPTS).any(|a| {
+                state.instance[a] == Some(instance)
+                    && !matches!(state.steps[a], Step::Answered(_) | Step::Crashed)
+            });
+            if state.faults > 0 && busy {
+                actions.push(Action::Crash(instance));
+                if !state.paused[i] {
+                    actions.push(Action::Pause(instance));
+                }
+            }
+            if state.paused[i] {
+                actions.push(Action::Resume(instance));
+            }
+        }
+    }
+
+    fn next_state(&self, last: &State, action: Action) -> Option<State> {
+        let mut state = last.clone();
+        match action {
+            Action::Send { attempt, instance } => {
+                state.instance[usize::from(attempt)] = Some(instance);
+                state.steps[usize::from(attempt)] = Step::Claiming { claims: 1 };
+            }
+            Action::Land(attempt) => {
+                let a = usize::from(attempt);
+                let claims = match state.steps[a] {
+                    Step::Claiming { claims } => claims,
+                    // A claim again after the wait: sent and applied at once.
+                    Step::Ready { claims } => claims + 1,
+                    _ => return None,
+                };
+                let reply = self.claim(&mut state, attempt);
+                state.steps[a] = Step::Replied { claims, reply };
+            }
+            Action::LandLate(attempt) => {
+                // Applied, never heard: whatever it claimed, nobody runs under it.
+                state.late[usize::from(attempt)] = false;
+                let _ = self.claim(&mut state, attempt);
+            }
+            Action::Receive(attempt) => {
+                let a = usize::from(attempt);
+                let Step::Replied { claims, reply } = state.steps[a] else { return None };
+                state.steps[a] = match reply {
+                    Reply::Claimed if state.stale[a] && self.protocol.late_claim_bound => {
+                        Step::Abandoning
+                    }
+                    Reply::Claimed => {
+                        Self::run(&mut state, a);
+                        Step::Running
+                    }
+                    Reply::Replay(owner) => Step::Answered(Answer::Response(owner)),
+                    Reply::InProgress if claims < CLAIMS => Step::Ready { claims },
+                    Reply::InProgress => Step::Answered(Answer::InProgress),
+                    Reply::Refused => Step::Answered(Answer::Unavailable),
+                };
+            }
+            Action::GiveUp(attempt) => {
+                let a = usize::from(attempt);
+                state.faults -= 1;
+                // A claim still on the wire may land after its abandon.
+                state.late[a] = matches!(state.steps[a], Step::Claiming { .. });
+                state.steps[a] = Step::Abandoning;
+            }
+            Action::Abandon(attempt) => {
+                let a = usize::from(attempt);
+                match state.record {
+                    Record::Held { owner, .. } if owner == attempt => {
+                        state.record = Record::Absent;
+                    }
+                    Record::Absent if self.protocol.abandon_marker => {
+                        state.record = Record::Marker { owner: attempt };
+                    }
+                    _ => {}
+                }
+                state.steps[a] = Step::Answered(Answer::Unavailable);
+            }
+            Action::Begin(attempt) => {
+                let a = usize::from(attempt);
+                if self.protocol.key_lock {
+                    if state.lock.is_some() {
+                        return None;
+                    }
+                    state.lock = Some(attempt);
+                    // The lease renewed, fenced, under the lock: a holder taken over before is
+                    // fenced out here, before anything is paid.
+                    match state.record {
+                        Record::Held { owner, .. } if owner == attempt => {
+                            state.record = Record::Held { owner, live: true };
+                        }
+                        _ => {
+                            Self::unlock(&mut state, attempt);
+                            self.release(&mut state, attempt);
+                            state.steps[a] = Step::Answered(Answer::Unavailable);
+                            return Some(state);
+                        }
+                    }
+                }
+                state.steps[a] = Step::InTransaction;
+            }
+            Action::Commit { attempt, reply_lost } => {
+                let a = usize::from(attempt);
+                let committed =
+                    matches!(state.record, Record::Held { owner, .. } if owner == attempt);
+                if committed {
+                    state.record = Record::Done { owner: attempt };
+                }
+                if reply_lost {
+                    state.faults -= 1;
+                }
+                Self::unlock(&mut state, attempt);
+                state.steps[a] = if committed && !reply_lost {
+                    Step::Answered(Answer::Response(attempt))
+                } else {
+                    // Rolled back, or its fate unknown: a fenced release, which a committed
+                    // record refuses; the retry learns the truth.
+                    self.release(&mut state, attempt);
+                    Step::Answered(Answer::Unavailable)
+                };
+            }
+            Action::Settle(attempt) => {
+                // The client has its answer with the first `complete` sent.
+                state.steps[usize::from(attempt)] = Step::Completing;
+            }
+            Action::Complete { attempt, reply_lost } => {
+                let a = usize::from(attempt);
+                let applies = match state.record {
+                    Record::Held { owner, .. } => {
+                        owner == attempt || !self.protocol.complete_fenced
+                    }
+                    Record::Done { .. } => !self.protocol.complete_fenced,
+                    // The lease lapsed and the record went, nobody took over: the stores keep
+                    // the response (the conformance kit holds them to it).
+                    Record::Absent | Record::Marker { .. } => true,
+                };
+                if reply_lost {
+                    state.faults -= 1;
+                    // Lost before it was applied: tried again while held, or given up.
+                    if !self.protocol.settle_retried {
+                        state.steps[a] = Step::Answered(Answer::Response(attempt));
+                    }
+                    return Some(state);
+                }
+                if applies {
+                    state.record = Record::Done { owner: attempt };
+                }
+                state.steps[a] = Step::Answered(Answer::Response(attempt));
+            }
+            Action::Lapse => {
+                let Record::Held { owner, .. } = state.record else { return None };
+                let o = usize::from(owner);
+                let instance = state.instance[o].map(usize::from);
+                if instance.is_some_and(|i| state.paused[i]) {
+                    state.excused[o] = true;
+                }
+                if matches!(state.steps[o], Step::Replied { .. }) {
+                    state.stale[o] = true;
+                }
+                state.record = Record::Held { owner, live: false };
+            }
+            Action::Crash(instance) => {
+                // Its process dies (and a new one takes its place, for the attempts sent
+                // after): its sessions end, their transactions roll back, the key's lock goes.
+                state.faults -= 1;
+                state.paused[usize::from(instance)] = false;
+                for a in 0..ATTEMPTS {
+                    if state.instance[a] == Some(instance)
+                        && !matches!(state.steps[a], Step::Answered(_) | Step::Crashed)
+                    {
+                        Self::unlock(&mut state, a as u8);
+                        state.steps[a] = Step::Crashed;
+                        state.excused[a] = true;
+                        state.late[a] = false;
+                    }
+                }
+            }
+            Action::Pause(instance) => {
+                state.faults -= 1;
+                state.paused[usize::from(instance)] = true;
+            }
+            Action::Resume(instance) => state.paused[usize::from(instance)] = false,
+        }
+        Some(state)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            // GUARANTEES.md, "handler longer than its lease": "no retry takes the key over";
+            // and `PostgresStore::transaction` longer than its lease: "one run".
+            Property::always("no second run beside a live holder", |_, state: &State| {
+                !state.ran_beside_a_live_holder
+            }),
+            // GUARANTEES.md, "handler outlives the keep-alive ceiling (or its process dies)":
+            // the first holder's response is fenced out; a stored response is replayed.
+            Property::always("no run after a response was stored", |_, state: &State| {
+                !state.ran_after_stored
+            }),
+            // GUARANTEES.md, "retry after the response was stored": "replayed"; no client is
+            // answered another response than the one stored, unless its holder was excused.
+            Property::always("every response answered is the one stored", |_, state: &State| {
+                let Record::Done { owner } = state.record else { return true };
+                state.steps.iter().enumerate().all(|(a, step)| match step {
+                    Step::Answered(Answer::Response(r)) => *r == owner || state.excused[a],
+                    _ => true,
+                })
+            }),
+            // Once the faults are spent, every attempt is answered (nothing waits forever).
+            Property::eventually("every attempt is answered", |_, state: &State| {
+                state.steps.iter().all(|step| matches!(step, Step::Answered(_) | Step::Crashed))
+            }),
+        ]
+    }
+}
