@@ -72,7 +72,13 @@ pub(crate) trait Encoding: Send + Sync {
 /// so that a [`Recover`](crate::recovery::Recover) hook can find it; pass a [`derived_key`](Self::derived_key) to a
 /// downstream provider as its own idempotency key.
 ///
-/// Cloning is cheap.
+/// Cloning is cheap. Over a store that commits outcomes in its transactions
+/// ([`PostgresStore`](crate::store::PostgresStore), or a door that answers from
+/// [`DurableOutcomes`](crate::durable::DurableOutcomes)), the door answers once the operation
+/// returned and every clone of its context was dropped (a lease at most), so that a
+/// transaction the operation spawned is waited for rather than left to commit after the answer:
+/// to keep something of the context past the operation, keep that (the key hash, a derived
+/// key), not the context.
 #[derive(Clone)]
 pub struct IdempotencyContext {
     inner: Arc<Context>,

@@ -96,6 +96,46 @@ async fn a_backfill_past_the_horizon_is_refused_never_answered_new<St: DedupStor
     }
 }
 
+/// A backfill whose original sits in the bucket before its own (seen late in a bucket, asked
+/// half a window on, in the next), asked once that bucket would have expired under the old
+/// horizon (its own bucket's): never answered new, each of 200 ids; and refused, never answered
+/// new, once the bucket before it has expired.
+async fn a_backfill_whose_original_is_a_bucket_back_is_never_answered_new<St: DedupStore>(
+    store: St,
+) {
+    let window = Duration::from_secs(2);
+    for strategy in [Strategy::buckets(window), Strategy::bloom(window, 10_000, 1e-6)] {
+        let door = Dedup::new(store.clone(), strategy);
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let w = window.as_millis() as u64;
+        let bucket = now.as_millis() as u64 / w;
+        let seen = UNIX_EPOCH + Duration::from_millis(bucket * w + w * 3 / 4);
+        let ids: Vec<String> = (0..200).map(|i| format!("evt_{i}")).collect();
+        let first = door.first_seen_at("backfill", &ids, seen).await.unwrap();
+        assert!(first.iter().all(|new| *new), "{strategy:?}");
+        let asked = seen + window / 2;
+        // Past `seen`'s bucket's old expiry (two windows and a quarter from its start).
+        let old_expiry = UNIX_EPOCH + Duration::from_millis((bucket + 2) * w + w / 4 + 100);
+        tokio::time::sleep(old_expiry.duration_since(SystemTime::now()).unwrap_or_default()).await;
+        for id in &ids {
+            match door.first_seen_at("backfill", &[id], asked).await {
+                Ok(answer) => assert_eq!(answer, [false], "{strategy:?}: {id} answered new"),
+                Err(error) => assert!(matches!(error, StoreError::BeyondHorizon(_)), "{error}"),
+            }
+        }
+        // Past the bucket before `asked`'s own: refused, every one.
+        let gone = UNIX_EPOCH + Duration::from_millis((bucket + 3) * w + w / 4 + 100);
+        tokio::time::sleep(gone.duration_since(SystemTime::now()).unwrap_or_default()).await;
+        for id in &ids {
+            let refused = door.first_seen_at("backfill", &[id], asked).await;
+            assert!(
+                matches!(refused, Err(StoreError::BeyondHorizon(_))),
+                "{strategy:?}: {refused:?}"
+            );
+        }
+    }
+}
+
 /// A rolling deploy changes the strategy (markers to buckets, buckets to Bloom, a window or a
 /// rate): instances of the new configuration that keep checking the previous one
 /// (`during_change_from`) answer every event the old ones saw as seen, and new ones as new.
@@ -277,6 +317,7 @@ on_every_dedup_store!(
     a_bloom_filter_never_forgets_and_rarely_drops_a_new_event,
     a_bloom_variant_of_zero_size_still_answers,
     a_backfill_past_the_horizon_is_refused_never_answered_new,
+    a_backfill_whose_original_is_a_bucket_back_is_never_answered_new,
     a_configuration_change_keeps_deduplicating_against_the_previous_one,
     keyed_names_deduplicate_and_a_move_to_them_keeps_deduplicating
 );

@@ -65,22 +65,33 @@ impl Bucket {
     fn at(at: SystemTime, window: Duration) -> Self {
         let window_ms = window.as_millis().max(1);
         let number = at.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() / window_ms;
-        // Kept while the bucket after it checks it, and a quarter window more for clocks that
-        // differ between instances and the store.
-        let expire_ms = (number + 2) * window_ms + window_ms / 4;
+        // Kept while the buckets after it check it (an event of the next bucket, asked up to
+        // its own horizon, reads this one), and a quarter window more for clocks that differ
+        // between instances and the store.
+        let expire_ms = (number + 3) * window_ms + window_ms / 4;
         let expire_ms = u64::try_from(expire_ms).unwrap_or(u64::MAX);
         Self { number, expire_at: UNIX_EPOCH + Duration::from_millis(expire_ms) }
     }
 
-    /// The bucket of `at`, unless it has expired already (its set or filter would expire as
-    /// it is written, and every event in it would be answered new).
+    /// The bucket of `at`, unless a bucket its window reads has expired already: the one
+    /// before it, which expires first, where an original seen up to a window earlier was
+    /// recorded (answered new, it would be a false negative), or its own (its set or filter
+    /// would expire as it is written).
     pub(super) fn within_horizon(at: SystemTime, window: Duration) -> Result<Self, StoreError> {
         let bucket = Self::at(at, window);
-        match SystemTime::now().duration_since(bucket.expire_at) {
+        let window_ms = window.as_millis().max(1);
+        let before =
+            Self::at(UNIX_EPOCH + millis(bucket.number.saturating_sub(1) * window_ms), window);
+        match SystemTime::now().duration_since(before.expire_at) {
             Ok(past) => Err(StoreError::BeyondHorizon(past)),
             Err(_) => Ok(bucket),
         }
     }
+}
+
+/// `ms` milliseconds, as far as a `Duration` reaches.
+fn millis(ms: u128) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(u64::MAX))
 }
 
 /// An event's member in a bucket set: the half of its hash that the shard does not use.

@@ -14,8 +14,9 @@
 //!   now and then taken for a duplicate and dropped; a duplicate is never taken for new).
 //!
 //! Both bucketed strategies check an event against its own bucket and the ones before and
-//! after it, and keep a bucket for two windows and a quarter from its start: an event is
-//! remembered for at least the window, and forgotten within three. Between instances whose
+//! after it, and keep a bucket for three windows and a quarter from its start, so that the next
+//! bucket's events read it up to their own horizon: an event is remembered for at least the
+//! window, and forgotten within four. Between instances whose
 //! clocks differ by δ (under a window), a duplicate reaching the one behind is still caught
 //! (the bucket after is checked), and one reaching the one ahead is caught within the window
 //! less δ; an instance's clock more than a quarter window off the store's shortens that. A
@@ -242,14 +243,16 @@ impl<St: DedupStore> Dedup<St> {
 
     /// [`first_seen_batch`](Self::first_seen_batch) with the time taken as `at` (the buckets'
     /// time; markers expire by the store's clock): for a replay of a log with its timestamps,
-    /// and for tests of the bucket boundaries. A bucket is kept until two windows and a quarter
-    /// after its start: a time whose bucket has expired already is refused, never answered
-    /// new.
+    /// and for tests of the bucket boundaries. A bucket is kept until three windows and a quarter
+    /// after its start, so that the next bucket's events read it up to their own horizon: a
+    /// time whose window reads a bucket that has expired already (the one before its own, about
+    /// two windows after its own start) is refused, never answered new.
     ///
     /// # Errors
     ///
     /// [`StoreError::BeyondHorizon`] for a bucketed strategy and a time whose bucket has
-    /// expired (a backfill older than about two windows): nothing is written. The store's.
+    /// expired (a backfill older than about two windows, counted from its bucket's start):
+    /// nothing is written. The store's.
     pub async fn first_seen_at(
         &self,
         scope: &str,

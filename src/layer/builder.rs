@@ -65,7 +65,13 @@ pub struct IdempotencyLayer<St, Sc = GlobalScope> {
 }
 
 impl<St: Store> IdempotencyLayer<St> {
-    /// A layer keeping its records in `store`, with the default settings and [`GlobalScope`].
+    /// A layer keeping its records in `store`, with the default settings and [`GlobalScope`]:
+    /// **every client shares one key space**, so two customers who send the same key and
+    /// body share one record, and the second is replayed the first's response. It is the
+    /// default because only the app knows who its clients are; set
+    /// [`scope`](Self::scope) to the authenticated customer or tenant (a closure over the
+    /// request's parts, [`ExtractorScope`](super::scope::ExtractorScope) over your own
+    /// extractor) unless the service has one client.
     pub fn new(store: St) -> Self {
         Self {
             store,
