@@ -95,7 +95,7 @@ struct Context {
     /// unknown in a completer's context under keyed names.
     plain: Option<RecordKey>,
     taken_over: bool,
-    /// What an outcome committed in a store's transaction needs (both doors give it to the
+    /// What an outcome committed in a store's transaction needs (every door gives it to the
     /// operations they run; see `PostgresStore::transaction`).
     completion: Option<Completion>,
 }

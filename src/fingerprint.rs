@@ -1,5 +1,5 @@
 //! The request fingerprint: what makes a retry "the same request", and the payload rules
-//! both front doors apply before hashing (canonical JSON, members left out).
+//! every front door applies before hashing (canonical JSON, members left out).
 
 use std::{borrow::Cow, fmt};
 
@@ -122,7 +122,7 @@ fn remove(json: &mut serde_json::Value, pointer: &str) {
     }
 }
 
-/// The payload-rule setters both doors' builders share, written once. A builder that invokes
+/// The payload-rule setters every door's builder shares, written once. A builder that invokes
 /// it has a `fn payload_rules(&mut self) -> &mut PayloadRules`.
 macro_rules! payload_rule_setters {
     () => {

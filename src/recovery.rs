@@ -81,7 +81,7 @@ impl<T> Recovered<T> {
 /// Implemented for every `Fn(Lookup<R>) -> impl Future<Output = Result<Recovered<T>, E>>`
 /// with `E: Into<BoxError>`. The HTTP door asks with `R = http::Request<Bytes>` for
 /// `T = http::Response<Bytes>`; the consumer door with `R = Bytes` (the payload) for its result
-/// type. `DurableOutcomes` (feature `postgres`) implements it for both doors: the outcomes
+/// type. `DurableOutcomes` (feature `postgres`) implements it for every door: the outcomes
 /// operations committed beside the record store.
 ///
 /// An error, a panic, or no answer within the recovery timeout is a failed recovery: the

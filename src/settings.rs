@@ -1,4 +1,4 @@
-//! Settings both front doors take, grouped by the job they do: [`Waiting`], how a duplicate of
+//! Settings every front door takes, grouped by the job they do: [`Waiting`], how a duplicate of
 //! a request still running waits for it; [`Recovery`], when and how a door asks its recovery
 //! hook.
 

@@ -2,7 +2,7 @@
 //! commits its outcome to a table the crate owns, in the transaction that writes its side
 //! effect; the record store keeps the fast claim and the replays; a takeover, a lapsed lease or
 //! a record the record store lost is answered from the table, the door's recovery hook
-//! ([`Recover`] for both doors).
+//! ([`Recover`] for every door).
 
 use std::time::Duration;
 
@@ -55,7 +55,7 @@ async fn write(
 /// app's own PostgreSQL database, beside a record store that does not share that database
 /// (Redis). Set up once, and handlers commit their outcomes to it
 /// ([`transaction`](Self::transaction)); the front doors answer from it what the record store
-/// cannot, with the table as their recovery hook (it is a [`Recover`] for both doors):
+/// cannot, with the table as their recovery hook (it is a [`Recover`] for every door):
 /// `IdempotencyLayer::recover(outcomes)`, `Idempotent::recover(outcomes)`. Every new claim and
 /// every takeover asks the table first (one primary-key read), so that a lapsed lease, a holder
 /// that died after its commit, or a record Redis lost is replayed from PostgreSQL, and the

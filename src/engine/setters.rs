@@ -2,7 +2,7 @@
 //! door's builder (as tower-http's `macros.rs` writes shared accessors once). A builder that
 //! invokes [`engine_setters!`] has a `fn settings(&mut self) -> &mut Settings`.
 
-/// The setters both doors share: the lease and its keep-alive, the retention, waiting for an
+/// The setters every door shares: the lease and its keep-alive, the retention, waiting for an
 /// in-progress original, the task tracker, and the recovery hook's policy. "An operation" is
 /// the HTTP door's handler or the consumer door's operation; "a duplicate" is a retried
 /// request or a redelivered event.

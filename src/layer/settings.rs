@@ -1,5 +1,5 @@
 //! The HTTP door's settings, grouped by the job they do (as [`crate::settings`] groups those
-//! both doors share): [`Limits`], what the layer buffers and stores; [`Answers`], what a retry
+//! every door shares): [`Limits`], what the layer buffers and stores; [`Answers`], what a retry
 //! that does not run is answered with.
 
 use http::{HeaderName, StatusCode};

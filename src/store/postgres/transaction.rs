@@ -280,7 +280,7 @@ impl PostgresStore {
     /// Runs `operation` in a transaction the store begins on its own pool, then writes the
     /// operation's outcome in that same transaction and commits it: the side effect and its
     /// idempotency record commit together, or neither does. The one way to commit an
-    /// outcome with its side effect, for both front doors: the HTTP door (the handler finds
+    /// outcome with its side effect, for every front door: the HTTP door (the handler finds
     /// `context` in its request's extensions) and the consumer door (`Idempotent::run` hands
     /// it to the operation).
     ///
