@@ -47,11 +47,15 @@ END $$;
 -- until the database ends it) is in progress, never an error.
 -- outcome: 0 claimed; 1 replay (`response`, `remaining_ms` of retention); 2 mismatch;
 -- 3 in progress (`remaining_ms` of lease); 5 taken over; 6 refused (late, or abandoned).
--- The claim of the previous version (7 arguments, no lock wait) is left where it is: instances
--- of that version keep claiming through it during a rolling deploy.
+-- `p_lock` names the key's lock, which an operation's transaction holds from before its BEGIN
+-- to after its COMMIT (PostgresStore::transaction): a lapsed lease whose lock is held is in
+-- progress, never taken over.
+-- The claims of the previous versions (7 arguments, no lock wait; 8, no key lock) are left
+-- where they are: instances of those versions keep claiming through them during a rolling
+-- deploy, and a start of one of them, which replaces its own, leaves this one as it is.
 CREATE OR REPLACE FUNCTION idempotency_records_claim(
     p_key TEXT, p_fingerprint BYTEA, p_owner BYTEA, p_lease_ms BIGINT, p_window_ms BIGINT,
-    p_waiting BOOLEAN, p_not_after_ms BIGINT, p_lock_ms BIGINT,
+    p_waiting BOOLEAN, p_not_after_ms BIGINT, p_lock_ms BIGINT, p_lock BIGINT,
     OUT outcome INT, OUT response BYTEA, OUT remaining_ms BIGINT)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -108,8 +112,7 @@ BEGIN
             RETURN;
         END;
         IF v_absent OR r.expires_at <= v_now OR (r.state = 'X' AND r.owner <> p_owner) THEN
-            IF NOT v_absent AND r.state = 'P' AND NOT pg_try_advisory_xact_lock(
-                    hashtextextended('idempotency_records:' || p_key, 0)) THEN
+            IF NOT v_absent AND r.state = 'P' AND NOT pg_try_advisory_xact_lock(p_lock) THEN
                 -- Expired, and its holder's transaction runs: held (see the lapsed lease).
                 outcome := 3;
                 remaining_ms := 200;
@@ -155,8 +158,7 @@ BEGIN
             -- lock ends with its session when the process dies. Polled, not waited for: no
             -- write of the row while that transaction runs (it would make a REPEATABLE READ or
             -- SERIALIZABLE transaction's own write of the record a concurrent update).
-            IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_records:' || p_key, 0))
-            THEN
+            IF NOT pg_try_advisory_xact_lock(p_lock) THEN
                 outcome := 3;
                 remaining_ms := 200;
                 RETURN;
@@ -173,8 +175,7 @@ BEGIN
             RETURN;
         END IF;
         IF p_waiting AND NOT r.waited THEN
-            IF NOT pg_try_advisory_xact_lock(hashtextextended('idempotency_records:' || p_key, 0))
-            THEN
+            IF NOT pg_try_advisory_xact_lock(p_lock) THEN
                 -- The holder's transaction runs (see the lapsed lease): polled, not marked.
                 outcome := 3;
                 remaining_ms := 200;

@@ -74,11 +74,11 @@ pub(crate) trait Encoding: Send + Sync {
 ///
 /// Cloning is cheap. Over a store that commits outcomes in its transactions
 /// ([`PostgresStore`](crate::store::PostgresStore), or a door that answers from
-/// [`DurableOutcomes`](crate::durable::DurableOutcomes)), the door answers once the operation
-/// returned and every clone of its context was dropped (a lease at most), so that a
-/// transaction the operation spawned is waited for rather than left to commit after the answer:
-/// to keep something of the context past the operation, keep that (the key hash, a derived
-/// key), not the context.
+/// [`DurableOutcomes`](crate::durable::DurableOutcomes)), the door waits, once the operation
+/// returned, for a transaction of its claim that runs (until it ends), and for a clone of its
+/// context still alive (250 ms at most, the lease if shorter: a task spawned with it begins
+/// its transaction at once); a transaction that begins later is refused. To keep something of
+/// the context past the operation, keep that (the key hash, a derived key), not the context.
 #[derive(Clone)]
 pub struct IdempotencyContext {
     inner: Arc<Context>,

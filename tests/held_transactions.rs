@@ -48,6 +48,12 @@ async fn setup(d: &TestDatabase) -> App {
     App { pool, store, runs: Arc::default(), provider_calls: Arc::default() }
 }
 
+/// A suffix no other event of the test has.
+fn rand_suffix() -> u64 {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    NEXT.fetch_add(1, Ordering::SeqCst) as u64
+}
+
 async fn payments(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM payments").fetch_one(pool).await.unwrap()
 }
@@ -139,9 +145,34 @@ async fn a_transaction_longer_than_the_lease_runs_once_at_every_isolation_level(
 async fn the_consumer_doors_transaction_longer_than_its_lease_runs_once() {
     let d = TestDatabase::create("held").await;
     let app = setup(&d).await;
+    runs_once_past_its_lease(&app).await;
+}
+
+/// An instance of the previous release that starts after this one migrated (a rollback, a
+/// replica restarting mid-deploy) replaces its own claim function (eight arguments, no key
+/// lock), not this release's: a transaction longer than its lease still runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_previous_release_migrating_after_this_one_leaves_the_key_lock_in_place() {
+    let d = TestDatabase::create("held").await;
+    let app = setup(&d).await;
+    let previous = "CREATE OR REPLACE FUNCTION idempotency_records_claim(p_key TEXT,
+        p_fingerprint BYTEA, p_owner BYTEA, p_lease_ms BIGINT, p_window_ms BIGINT,
+        p_waiting BOOLEAN, p_not_after_ms BIGINT, p_lock_ms BIGINT, OUT outcome INT,
+        OUT response BYTEA, OUT remaining_ms BIGINT)
+        LANGUAGE sql AS $$ SELECT 5, NULL::bytea, NULL::bigint $$";
+    sqlx::raw_sql(previous).execute(&app.pool).await.unwrap();
+    runs_once_past_its_lease(&app).await;
+    app.store.migrate().await.unwrap();
+    runs_once_past_its_lease(&App { runs: Arc::default(), ..app.clone() }).await;
+}
+
+/// One event whose transaction outlives its lease, redelivered meanwhile: it runs once.
+async fn runs_once_past_its_lease(app: &App) {
+    sqlx::query("TRUNCATE payments").execute(&app.pool).await.unwrap();
+    let event = format!("evt_{}", rand_suffix());
     let idem = Idempotent::new(app.store.clone()).lease(Duration::from_secs(1));
-    let run = |idem: Idempotent<PostgresStore>, app: App| async move {
-        idem.run("payments", "evt_1", b"{}", move |context| async move {
+    let run = |idem: Idempotent<PostgresStore>, app: App, event: String| async move {
+        idem.run("payments", &event, b"{}", move |context| async move {
             app.runs.fetch_add(1, Ordering::SeqCst);
             let Json(paid) = app
                 .store
@@ -158,18 +189,18 @@ async fn the_consumer_doors_transaction_longer_than_its_lease_runs_once() {
         })
         .await
     };
-    let first = tokio::spawn(run(idem.clone(), app.clone()));
+    let first = tokio::spawn(run(idem.clone(), app.clone(), event.clone()));
     let started = Instant::now();
     while started.elapsed() < Duration::from_millis(3500) {
         tokio::time::sleep(Duration::from_millis(200)).await;
-        match run(idem.clone(), app.clone()).await {
+        match run(idem.clone(), app.clone(), event.clone()).await {
             Ok(Outcome::InProgress { .. } | Outcome::Replayed(_)) => {}
             other => panic!("a redelivery at {:?}: {other:?}", started.elapsed()),
         }
     }
     let first = first.await.unwrap();
     let Ok(Outcome::Ran(id)) = first else { panic!("{first:?}") };
-    let again = run(idem.clone(), app.clone()).await;
+    let again = run(idem.clone(), app.clone(), event.clone()).await;
     assert!(matches!(again, Ok(Outcome::Replayed(replayed)) if replayed == id), "{again:?}");
     assert_eq!((app.runs.load(Ordering::SeqCst), payments(&app.pool).await), (1, 1));
 }
@@ -316,7 +347,7 @@ async fn a_spawned_transaction_is_waited_for_and_the_answers_are_what_committed(
 }
 
 /// A handler that spawns its transaction with a clone of its context, which begins only after
-/// the door stopped waiting for that clone (a lease on): the transaction is refused before it
+/// the door stopped waiting for that clone (250 ms on): the transaction is refused before it
 /// writes anything, and the client's answer (the handler's own, paying nothing) is what every
 /// retry gets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -344,18 +375,49 @@ async fn a_transaction_begun_after_its_door_settled_is_refused_before_it_writes(
             }),
         )
         .with_state(app.clone())
-        .layer(IdempotencyLayer::new(app.store.clone()).lease(Duration::from_millis(300)));
+        .layer(IdempotencyLayer::new(app.store.clone()));
     let started = Instant::now();
     let first = send(&router, keyed("POST", "/pay", "k1", "{}")).await;
     let waited = started.elapsed();
     assert_eq!(first.status, StatusCode::ACCEPTED, "{first:?}");
-    assert!(waited >= Duration::from_millis(250), "the door waited {waited:?} for the context");
+    let patience = Duration::from_millis(250)..Duration::from_millis(900);
+    assert!(patience.contains(&waited), "the door waited {waited:?} for the context");
     let refusal = tokio::time::timeout(Duration::from_secs(5), told.recv()).await.unwrap();
     let error = refusal.unwrap().expect_err("the late transaction was refused");
     assert!(error.to_string().contains("await the transaction"), "{error}");
     let retry = send(&router, keyed("POST", "/pay", "k1", "{}")).await;
     assert_eq!((retry.status, &retry.body, retry.replayed()), (first.status, &first.body, true));
     assert_eq!(payments(&app.pool).await, 0);
+}
+
+/// A handler that keeps a clone of its context for other work (an audit task of 30 s): the
+/// door waits for it 250 ms at most over `PostgresStore`, and not at all over a store that
+/// commits in no transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_context_kept_for_other_work_holds_the_answer_back_briefly() {
+    let d = TestDatabase::create("held").await;
+    let app = setup(&d).await;
+    let auditing = || {
+        Router::new().route(
+            "/pay",
+            post(|context: IdempotencyContext| async move {
+                drop(tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    drop(context);
+                }));
+                StatusCode::CREATED
+            }),
+        )
+    };
+    let postgres = auditing().layer(IdempotencyLayer::new(app.store.clone()));
+    let memory = auditing().layer(IdempotencyLayer::new(axum_idempotency::MemoryStore::new()));
+    for (router, longest) in [(postgres, 800), (memory, 200)] {
+        let started = Instant::now();
+        let answered = send(&router, keyed("POST", "/pay", "k1", "{}")).await;
+        assert_eq!(answered.status, StatusCode::CREATED, "{answered:?}");
+        let took = started.elapsed();
+        assert!(took < Duration::from_millis(longest), "answered after {took:?}");
+    }
 }
 
 /// A transaction that marked a step and stays open (a slow call after its mark): a start's

@@ -400,7 +400,7 @@ impl<St: Store> Engine<St> {
             drop(guard);
             return Err(Late);
         }
-        if !matches!(&claim, Err(error) if error.is_unavailable()) {
+        if !matches!(&claim, Err(error) if error.is_unavailable() && !error.was_never_sent()) {
             guard.disarm();
         }
         drop(guard);

@@ -262,10 +262,11 @@ async fn settle_output<St: Store, D: Door, E>(
 ) {
     // A transaction the operation spawned and did not await is waited for, as long as it runs;
     // where one may still begin (the store, or the door's table beside it, commits in
-    // transactions), so is a context the operation left alive, for a lease at most (the key is
-    // held meanwhile).
+    // transactions), so is a context the operation left alive, briefly: a task spawned with it
+    // begins its transaction on its first poll, and a context kept for other work (a log, a
+    // stream's body) holds the answer back no longer.
     let patience = match holder.commits_in_transactions() || door.durable().is_some() {
-        true => holder.lease_duration(),
+        true => holder.lease_duration().min(CONTEXT_PATIENCE),
         false => Duration::ZERO,
     };
     match holder.commit_slot().clone().settled(patience).await {
@@ -294,6 +295,10 @@ async fn settle_output<St: Store, D: Door, E>(
         }
     }
 }
+
+/// How long a settle waits, at most, for a context its operation left alive to begin a
+/// transaction (or be dropped): after it, a transaction that begins is refused.
+const CONTEXT_PATIENCE: Duration = Duration::from_millis(250);
 
 /// Does what `settlement` says: writes the store through `holder`, and answers.
 async fn settle<St: Store, A, E>(

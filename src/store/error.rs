@@ -68,6 +68,36 @@ impl StoreError {
             Self::CorruptRecord(_) | Self::FencedOut | Self::KeyReused | Self::BeyondHorizon(_)
         )
     }
+
+    /// The same error, saying that the operation was never sent (no connection could be had):
+    /// a claim that failed so holds nothing, and its caller abandons nothing.
+    pub(crate) fn never_sent(self) -> Self {
+        match self {
+            Self::Unavailable(error) => Self::Unavailable(Box::new(NeverSent(error))),
+            other => other,
+        }
+    }
+
+    /// Whether the operation was never sent ([`never_sent`](Self::never_sent)).
+    pub(crate) fn was_never_sent(&self) -> bool {
+        matches!(self, Self::Unavailable(error) if error.is::<NeverSent>())
+    }
+}
+
+/// An error of an operation that was never sent; it reads as the error it wraps.
+#[derive(Debug)]
+struct NeverSent(Box<dyn std::error::Error + Send + Sync>);
+
+impl fmt::Display for NeverSent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for NeverSent {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
 }
 
 impl fmt::Display for StoreError {

@@ -360,3 +360,44 @@ async fn a_redis_stopped_for_5_s_under_200_clients_gets_at_most_the_pools_connec
     assert_eq!(rejected, 0, "connections refused at maxclients on resume");
     assert!(most <= STORE_CONNECTIONS, "{most} sockets at once, the pool holds {POOL_SIZE}");
 }
+
+/// Redis killed for good under 200 clients: every claim fails fast with 503 (the store
+/// reconnecting, or the connect failing), and a claim that was never sent leaves no task
+/// behind to abandon it: the runtime's tasks stay bounded however long the outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_gone_for_good_fails_fast_and_leaves_no_abandons_behind() {
+    let mut server = RedisServer::start();
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(server.store()));
+    let warm = send(&app, keyed("POST", "/payments", "warm", "{}")).await;
+    assert_eq!(warm.status.as_u16(), 201, "{warm:?}");
+    server.kill();
+    let stop = Arc::new(AtomicBool::new(false));
+    let clients: Vec<_> = (0..200)
+        .map(|client| {
+            let (app, stop) = (app.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut n = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    n += 1;
+                    let request = keyed("POST", "/payments", &format!("gone-{client}-{n}"), "{}");
+                    let seen = send(&app, request).await;
+                    assert_eq!(seen.status.as_u16(), 503, "{seen:?}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                n
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let alive = tokio::runtime::Handle::current().metrics().num_alive_tasks();
+    stop.store(true, Ordering::SeqCst);
+    let mut sent = 0;
+    for client in clients {
+        sent += client.await.unwrap();
+    }
+    assert!(sent > 2_000, "{sent} requests in 3 s: the 503s were not fast");
+    // The 200 clients and the store's own few: not one abandon a failed claim.
+    assert!(alive < 400, "{alive} tasks alive after {sent} failed requests");
+    assert_eq!(calls.get(), 1);
+}

@@ -221,7 +221,8 @@ impl PostgresStore {
             .bind(millis(lease.recovery_window))
             .bind(waiting)
             .bind(i64::try_from(deadline).unwrap_or(i64::MAX))
-            .bind(lock_wait(self.command_timeout));
+            .bind(lock_wait(self.command_timeout))
+            .bind(transaction::key_lock(&self.inner.statements.table, key));
         let row = self.fetch(query).await?;
         let outcome: i32 = row.try_get(0).map_err(corrupt)?;
         let remaining = || {

@@ -86,7 +86,7 @@ impl Statements {
             channel,
             claim: format!(
                 "SELECT (r).outcome, (r).response, (r).remaining_ms FROM ({} AS r) AS called",
-                call("claim", 8)
+                call("claim", 9)
             ),
             complete: call("complete", 5),
             complete_live,

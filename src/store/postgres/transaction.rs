@@ -12,6 +12,7 @@ use sqlx::{PgConnection, PgPool, Row as _};
 use super::{Beginning, PostgresStore, bounded, corrupt, millis};
 use crate::{
     context::{Completion, IdempotencyContext},
+    key::RecordKey,
     store::{Commit, Committable, EncodedOutcome, Running, StoreError, TransactionError},
 };
 
@@ -27,8 +28,8 @@ pub(crate) enum Kept<'a> {
 }
 
 /// The lock a record store's transaction holds its key by, from before its `BEGIN` to after
-/// its `COMMIT`: a session-level advisory lock named after the table and the key, which the
-/// claim function looks at before it takes a lapsed lease over. The lease is not renewed
+/// its `COMMIT`: a session-level advisory lock named after the table and the key
+/// ([`key_lock`]), which the claim function looks at before it takes a lapsed lease over. The lease is not renewed
 /// while the transaction runs (a renewal's write of the record would make a REPEATABLE READ or
 /// SERIALIZABLE transaction's own write of it a concurrent update); the lock holds the key
 /// instead, for as long as the holder's session lives, and no longer: a process that dies
@@ -96,7 +97,7 @@ where
     let held = match where_kept {
         Kept::InRecord(lock) => {
             let left = timeout.saturating_sub(started.elapsed());
-            let held = Held { lock, name: format!("{}:{}", lock.table, context.key().as_str()) };
+            let held = Held { lock, key: context.key() };
             match bounded(left, held.take(&mut connection, completion)).await {
                 Ok(true) => {}
                 Ok(false) => {
@@ -195,10 +196,24 @@ where
     }
 }
 
-/// A record store's transaction's hold on its key: [`KeyLock`], named `name`.
+/// The advisory lock of `key` in `table`: the first eight bytes of their SHA-256, computed
+/// here for both the transaction that takes it and the claim that looks at it.
+pub(crate) fn key_lock(table: &str, key: &RecordKey) -> i64 {
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::new()
+        .chain_update(table.as_bytes())
+        .chain_update(b":")
+        .chain_update(key.as_str().as_bytes())
+        .finalize();
+    let mut first = [0; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+/// A record store's transaction's hold on its key: [`KeyLock`], on `key`.
 struct Held<'a> {
     lock: KeyLock<'a>,
-    name: String,
+    key: &'a RecordKey,
 }
 
 impl Held<'_> {
@@ -212,7 +227,8 @@ impl Held<'_> {
         completion: &Completion,
     ) -> Result<bool, sqlx::Error> {
         connection.holds_lock(true);
-        let lock = sqlx::query("SELECT pg_advisory_lock(hashtextextended($1, 0))").bind(&self.name);
+        let lock =
+            sqlx::query("SELECT pg_advisory_lock($1)").bind(key_lock(self.lock.table, self.key));
         lock.execute(connection.connection()).await?;
         self.renew(connection.connection(), completion).await
     }
@@ -223,9 +239,8 @@ impl Held<'_> {
         connection: &mut PgConnection,
         completion: &Completion,
     ) -> Result<bool, sqlx::Error> {
-        let key = self.name.strip_prefix(self.lock.table).and_then(|rest| rest.strip_prefix(':'));
         let renew = sqlx::query(self.lock.touch)
-            .bind(key.unwrap_or_default())
+            .bind(self.key.as_str())
             .bind(completion.owner.as_bytes())
             .bind(millis(completion.lease.duration))
             .bind(millis(completion.lease.recovery_window));
@@ -251,7 +266,7 @@ impl Held<'_> {
             return;
         }
         let unlock =
-            sqlx::query("SELECT pg_advisory_unlock(hashtextextended($1, 0))").bind(&self.name);
+            sqlx::query("SELECT pg_advisory_unlock($1)").bind(key_lock(self.lock.table, self.key));
         let unlocked = bounded(timeout, unlock.fetch_one(connection.connection())).await;
         if unlocked.is_ok_and(|row| row.try_get::<bool, _>(0).unwrap_or(false)) {
             connection.holds_lock(false);
@@ -342,8 +357,8 @@ impl PostgresStore {
     ///   ends its session, and the lock with it: the retry takes over once the lease lapses.
     ///   It holds for as long as the recovery window (the retention by default).
     /// - *Spawning the transaction and returning before it ended*: the door waits for it (a
-    ///   transaction that runs, until it ends; a clone of the context still alive, up to a
-    ///   lease) and answers what it committed. A transaction that begins after the door
+    ///   transaction that runs, until it ends; a clone of the context still alive, 250 ms at
+    ///   most) and answers what it committed. A transaction that begins after the door
     ///   settled is refused before it writes ([`TransactionError::Misuse`]): await it.
     ///
     /// A transaction whose COMMIT is lost on the way (a partition) keeps the record's row

@@ -280,7 +280,12 @@ impl Connections {
             Box::pin(async {
                 let (id, connection) = match self.cached(runtime) {
                     Some(cached) => cached,
-                    None => self.connection(runtime, timeout).await.map_err(Attempt::Store)?,
+                    // Failed so (the store reconnecting, a connect that failed), the operation
+                    // was never sent: a claim holds nothing, and no guard need abandon it.
+                    None => self
+                        .connection(runtime, timeout)
+                        .await
+                        .map_err(|error| Attempt::Store(error.never_sent()))?,
                 };
                 *used = Some(id);
                 let operation = self.batcher.as_ref().map(Batcher::start);

@@ -1,5 +1,5 @@
-//! How an operation gets a connection when its runtime has none: one connect at a time, in a
-//! task of its own, and a pause after one that failed.
+//! How an operation gets a connection when its runtime has none: one connect at a time (per
+//! runtime), in a task of its own, and a pause after one that failed.
 //!
 //! A connect made inside the caller's future ended with the caller's deadline, and the next
 //! caller started another. Against a stalled Redis (SIGSTOP, a VM pause), whose kernel still
@@ -41,7 +41,9 @@ const PROBE_AGAIN: Duration = Duration::from_millis(100);
 /// The store's connect: the one in flight, and the pause after the last failed.
 #[derive(Default)]
 pub(super) struct Reconnect {
-    in_flight: Option<InFlight>,
+    /// The connects in flight, one per runtime at most: a connect's task is its runtime's, and
+    /// a runtime that stops running its tasks must not hold up another's callers.
+    in_flight: Vec<InFlight>,
     /// Connects failed in a row.
     failures: u32,
     /// Until when no connect starts, and why the last failed.
@@ -155,14 +157,14 @@ impl Connections {
         timeout: Duration,
     ) -> Result<(u64, SharedConnection), StoreError> {
         loop {
-            let (mut outcome, ours, start) = {
+            let (mut outcome, start) = {
                 let mut slots = self.slots();
                 if let Some(found) = slots.find(runtime) {
                     return Ok(found);
                 }
                 let reconnect = &mut slots.reconnect;
-                if let Some(in_flight) = &reconnect.in_flight {
-                    (in_flight.outcome.clone(), in_flight.runtime == runtime, None)
+                if let Some(in_flight) = reconnect.in_flight.iter().find(|i| i.runtime == runtime) {
+                    (in_flight.outcome.clone(), None)
                 } else {
                     let now = Instant::now();
                     if let Some((until, last)) = &reconnect.paused
@@ -172,9 +174,9 @@ impl Connections {
                         return Err(StoreError::unavailable(Reconnecting { last, next_in }));
                     }
                     let (sender, outcome) = watch::channel(None);
-                    reconnect.in_flight = Some(InFlight { runtime, outcome: outcome.clone() });
+                    reconnect.in_flight.push(InFlight { runtime, outcome: outcome.clone() });
                     let deadline = now.checked_add(timeout).unwrap_or(now + NO_DEADLINE);
-                    (outcome, true, Some((deadline, sender)))
+                    (outcome, Some((deadline, sender)))
                 }
             };
             // Spawned with the lock released: a task its runtime drops at once ends the connect
@@ -185,10 +187,10 @@ impl Connections {
             let outcome =
                 outcome.wait_for(Option::is_some).await.ok().and_then(|seen| seen.clone());
             match outcome {
-                Some(Outcome::Connected(id, connection)) if ours => return Ok((id, connection)),
-                Some(Outcome::Failed(failure)) if ours => return Err(failure.to_store(timeout)),
-                // Another runtime's connection, or none: look again.
-                _ => {}
+                Some(Outcome::Connected(id, connection)) => return Ok((id, connection)),
+                Some(Outcome::Failed(failure)) => return Err(failure.to_store(timeout)),
+                // Its task ended with its runtime before it was done: look again.
+                Some(Outcome::Ended) | None => {}
             }
         }
     }
@@ -219,7 +221,7 @@ impl Connections {
         let mut guard = self.slots();
         let slots = &mut *guard;
         let reconnect = &mut slots.reconnect;
-        reconnect.in_flight = None;
+        reconnect.in_flight.retain(|in_flight| in_flight.runtime != runtime);
         let mut probe = None;
         let outcome = match result {
             Some(Ok(connection)) => {
