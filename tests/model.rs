@@ -93,3 +93,59 @@ fn a_claim_answered_too_late_runs_after_a_response_was_stored() {
     let unbounded = Protocol { late_claim_bound: false, ..Protocol::TODAY };
     counterexample("no late-claim bound", unbounded, "no run after a response was stored");
 }
+
+/// Issue 63's first defect, today's names alongside (`Hashing::alongside`, deploy 0 beside
+/// deploy 1): an instance of deploy 1 that dies after it claimed both names leaves both
+/// lapsed; a retry on deploy 1 takes both over and runs under the new names, handing the old
+/// one back with its lapse; a retry on deploy 0 takes the old name over and runs again, after
+/// the first run completed. Issue 64 replaces the names alongside; until then the model must
+/// find it.
+#[test]
+fn todays_names_alongside_run_twice_after_a_crash_between_the_looks_claims() {
+    let alongside = Protocol { alongside: true, ..Protocol::TODAY };
+    counterexample("names alongside", alongside, "no run after a response was stored");
+}
+
+/// Without a fault, the names alongside hold: neighbouring deploys, followed as the docs say,
+/// run no request twice.
+#[test]
+fn todays_names_alongside_hold_without_a_fault() {
+    let alongside = Protocol { alongside: true, ..Protocol::TODAY };
+    check("names alongside, no fault", alongside, 0).assert_properties();
+}
+
+/// The reviewers' path itself, replayed step by step: deploy 1's instance dies between the
+/// look's claims, a retry on deploy 1 runs under the new names and completes, and a retry on
+/// deploy 0 runs again, after the response was stored.
+#[test]
+fn the_crash_between_the_looks_claims_replayed() {
+    use protocol::Action::*;
+    let model = OneKey { protocol: Protocol { alongside: true, ..Protocol::TODAY }, faults: 1 };
+    let path = [
+        Send { attempt: 0, instance: 1 },
+        Land(0),
+        Receive(0),
+        Look(0),
+        Crash(1),
+        Lapse(0),
+        Lapse(1),
+        Send { attempt: 1, instance: 1 },
+        Land(1),
+        Receive(1),
+        Look(1),
+        Decide(1),
+        Settle(1),
+        Complete { attempt: 1, reply_lost: false },
+        Send { attempt: 2, instance: 0 },
+        Land(2),
+        Receive(2),
+    ];
+    let mut state = model.init_states().remove(0);
+    for action in path {
+        let mut possible = Vec::new();
+        model.actions(&state, &mut possible);
+        assert!(possible.contains(&action), "{action:?} is not possible in {state:?}");
+        state = model.next_state(&state, action).expect("a next state");
+    }
+    assert!(state.ran_after_stored, "deploy 0's retry did not run again: {state:?}");
+}

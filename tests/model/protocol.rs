@@ -1,15 +1,18 @@
 //! The protocol of one key, as a model a checker explores exhaustively: a client's attempts,
-//! each handled by one of two instances, against one record in a store, with every fault
-//! interleaved everywhere (a claim's reply lost, an instance crashed or paused at any step, a
+//! each handled by one of two instances, against the key's records in a store (one name; two
+//! while a service moves between namings, `Hashing::alongside`), with every fault interleaved
+//! everywhere (a claim's reply lost or late, an instance crashed or paused at any step, a
 //! lease that lapses, a commit's or a complete's reply lost).
 //!
 //! The store's operations are atomic, each with its fences: `claim` (a fresh claim, a
 //! takeover of a lapsed lease, "in progress", a replay), `complete` and `release` fenced by the
 //! owner token, `abandon` (a claim whose reply its caller never saw). The engine's decisions:
-//! a claim answered "in progress" is asked again once (the wait), then answered 202; a won
-//! claim runs the handler; the handler's outcome is settled by `complete` (tried again while
-//! held), or committed in the store's own transaction (`PostgresStore::transaction`), which
-//! holds the key by its session's lock from before its `BEGIN` to after its `COMMIT`.
+//! a claim answered "in progress" is asked again once (the wait), then answered 202; a claim
+//! answered too late to hold its lease is abandoned; a won claim runs the handler, after a look
+//! at the names alongside when its deploy has them; the handler's outcome is settled by
+//! `complete` (tried again while held), or committed in the store's own transaction
+//! (`PostgresStore::transaction`), which holds the key by its session's lock from before its
+//! `BEGIN` to after its `COMMIT`.
 //!
 //! Time is not modelled, only what it does: a lease lapses when its holder does not renew it,
 //! that is when its instance crashed or is paused (faults: the holder is then *excused*, as
@@ -23,6 +26,8 @@ use stateright::{Model, Property};
 pub(crate) const ATTEMPTS: usize = 3;
 /// Instances that serve them.
 pub(crate) const INSTANCES: usize = 2;
+/// The request's names: the old naming's and the new one's.
+pub(crate) const NAMES: usize = 2;
 /// Claims an attempt makes before it answers 202: the first, and one after its wait.
 const CLAIMS: u8 = 2;
 
@@ -46,10 +51,14 @@ pub(crate) struct Protocol {
     /// A claim answered too late to hold its lease (its process paused with the answer on the
     /// wire) is abandoned, not run (`engine::heard_in_time`).
     pub(crate) late_claim_bound: bool,
+    /// The service moves between namings, as `Hashing::alongside` does today: instance 0 is
+    /// deploy 0 (the old names alone), instance 1 deploy 1 (claims the old names, then looks
+    /// at the new ones).
+    pub(crate) alongside: bool,
 }
 
 impl Protocol {
-    /// The protocol as the code runs it.
+    /// The protocol as the code runs it, outside a move between namings.
     pub(crate) const TODAY: Self = Self {
         transactional: false,
         key_lock: true,
@@ -58,10 +67,19 @@ impl Protocol {
         settle_retried: true,
         abandon_marker: true,
         late_claim_bound: true,
+        alongside: false,
     };
+
+    /// The name an instance claims under, and the one it looks at after (if any).
+    fn names(self, instance: u8) -> (u8, Option<u8>) {
+        match (self.alongside, instance) {
+            (true, 1) => (0, Some(1)),
+            _ => (0, None),
+        }
+    }
 }
 
-/// The record of the key in the store.
+/// A record of the key in the store, under one of its names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Record {
     Absent,
@@ -98,6 +116,10 @@ pub(crate) enum Step {
     },
     /// The caller gave up on a claim whose reply it never saw: its guard abandons it.
     Abandoning,
+    /// Its own name won, about to claim the names alongside for a moment.
+    Looking,
+    /// The names alongside claimed: what they held decides.
+    Looked(Reply),
     /// The claim was won: the handler runs (before its transaction, if any).
     Running,
     /// The handler's transaction runs (its key lock taken, the lease renewed).
@@ -112,6 +134,7 @@ pub(crate) enum Step {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Reply {
     Claimed,
+    TakenOver,
     InProgress,
     Replay(u8),
     Refused,
@@ -130,20 +153,20 @@ pub(crate) enum Answer {
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct State {
-    pub(crate) record: Record,
-    /// The attempt whose transaction's session holds the key's lock.
-    pub(crate) lock: Option<u8>,
+    pub(crate) records: [Record; NAMES],
+    /// The attempt whose transaction's session holds each name's key lock.
+    pub(crate) lock: [Option<u8>; NAMES],
     pub(crate) steps: [Step; ATTEMPTS],
     /// The instance each attempt was sent to (`None`: not yet).
     pub(crate) instance: [Option<u8>; ATTEMPTS],
+    /// The name each attempt claims, and runs under.
+    pub(crate) under: [u8; ATTEMPTS],
     /// Instances paused (a stop of the world, a VM pause): nothing of theirs happens.
     pub(crate) paused: [bool; INSTANCES],
     /// Attempts that lost their lease to a fault of their own (a crash, a pause): a second
     /// run is allowed them (GUARANTEES.md, "handler outlives the keep-alive ceiling (or its
     /// process dies)").
     pub(crate) excused: [bool; ATTEMPTS],
-    /// Handler runs begun, by attempt.
-    pub(crate) runs: [u8; ATTEMPTS],
     /// Claims given up on while still on the wire: they may land after their abandon.
     pub(crate) late: [bool; ATTEMPTS],
     /// Claims whose lease lapsed while their answer was on the wire: answered too late.
@@ -152,7 +175,7 @@ pub(crate) struct State {
     pub(crate) faults: u8,
     /// A run began while another attempt's run was going on, not excused.
     pub(crate) ran_beside_a_live_holder: bool,
-    /// A run began after a response was stored.
+    /// A run began after a response was stored (under any name).
     pub(crate) ran_after_stored: bool,
 }
 
@@ -164,11 +187,13 @@ pub(crate) enum Action {
     Receive(u8),
     GiveUp(u8),
     Abandon(u8),
+    Look(u8),
+    Decide(u8),
     Begin(u8),
     Commit { attempt: u8, reply_lost: bool },
     Settle(u8),
     Complete { attempt: u8, reply_lost: bool },
-    Lapse,
+    Lapse(u8),
     Crash(u8),
     Pause(u8),
     Resume(u8),
@@ -185,43 +210,46 @@ impl OneKey {
         matches!(state.steps[attempt], Step::Running | Step::InTransaction | Step::Completing)
     }
 
-    /// Whether `owner`'s lease may lapse now: its instance crashed or is paused; nobody holds
-    /// it any more (its attempt was answered, or its claim landed after it was abandoned); or
-    /// its transaction runs (renewals pause there). A claim whose reply is on the wire has a
-    /// whole lease ahead, and a running holder renews it.
-    fn may_lapse(state: &State, owner: usize) -> bool {
+    /// Whether the record under `name`, held by `owner`, may lapse now: its instance crashed
+    /// or is paused; nobody renews it (its attempt was answered, or runs under the other name,
+    /// or its claim landed after it was abandoned); or its transaction runs (renewals pause
+    /// there). A claim just made (its reply on the wire, or the look's) has a whole lease
+    /// ahead, and a running holder renews it.
+    fn may_lapse(state: &State, owner: usize, name: u8) -> bool {
         let instance = state.instance[owner].map(usize::from);
         let faulted = instance.is_some_and(|i| state.paused[i]);
-        let holding =
-            Self::running(state, owner) || matches!(state.steps[owner], Step::Replied { .. });
-        faulted || !holding || state.steps[owner] == Step::InTransaction
+        let fresh =
+            matches!(state.steps[owner], Step::Replied { .. } | Step::Looking | Step::Looked(_));
+        let renewed = Self::running(state, owner) && state.under[owner] == name;
+        faulted || !(fresh || renewed) || state.steps[owner] == Step::InTransaction
     }
 
-    /// The store's claim, applied atomically for `attempt`.
-    fn claim(&self, state: &mut State, attempt: u8) -> Reply {
+    /// The store's claim of `name`, applied atomically for `attempt`.
+    fn claim(&self, state: &mut State, name: u8, attempt: u8) -> Reply {
+        let n = usize::from(name);
         let token = attempt;
-        match state.record {
+        match state.records[n] {
             Record::Marker { owner } if owner == token => Reply::Refused,
             // An abandoned claim's marker is absent for every other claim.
             Record::Absent | Record::Marker { .. } => {
-                state.record = Record::Held { owner: token, live: true };
+                state.records[n] = Record::Held { owner: token, live: true };
                 Reply::Claimed
             }
             Record::Done { owner } => Reply::Replay(owner),
             Record::Held { live: true, .. } => Reply::InProgress,
             Record::Held { owner, live: false } => {
-                if self.protocol.key_lock && state.lock == Some(owner) {
+                if self.protocol.key_lock && state.lock[n] == Some(owner) {
                     return Reply::InProgress;
                 }
-                state.record = Record::Held { owner: token, live: true };
-                Reply::Claimed
+                state.records[n] = Record::Held { owner: token, live: true };
+                Reply::TakenOver
             }
         }
     }
 
     /// A run of the handler begins for `attempt`: checked against the runs going on.
-    fn run(state: &mut State, attempt: usize) {
-        if matches!(state.record, Record::Done { .. }) {
+    fn run(state: &mut State, attempt: usize) -> Step {
+        if state.records.iter().any(|record| matches!(record, Record::Done { .. })) {
             state.ran_after_stored = true;
         }
         // A holder whose lease lapsed to a fault of its own (paused with its claim's reply on
@@ -231,22 +259,78 @@ impl OneKey {
                 other != attempt && Self::running(state, other) && !state.excused[other]
             });
         state.ran_beside_a_live_holder |= beside;
-        state.runs[attempt] += 1;
-        state.steps[attempt] = Step::Running;
+        Step::Running
     }
 
-    fn release(&self, state: &mut State, attempt: u8) {
-        match state.record {
+    fn release(&self, state: &mut State, name: u8, attempt: u8) {
+        let n = usize::from(name);
+        match state.records[n] {
             Record::Held { owner, .. } if owner == attempt || !self.protocol.release_fenced => {
-                state.record = Record::Absent;
+                state.records[n] = Record::Absent;
             }
             _ => {}
         }
     }
 
-    fn unlock(state: &mut State, attempt: u8) {
-        if state.lock == Some(attempt) {
-            state.lock = None;
+    fn unlock(state: &mut State, name: u8, attempt: u8) {
+        if state.lock[usize::from(name)] == Some(attempt) {
+            state.lock[usize::from(name)] = None;
+        }
+    }
+
+    /// What an attempt whose claim was answered `reply` does next.
+    fn received(&self, state: &mut State, a: usize, claims: u8, reply: Reply) -> Step {
+        let looks = state.instance[a].and_then(|i| self.protocol.names(i).1).is_some();
+        match reply {
+            Reply::Claimed | Reply::TakenOver
+                if state.stale[a] && self.protocol.late_claim_bound =>
+            {
+                Step::Abandoning
+            }
+            Reply::Claimed | Reply::TakenOver if looks => Step::Looking,
+            Reply::Claimed | Reply::TakenOver => Self::run(state, a),
+            Reply::Replay(owner) => Step::Answered(Answer::Response(owner)),
+            Reply::InProgress if claims < CLAIMS => Step::Ready { claims },
+            Reply::InProgress => Step::Answered(Answer::InProgress),
+            Reply::Refused => Step::Answered(Answer::Unavailable),
+        }
+    }
+
+    /// The look's decision (`Hashing::alongside` today), once the names alongside answered
+    /// `reply` to a claim of theirs made for a moment.
+    fn decide(&self, state: &mut State, a: usize, reply: Reply) -> Step {
+        let attempt = a as u8;
+        let own = state.under[a];
+        let other = 1 - own;
+        match reply {
+            // Nothing there: let go of it, and run under our own names.
+            Reply::Claimed => {
+                self.release(state, other, attempt);
+                Self::run(state, a)
+            }
+            // A lapsed holder there: taken over under those names, and run there; our own
+            // claim is handed back with its lapse.
+            Reply::TakenOver => {
+                if let Record::Held { owner, .. } = state.records[usize::from(own)]
+                    && owner == attempt
+                {
+                    state.records[usize::from(own)] = Record::Held { owner, live: false };
+                }
+                state.under[a] = other;
+                Self::run(state, a)
+            }
+            Reply::InProgress => {
+                self.release(state, own, attempt);
+                Step::Answered(Answer::InProgress)
+            }
+            Reply::Replay(owner) => {
+                self.release(state, own, attempt);
+                Step::Answered(Answer::Response(owner))
+            }
+            Reply::Refused => {
+                self.release(state, own, attempt);
+                Step::Answered(Answer::Unavailable)
+            }
         }
     }
 }
@@ -257,13 +341,13 @@ impl Model for OneKey {
 
     fn init_states(&self) -> Vec<State> {
         vec![State {
-            record: Record::Absent,
-            lock: None,
+            records: [Record::Absent; NAMES],
+            lock: [None; NAMES],
             steps: [Step::Ready { claims: 0 }; ATTEMPTS],
             instance: [None; ATTEMPTS],
+            under: [0; ATTEMPTS],
             paused: [false; INSTANCES],
             excused: [false; ATTEMPTS],
-            runs: [0; ATTEMPTS],
             late: [false; ATTEMPTS],
             stale: [false; ATTEMPTS],
             faults: self.faults,
@@ -282,6 +366,7 @@ impl Model for OneKey {
             if instance.is_some_and(|i| state.paused[i]) {
                 continue;
             }
+            let lossy = state.faults > 0;
             match state.steps[a] {
                 Step::Ready { claims: 0 } => {
                     // Attempts are sent in order; each to either instance.
@@ -294,40 +379,44 @@ impl Model for OneKey {
                 Step::Ready { .. } => actions.push(Action::Land(attempt)),
                 Step::Claiming { .. } => {
                     actions.push(Action::Land(attempt));
-                    if state.faults > 0 {
+                    if lossy {
                         actions.push(Action::GiveUp(attempt));
                     }
                 }
                 Step::Replied { .. } => {
                     actions.push(Action::Receive(attempt));
-                    if state.faults > 0 {
+                    if lossy {
                         actions.push(Action::GiveUp(attempt));
                     }
                 }
                 Step::Abandoning => actions.push(Action::Abandon(attempt)),
+                Step::Looking => actions.push(Action::Look(attempt)),
+                Step::Looked(_) => actions.push(Action::Decide(attempt)),
                 Step::Running if self.protocol.transactional => {
                     actions.push(Action::Begin(attempt));
                 }
                 Step::Running => actions.push(Action::Settle(attempt)),
                 Step::InTransaction => {
                     actions.push(Action::Commit { attempt, reply_lost: false });
-                    if state.faults > 0 {
+                    if lossy {
                         actions.push(Action::Commit { attempt, reply_lost: true });
                     }
                 }
                 Step::Completing => {
                     actions.push(Action::Complete { attempt, reply_lost: false });
-                    if state.faults > 0 {
+                    if lossy {
                         actions.push(Action::Complete { attempt, reply_lost: true });
                     }
                 }
                 Step::Answered(_) | Step::Crashed => {}
             }
         }
-        if let Record::Held { owner, live: true } = state.record
-            && Self::may_lapse(state, usize::from(owner))
-        {
-            actions.push(Action::Lapse);
+        for name in 0..NAMES {
+            if let Record::Held { owner, live: true } = state.records[name]
+                && Self::may_lapse(state, usize::from(owner), name as u8)
+            {
+                actions.push(Action::Lapse(name as u8));
+            }
         }
         for i in 0..INSTANCES {
             let instance = i as u8;
@@ -351,8 +440,10 @@ impl Model for OneKey {
         let mut state = last.clone();
         match action {
             Action::Send { attempt, instance } => {
-                state.instance[usize::from(attempt)] = Some(instance);
-                state.steps[usize::from(attempt)] = Step::Claiming { claims: 1 };
+                let a = usize::from(attempt);
+                state.instance[a] = Some(instance);
+                state.under[a] = self.protocol.names(instance).0;
+                state.steps[a] = Step::Claiming { claims: 1 };
             }
             Action::Land(attempt) => {
                 let a = usize::from(attempt);
@@ -362,30 +453,21 @@ impl Model for OneKey {
                     Step::Ready { claims } => claims + 1,
                     _ => return None,
                 };
-                let reply = self.claim(&mut state, attempt);
+                let name = state.under[a];
+                let reply = self.claim(&mut state, name, attempt);
                 state.steps[a] = Step::Replied { claims, reply };
             }
             Action::LandLate(attempt) => {
                 // Applied, never heard: whatever it claimed, nobody runs under it.
-                state.late[usize::from(attempt)] = false;
-                let _ = self.claim(&mut state, attempt);
+                let a = usize::from(attempt);
+                state.late[a] = false;
+                let name = state.under[a];
+                let _ = self.claim(&mut state, name, attempt);
             }
             Action::Receive(attempt) => {
                 let a = usize::from(attempt);
                 let Step::Replied { claims, reply } = state.steps[a] else { return None };
-                state.steps[a] = match reply {
-                    Reply::Claimed if state.stale[a] && self.protocol.late_claim_bound => {
-                        Step::Abandoning
-                    }
-                    Reply::Claimed => {
-                        Self::run(&mut state, a);
-                        Step::Running
-                    }
-                    Reply::Replay(owner) => Step::Answered(Answer::Response(owner)),
-                    Reply::InProgress if claims < CLAIMS => Step::Ready { claims },
-                    Reply::InProgress => Step::Answered(Answer::InProgress),
-                    Reply::Refused => Step::Answered(Answer::Unavailable),
-                };
+                state.steps[a] = self.received(&mut state, a, claims, reply);
             }
             Action::GiveUp(attempt) => {
                 let a = usize::from(attempt);
@@ -396,33 +478,47 @@ impl Model for OneKey {
             }
             Action::Abandon(attempt) => {
                 let a = usize::from(attempt);
-                match state.record {
+                let n = usize::from(state.under[a]);
+                match state.records[n] {
                     Record::Held { owner, .. } if owner == attempt => {
-                        state.record = Record::Absent;
+                        state.records[n] = Record::Absent;
                     }
                     Record::Absent if self.protocol.abandon_marker => {
-                        state.record = Record::Marker { owner: attempt };
+                        state.records[n] = Record::Marker { owner: attempt };
                     }
                     _ => {}
                 }
                 state.steps[a] = Step::Answered(Answer::Unavailable);
             }
+            Action::Look(attempt) => {
+                let a = usize::from(attempt);
+                let other = 1 - state.under[a];
+                let reply = self.claim(&mut state, other, attempt);
+                state.steps[a] = Step::Looked(reply);
+            }
+            Action::Decide(attempt) => {
+                let a = usize::from(attempt);
+                let Step::Looked(reply) = state.steps[a] else { return None };
+                state.steps[a] = self.decide(&mut state, a, reply);
+            }
             Action::Begin(attempt) => {
                 let a = usize::from(attempt);
+                let name = state.under[a];
+                let n = usize::from(name);
                 if self.protocol.key_lock {
-                    if state.lock.is_some() {
+                    if state.lock[n].is_some() {
                         return None;
                     }
-                    state.lock = Some(attempt);
+                    state.lock[n] = Some(attempt);
                     // The lease renewed, fenced, under the lock: a holder taken over before is
                     // fenced out here, before anything is paid.
-                    match state.record {
+                    match state.records[n] {
                         Record::Held { owner, .. } if owner == attempt => {
-                            state.record = Record::Held { owner, live: true };
+                            state.records[n] = Record::Held { owner, live: true };
                         }
                         _ => {
-                            Self::unlock(&mut state, attempt);
-                            self.release(&mut state, attempt);
+                            Self::unlock(&mut state, name, attempt);
+                            self.release(&mut state, name, attempt);
                             state.steps[a] = Step::Answered(Answer::Unavailable);
                             return Some(state);
                         }
@@ -432,21 +528,23 @@ impl Model for OneKey {
             }
             Action::Commit { attempt, reply_lost } => {
                 let a = usize::from(attempt);
+                let name = state.under[a];
+                let n = usize::from(name);
                 let committed =
-                    matches!(state.record, Record::Held { owner, .. } if owner == attempt);
+                    matches!(state.records[n], Record::Held { owner, .. } if owner == attempt);
                 if committed {
-                    state.record = Record::Done { owner: attempt };
+                    state.records[n] = Record::Done { owner: attempt };
                 }
                 if reply_lost {
                     state.faults -= 1;
                 }
-                Self::unlock(&mut state, attempt);
+                Self::unlock(&mut state, name, attempt);
                 state.steps[a] = if committed && !reply_lost {
                     Step::Answered(Answer::Response(attempt))
                 } else {
                     // Rolled back, or its fate unknown: a fenced release, which a committed
                     // record refuses; the retry learns the truth.
-                    self.release(&mut state, attempt);
+                    self.release(&mut state, name, attempt);
                     Step::Answered(Answer::Unavailable)
                 };
             }
@@ -456,7 +554,8 @@ impl Model for OneKey {
             }
             Action::Complete { attempt, reply_lost } => {
                 let a = usize::from(attempt);
-                let applies = match state.record {
+                let n = usize::from(state.under[a]);
+                let applies = match state.records[n] {
                     Record::Held { owner, .. } => {
                         owner == attempt || !self.protocol.complete_fenced
                     }
@@ -474,32 +573,34 @@ impl Model for OneKey {
                     return Some(state);
                 }
                 if applies {
-                    state.record = Record::Done { owner: attempt };
+                    state.records[n] = Record::Done { owner: attempt };
                 }
                 state.steps[a] = Step::Answered(Answer::Response(attempt));
             }
-            Action::Lapse => {
-                let Record::Held { owner, .. } = state.record else { return None };
+            Action::Lapse(name) => {
+                let n = usize::from(name);
+                let Record::Held { owner, .. } = state.records[n] else { return None };
                 let o = usize::from(owner);
-                let instance = state.instance[o].map(usize::from);
-                if instance.is_some_and(|i| state.paused[i]) {
+                if state.instance[o].is_some_and(|i| state.paused[usize::from(i)]) {
                     state.excused[o] = true;
                 }
-                if matches!(state.steps[o], Step::Replied { .. }) {
+                if matches!(state.steps[o], Step::Replied { .. }) && state.under[o] == name {
                     state.stale[o] = true;
                 }
-                state.record = Record::Held { owner, live: false };
+                state.records[n] = Record::Held { owner, live: false };
             }
             Action::Crash(instance) => {
                 // Its process dies (and a new one takes its place, for the attempts sent
-                // after): its sessions end, their transactions roll back, the key's lock goes.
+                // after): its sessions end, their transactions roll back, the key's locks go.
                 state.faults -= 1;
                 state.paused[usize::from(instance)] = false;
                 for a in 0..ATTEMPTS {
                     if state.instance[a] == Some(instance)
                         && !matches!(state.steps[a], Step::Answered(_) | Step::Crashed)
                     {
-                        Self::unlock(&mut state, a as u8);
+                        for name in 0..NAMES as u8 {
+                            Self::unlock(&mut state, name, a as u8);
+                        }
                         state.steps[a] = Step::Crashed;
                         state.excused[a] = true;
                         state.late[a] = false;
@@ -530,10 +631,12 @@ impl Model for OneKey {
             // GUARANTEES.md, "retry after the response was stored": "replayed"; no client is
             // answered another response than the one stored, unless its holder was excused.
             Property::always("every response answered is the one stored", |_, state: &State| {
-                let Record::Done { owner } = state.record else { return true };
-                state.steps.iter().enumerate().all(|(a, step)| match step {
-                    Step::Answered(Answer::Response(r)) => *r == owner || state.excused[a],
-                    _ => true,
+                state.records.iter().all(|record| {
+                    let Record::Done { owner } = *record else { return true };
+                    state.steps.iter().enumerate().all(|(a, step)| match step {
+                        Step::Answered(Answer::Response(r)) => *r == owner || state.excused[a],
+                        _ => true,
+                    })
                 })
             }),
             // Once the faults are spent, every attempt is answered (nothing waits forever).
