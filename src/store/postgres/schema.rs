@@ -181,7 +181,7 @@ mod tests {
         assert_eq!(
             statements.claim,
             "SELECT (r).outcome, (r).response, (r).remaining_ms FROM \
-             (SELECT pay_keys_claim($1, $2, $3, $4, $5, $6, $7, $8) AS r) AS called"
+             (SELECT pay_keys_claim($1, $2, $3, $4, $5, $6, $7, $8, $9) AS r) AS called"
         );
         assert_eq!(statements.commit, "SELECT pay_keys_commit($1, $2, $3, $4, $5, $6)");
         assert!(statements.complete_live.starts_with("UPDATE pay_keys SET state = 'C'"));
