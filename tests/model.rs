@@ -13,7 +13,7 @@ mod protocol;
 
 use std::time::Instant;
 
-use protocol::{OneKey, Protocol};
+use protocol::{Build, OneKey, Placement, Protocol};
 use stateright::{Checker, Model};
 
 /// Checks `protocol` with `faults` a path; prints what it explored.
@@ -102,7 +102,7 @@ fn a_claim_answered_too_late_runs_after_a_response_was_stored() {
 /// find it.
 #[test]
 fn todays_names_alongside_run_twice_after_a_crash_between_the_looks_claims() {
-    let alongside = Protocol { alongside: true, ..Protocol::TODAY };
+    let alongside = Protocol { placement: Placement::Alongside, ..Protocol::TODAY };
     counterexample("names alongside", alongside, "no run after a response was stored");
 }
 
@@ -110,7 +110,7 @@ fn todays_names_alongside_run_twice_after_a_crash_between_the_looks_claims() {
 /// run no request twice.
 #[test]
 fn todays_names_alongside_hold_without_a_fault() {
-    let alongside = Protocol { alongside: true, ..Protocol::TODAY };
+    let alongside = Protocol { placement: Placement::Alongside, ..Protocol::TODAY };
     check("names alongside, no fault", alongside, 0).assert_properties();
 }
 
@@ -120,7 +120,10 @@ fn todays_names_alongside_hold_without_a_fault() {
 #[test]
 fn the_crash_between_the_looks_claims_replayed() {
     use protocol::Action::*;
-    let model = OneKey { protocol: Protocol { alongside: true, ..Protocol::TODAY }, faults: 1 };
+    let model = OneKey {
+        protocol: Protocol { placement: Placement::Alongside, ..Protocol::TODAY },
+        faults: 1,
+    };
     let path = [
         Send { attempt: 0, instance: 1 },
         Land(0),
@@ -148,4 +151,29 @@ fn the_crash_between_the_looks_claims_replayed() {
         state = model.next_state(&state, action).expect("a next state");
     }
     assert!(state.ran_after_stored, "deploy 0's retry did not run again: {state:?}");
+}
+
+/// Issue 64's transition, model first: the builds of a move between two placements, each
+/// beside its neighbour (the old placement beside the first transition build, the two
+/// transition builds, the second beside the new placement), hold every property with every
+/// fault.
+#[test]
+fn the_transition_holds_between_neighbouring_builds() {
+    for (a, b) in
+        [(Build::Old, Build::First), (Build::First, Build::Second), (Build::Second, Build::New)]
+    {
+        let protocol = Protocol { placement: Placement::Transition(a, b), ..Protocol::TODAY };
+        check(&format!("transition {a:?} beside {b:?}"), protocol, 2).assert_properties();
+    }
+}
+
+/// A build skipped (the old placement beside the second transition build, or the new one beside
+/// the first): a crash between the second's completes runs the request again after its response
+/// was stored. The store is to refuse such a pair (issue 64).
+#[test]
+fn a_skipped_transition_build_runs_twice() {
+    for (a, b) in [(Build::Old, Build::Second), (Build::First, Build::New)] {
+        let protocol = Protocol { placement: Placement::Transition(a, b), ..Protocol::TODAY };
+        counterexample("a skipped build", protocol, "no run after a response was stored");
+    }
 }

@@ -712,8 +712,7 @@ async fn a_claim_arriving_after_its_deadline_writes_nothing() {
     // held up on the wire while its caller gave up on it.
     let h = harness().await;
     let client = h.database.client().await;
-    let claim =
-        "SELECT outcome FROM idempotency_records_claim($1, $2, $3, 30000, 60000, false, $4, 500)";
+    let claim = "SELECT outcome FROM idempotency_records_claim($1, $2, $3, 30000, 60000, false, $4, 500, 0)";
     let past: i64 = client
         .query_one("SELECT (extract(epoch FROM clock_timestamp()) * 1000)::int8 - 1000", &[])
         .await

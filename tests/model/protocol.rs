@@ -51,10 +51,58 @@ pub(crate) struct Protocol {
     /// A claim answered too late to hold its lease (its process paused with the answer on the
     /// wire) is abandoned, not run (`engine::heard_in_time`).
     pub(crate) late_claim_bound: bool,
-    /// The service moves between namings, as `Hashing::alongside` does today: instance 0 is
-    /// deploy 0 (the old names alone), instance 1 deploy 1 (claims the old names, then looks
-    /// at the new ones).
-    pub(crate) alongside: bool,
+    /// Where the instances keep the key: one placement, or a move between two.
+    pub(crate) placement: Placement,
+}
+
+/// Where a service's instances keep the key, while it moves between two placements (names,
+/// homes) or not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// One placement, every instance alike.
+    Fixed,
+    /// Today's `Hashing::alongside`: instance 0 is deploy 0 (the old names alone), instance 1
+    /// deploy 1 (claims the old names, then looks at the new ones).
+    Alongside,
+    /// The transition (issue 64): instance 0 and instance 1 run these builds.
+    Transition(Build, Build),
+}
+
+/// A build of the transition between two placements (issue 64), the old one 0 and the new 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Build {
+    /// The old placement alone.
+    Old,
+    /// Claims the old placement, then the new, and holds both; completes the old first (its
+    /// neighbour, `Old`, reads only that one); replays from either.
+    First,
+    /// As `First`, but completes the new placement first (its neighbour, `New`, reads only that
+    /// one).
+    Second,
+    /// The new placement alone.
+    New,
+    /// Deploy 1 of today's `Hashing::alongside`: claims the old names, then looks at the new.
+    Deploy1,
+}
+
+impl Build {
+    /// The name it claims first, and the one it claims after (held with it), if any.
+    fn claims(self) -> (u8, Option<u8>) {
+        match self {
+            Self::Old | Self::Deploy1 => (0, None),
+            Self::First | Self::Second => (0, Some(1)),
+            Self::New => (1, None),
+        }
+    }
+
+    /// The order it completes the names it holds in.
+    fn completes(self) -> &'static [u8] {
+        match self {
+            Self::First => &[0, 1],
+            Self::Second => &[1, 0],
+            Self::Old | Self::Deploy1 | Self::New => &[],
+        }
+    }
 }
 
 impl Protocol {
@@ -67,14 +115,16 @@ impl Protocol {
         settle_retried: true,
         abandon_marker: true,
         late_claim_bound: true,
-        alongside: false,
+        placement: Placement::Fixed,
     };
 
-    /// The name an instance claims under, and the one it looks at after (if any).
-    fn names(self, instance: u8) -> (u8, Option<u8>) {
-        match (self.alongside, instance) {
-            (true, 1) => (0, Some(1)),
-            _ => (0, None),
+    /// The build an instance runs.
+    fn build(self, instance: u8) -> Build {
+        match (self.placement, instance) {
+            (Placement::Fixed, _) | (Placement::Alongside, 0) => Build::Old,
+            (Placement::Alongside, _) => Build::Deploy1,
+            (Placement::Transition(first, _), 0) => first,
+            (Placement::Transition(_, second), _) => second,
         }
     }
 }
@@ -161,6 +211,10 @@ pub(crate) struct State {
     pub(crate) instance: [Option<u8>; ATTEMPTS],
     /// The name each attempt claims, and runs under.
     pub(crate) under: [u8; ATTEMPTS],
+    /// The attempts that hold the second placement too (a transition build's).
+    pub(crate) both: [bool; ATTEMPTS],
+    /// How many of its names an attempt completed (a transition build completes two).
+    pub(crate) completed: [u8; ATTEMPTS],
     /// Instances paused (a stop of the world, a VM pause): nothing of theirs happens.
     pub(crate) paused: [bool; INSTANCES],
     /// Attempts that lost their lease to a fault of their own (a crash, a pause): a second
@@ -220,7 +274,8 @@ impl OneKey {
         let faulted = instance.is_some_and(|i| state.paused[i]);
         let fresh =
             matches!(state.steps[owner], Step::Replied { .. } | Step::Looking | Step::Looked(_));
-        let renewed = Self::running(state, owner) && state.under[owner] == name;
+        let holds = state.under[owner] == name || (state.both[owner] && name == 1);
+        let renewed = Self::running(state, owner) && holds;
         faulted || !(fresh || renewed) || state.steps[owner] == Step::InTransaction
     }
 
@@ -280,7 +335,10 @@ impl OneKey {
 
     /// What an attempt whose claim was answered `reply` does next.
     fn received(&self, state: &mut State, a: usize, claims: u8, reply: Reply) -> Step {
-        let looks = state.instance[a].and_then(|i| self.protocol.names(i).1).is_some();
+        let looks = state.instance[a].is_some_and(|i| {
+            let build = self.protocol.build(i);
+            build == Build::Deploy1 || build.claims().1.is_some()
+        });
         match reply {
             Reply::Claimed | Reply::TakenOver
                 if state.stale[a] && self.protocol.late_claim_bound =>
@@ -293,6 +351,43 @@ impl OneKey {
             Reply::InProgress if claims < CLAIMS => Step::Ready { claims },
             Reply::InProgress => Step::Answered(Answer::InProgress),
             Reply::Refused => Step::Answered(Answer::Unavailable),
+        }
+    }
+
+    /// A transition build's decision, once the second placement answered `reply` to the
+    /// claim it makes after winning the first: both held, and the handler run; a response
+    /// stored there replayed, and written to the first too (so that a build that reads only the
+    /// first replays it as well); the first let go otherwise.
+    fn hold_both(&self, state: &mut State, a: usize, reply: Reply) -> Step {
+        let attempt = a as u8;
+        let first = state.under[a];
+        if state.stale[a] && self.protocol.late_claim_bound {
+            // Both claims made, but too late to hold the first's lease (counted from the
+            // first's sending): both let go, fenced, and nothing run.
+            self.release(state, first, attempt);
+            self.release(state, 1 - first, attempt);
+            return Step::Answered(Answer::Unavailable);
+        }
+        match reply {
+            Reply::Claimed | Reply::TakenOver => {
+                state.both[a] = true;
+                Self::run(state, a)
+            }
+            Reply::Replay(owner) => {
+                let n = usize::from(first);
+                if matches!(state.records[n], Record::Held { owner: held, .. } if held == attempt) {
+                    state.records[n] = Record::Done { owner };
+                }
+                Step::Answered(Answer::Response(owner))
+            }
+            Reply::InProgress => {
+                self.release(state, first, attempt);
+                Step::Answered(Answer::InProgress)
+            }
+            Reply::Refused => {
+                self.release(state, first, attempt);
+                Step::Answered(Answer::Unavailable)
+            }
         }
     }
 
@@ -346,6 +441,8 @@ impl Model for OneKey {
             steps: [Step::Ready { claims: 0 }; ATTEMPTS],
             instance: [None; ATTEMPTS],
             under: [0; ATTEMPTS],
+            both: [false; ATTEMPTS],
+            completed: [0; ATTEMPTS],
             paused: [false; INSTANCES],
             excused: [false; ATTEMPTS],
             late: [false; ATTEMPTS],
@@ -442,7 +539,7 @@ impl Model for OneKey {
             Action::Send { attempt, instance } => {
                 let a = usize::from(attempt);
                 state.instance[a] = Some(instance);
-                state.under[a] = self.protocol.names(instance).0;
+                state.under[a] = self.protocol.build(instance).claims().0;
                 state.steps[a] = Step::Claiming { claims: 1 };
             }
             Action::Land(attempt) => {
@@ -499,7 +596,11 @@ impl Model for OneKey {
             Action::Decide(attempt) => {
                 let a = usize::from(attempt);
                 let Step::Looked(reply) = state.steps[a] else { return None };
-                state.steps[a] = self.decide(&mut state, a, reply);
+                let build = state.instance[a].map(|i| self.protocol.build(i));
+                state.steps[a] = match build {
+                    Some(Build::Deploy1) => self.decide(&mut state, a, reply),
+                    _ => self.hold_both(&mut state, a, reply),
+                };
             }
             Action::Begin(attempt) => {
                 let a = usize::from(attempt);
@@ -554,7 +655,12 @@ impl Model for OneKey {
             }
             Action::Complete { attempt, reply_lost } => {
                 let a = usize::from(attempt);
-                let n = usize::from(state.under[a]);
+                let order =
+                    state.instance[a].map_or(&[][..], |i| self.protocol.build(i).completes());
+                let n = match (state.both[a], order.get(usize::from(state.completed[a]))) {
+                    (true, Some(name)) => usize::from(*name),
+                    _ => usize::from(state.under[a]),
+                };
                 let applies = match state.records[n] {
                     Record::Held { owner, .. } => {
                         owner == attempt || !self.protocol.complete_fenced
@@ -575,7 +681,18 @@ impl Model for OneKey {
                 if applies {
                     state.records[n] = Record::Done { owner: attempt };
                 }
-                state.steps[a] = Step::Answered(Answer::Response(attempt));
+                state.completed[a] += 1;
+                if state.both[a] && !applies {
+                    // Fenced out of one placement (taken over there): the response is not the
+                    // key's, and is written to no other; what it holds there is let go.
+                    for name in order.iter().skip(usize::from(state.completed[a])) {
+                        self.release(&mut state, *name, attempt);
+                    }
+                    state.completed[a] = 2;
+                }
+                if !state.both[a] || usize::from(state.completed[a]) >= order.len() {
+                    state.steps[a] = Step::Answered(Answer::Response(attempt));
+                }
             }
             Action::Lapse(name) => {
                 let n = usize::from(name);
@@ -584,7 +701,13 @@ impl Model for OneKey {
                 if state.instance[o].is_some_and(|i| state.paused[usize::from(i)]) {
                     state.excused[o] = true;
                 }
-                if matches!(state.steps[o], Step::Replied { .. }) && state.under[o] == name {
+                // A lease that lapses while its claims are still being made (an answer on the
+                // wire, the second placement's claim): they come too late to hold it.
+                let claiming = matches!(state.steps[o], Step::Replied { .. })
+                    || (matches!(state.steps[o], Step::Looking | Step::Looked(_))
+                        && state.instance[o]
+                            .is_some_and(|i| self.protocol.build(i) != Build::Deploy1));
+                if claiming {
                     state.stale[o] = true;
                 }
                 state.records[n] = Record::Held { owner, live: false };
