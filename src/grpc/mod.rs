@@ -57,6 +57,23 @@
 //!   its `ABORTED`, with when to retry, reaches the client before the client gives up. A
 //!   deadline shorter than a claim's round trip ends the call on the client's side first
 //!   (`DEADLINE_EXCEEDED`, or tonic's `CANCELLED`); nothing runs twice either way.
+//!   **Keep the wait below the server's own timeout** (`Server::builder().timeout(d)`): tonic
+//!   applies it around every layer, this one included, without telling it, and a duplicate
+//!   still waiting when it fires is answered `CANCELLED "Timeout expired"`, which no retry
+//!   policy lists (the handler still runs once; a later call replays). With
+//!   `.waiting(Waiting::up_to(d_wait))`, `d_wait` under the server's timeout, the duplicate
+//!   gets `ABORTED` with `RetryInfo` first. A client retry policy lists `ABORTED` beside
+//!   `UNAVAILABLE`, or a waiting duplicate's answer ends the call:
+//!
+//!   ```json
+//!   { "methodConfig": [{ "name": [{ "service": "payments.v1.Payments" }],
+//!       "retryPolicy": { "maxAttempts": 5, "initialBackoff": "0.2s", "maxBackoff": "5s",
+//!         "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "ABORTED"] } }] }
+//!   ```
+//!
+//!   A replayed error is a trailers-only response: its `idempotency-replayed: true` arrives
+//!   with the status, in the trailers (tonic: `Status::metadata()`); a replayed `OK`'s, in the
+//!   response's metadata (`examples/grpc/tests/grpc.rs` reads both).
 //! - **a takeover** (the holder's process died) runs the call again, or asks the recovery
 //!   hook first ([`recover`](GrpcIdempotencyLayer::recover)) whether it happened.
 //! - **the handler** finds the [`IdempotencyContext`](crate::IdempotencyContext) in the
