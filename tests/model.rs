@@ -5,7 +5,7 @@
 //!
 //! ```sh
 //! cargo test --test model                 # the bounded run CI makes (two faults a path)
-//! cargo test --test model -- --ignored    # the deeper run (four faults a path; TESTING.md)
+//! cargo test --release --test model -- --ignored    # the deeper run (four faults; TESTING.md)
 //! ```
 
 #[path = "model/protocol.rs"]
@@ -40,13 +40,19 @@ fn the_protocol_holds_in_every_interleaving() {
     }
 }
 
-/// The deeper run: four faults a path.
+/// The deeper run: four faults a path, the protocol and the transition's pairs.
 #[test]
-#[ignore = "the deeper run: `cargo test --test model -- --ignored`"]
+#[ignore = "the deeper run: `cargo test --release --test model -- --ignored`"]
 fn the_protocol_holds_with_four_faults_a_path() {
     for transactional in [false, true] {
         let protocol = Protocol { transactional, ..Protocol::TODAY };
         check(&format!("transactional {transactional}, 4 faults"), protocol, 4).assert_properties();
+    }
+    for (a, b) in
+        [(Build::Old, Build::First), (Build::First, Build::Second), (Build::Second, Build::New)]
+    {
+        let protocol = Protocol { placement: Placement::Transition(a, b), ..Protocol::TODAY };
+        check(&format!("transition {a:?} beside {b:?}, 4 faults"), protocol, 4).assert_properties();
     }
 }
 
