@@ -81,10 +81,10 @@
 //!   its `tonic::Response` in the store's transaction with its side effect
 //!   (`PostgresStore::transaction`, or `DurableOutcomes::transaction` with Redis in front and
 //!   the outcomes as the layer's [`recover`](GrpcIdempotencyLayer::recover) hook); a [`TransactionError`](crate::store::TransactionError)
-//!   converts to a `tonic::Status` with `?`. The lease is not renewed while the transaction
-//!   runs: a transaction that outlives it may be taken over by a retry, which runs; of the two
-//!   only one commits, and the other's caller gets `UNAVAILABLE` ("rolled back: …"). Give the
-//!   layer a [`lease`](GrpcIdempotencyLayer::lease) longer than the longest transaction.
+//!   converts to a `tonic::Status` with `?`. `PostgresStore::transaction` holds its key
+//!   however long it runs (a lock of its session, from before its `BEGIN` to after its
+//!   `COMMIT`): a retry meanwhile is in progress, never run; one whose claim was taken over
+//!   before it began is rolled back, and its caller gets `UNAVAILABLE` ("rolled back: …").
 //!
 //! | situation | answer |
 //! |---|---|
