@@ -136,6 +136,21 @@ async fn a_backfill_whose_original_is_a_bucket_back_is_never_answered_new<St: De
     }
 }
 
+/// A window as long as `Duration::MAX` keeps its buckets "for ever" (thirty years on), as a
+/// store takes it: the first check is new, the second not (Redis refused the expiry after the
+/// script wrote the member: an error, then "not new" for an event never handled).
+async fn a_window_as_long_as_duration_max_deduplicates<St: DedupStore>(store: St) {
+    for strategy in [Strategy::buckets(Duration::MAX), Strategy::bloom(Duration::MAX, 100, 0.01)] {
+        let door = Dedup::new(store.clone(), strategy);
+        assert_eq!(door.first_seen_batch("forever", &["e"]).await.unwrap(), [true], "{strategy:?}");
+        assert_eq!(
+            door.first_seen_batch("forever", &["e"]).await.unwrap(),
+            [false],
+            "{strategy:?}"
+        );
+    }
+}
+
 /// A rolling deploy changes the strategy (markers to buckets, buckets to Bloom, a window or a
 /// rate): instances of the new configuration that keep checking the previous one
 /// (`during_change_from`) answer every event the old ones saw as seen, and new ones as new.
@@ -318,6 +333,7 @@ on_every_dedup_store!(
     a_bloom_variant_of_zero_size_still_answers,
     a_backfill_past_the_horizon_is_refused_never_answered_new,
     a_backfill_whose_original_is_a_bucket_back_is_never_answered_new,
+    a_window_as_long_as_duration_max_deduplicates,
     a_configuration_change_keeps_deduplicating_against_the_previous_one,
     keyed_names_deduplicate_and_a_move_to_them_keeps_deduplicating
 );

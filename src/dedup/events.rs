@@ -55,6 +55,9 @@ impl Events {
     }
 }
 
+/// The farthest a bucket's expiry is set from now.
+const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+
 /// The bucket an event seen `at` falls in, and when its set or filter expires.
 pub(super) struct Bucket {
     pub(super) number: u128,
@@ -69,6 +72,11 @@ impl Bucket {
         // its own horizon, reads this one), and a quarter window more for clocks that differ
         // between instances and the store.
         let expire_ms = (number + 3) * window_ms + window_ms / 4;
+        // Thirty years from now at most: a window as long as `Duration::MAX` keeps its buckets
+        // "for ever", not past what a store takes (Redis refuses an expiry past `i64::MAX`
+        // milliseconds, after the script wrote the member).
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_millis();
+        let expire_ms = expire_ms.min(now_ms + FAR.as_millis());
         let expire_ms = u64::try_from(expire_ms).unwrap_or(u64::MAX);
         Self { number, expire_at: UNIX_EPOCH + Duration::from_millis(expire_ms) }
     }

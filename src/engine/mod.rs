@@ -397,6 +397,12 @@ impl<St: Store> Engine<St> {
                 elapsed_ms = sent.elapsed().as_millis(),
                 "idempotency: a claim's answer came too late to hold its lease; abandoned, not run"
             );
+            // Abandoned here, before the key is claimed again: left to the guard's task, the
+            // next claim could find this very claim still held and answer "in progress" for a
+            // request nothing runs. A store that fails it leaves it to the guard.
+            if self.store.abandon(key, &owner, fingerprint, abandoned).await.is_ok() {
+                guard.disarm();
+            }
             drop(guard);
             return Err(Late);
         }
@@ -417,7 +423,8 @@ struct Late;
 /// record even completed by the other holder, and is never run: the model of the protocol
 /// (`tests/model/protocol.rs`) found the run after a stored response without this bound.
 pub(crate) fn heard_in_time(elapsed: Duration, lease: Duration) -> bool {
-    elapsed.saturating_add(renewals::period(lease)) < lease
+    // Half the lease at least: a lease of a few milliseconds is no longer than its period.
+    elapsed < lease.saturating_sub(renewals::period(lease)).max(lease / 2)
 }
 
 /// The instant `duration` from now on tokio's clock, saturating as [`later`] does.

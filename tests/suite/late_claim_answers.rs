@@ -17,6 +17,7 @@ use std::{
 
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer, MemoryStore,
+    settings::Waiting,
     store::{Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError},
 };
 use bytes::Bytes;
@@ -24,12 +25,22 @@ use common::*;
 
 const LEASE: Duration = Duration::from_millis(300);
 
-/// A `MemoryStore` whose first claim is applied at once and answered `delay` later.
+/// A `MemoryStore` whose first claim is applied at once and answered `delay` later (every
+/// claim, when `every`); it counts the claims.
 #[derive(Clone)]
 struct LateFirstAnswer {
     inner: MemoryStore,
     delay: Duration,
     delayed: Arc<AtomicBool>,
+    every: bool,
+    claims: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LateFirstAnswer {
+    fn new(delay: Duration, every: bool) -> Self {
+        let (delayed, claims) = (Arc::default(), Arc::default());
+        Self { inner: MemoryStore::new(), delay, delayed, every, claims }
+    }
 }
 
 impl Store for LateFirstAnswer {
@@ -41,7 +52,8 @@ impl Store for LateFirstAnswer {
         lease: Lease,
     ) -> Result<Claim, StoreError> {
         let claim = self.inner.claim(key, fingerprint, owner, lease).await;
-        if !self.delayed.swap(true, Ordering::SeqCst) {
+        self.claims.fetch_add(1, Ordering::SeqCst);
+        if !self.delayed.swap(true, Ordering::SeqCst) || self.every {
             tokio::time::sleep(self.delay).await;
         }
         claim
@@ -74,8 +86,7 @@ impl Store for LateFirstAnswer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_answered_after_its_lease_is_abandoned_not_run() {
-    let store =
-        LateFirstAnswer { inner: MemoryStore::new(), delay: LEASE * 2, delayed: Arc::default() };
+    let store = LateFirstAnswer::new(LEASE * 2, false);
     let calls = Calls::default();
     let app = app(&calls).layer(IdempotencyLayer::new(store).lease(LEASE));
     let late = send_in_background(&app, keyed("POST", "/payments", "k1", "{}"));
@@ -88,4 +99,46 @@ async fn a_claim_answered_after_its_lease_is_abandoned_not_run() {
     assert_eq!((late.status.as_u16(), &late.body, late.replayed()), (201, &retry.body, true));
     let again = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((again.status.as_u16(), &again.body, again.replayed()), (201, &retry.body, true));
+}
+
+/// Nobody else asks: the one request's claim is answered a little late (past the lease less its
+/// renewal period), on a current-thread runtime, waiting off. Its claim is abandoned before the
+/// key is claimed again, so the claim again takes it and runs: 201, one run (a reviewer saw 202
+/// for a request nothing ran, the second claim finding the first still held).
+#[tokio::test]
+async fn a_lone_request_whose_claim_came_a_little_late_runs_once() {
+    let store = LateFirstAnswer::new(LEASE * 11 / 15, false);
+    let calls = Calls::default();
+    let layer = IdempotencyLayer::new(store.clone()).lease(LEASE).waiting(Waiting::off());
+    let app = app(&calls).layer(layer);
+    let seen = send(&app, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((seen.status.as_u16(), seen.replayed()), (201, false), "{seen:?}");
+    assert_eq!((calls.get(), store.claims.load(Ordering::SeqCst)), (1, 2));
+}
+
+/// A store that answers every claim past what the lease allows: each request is 503 after two
+/// claims (never 202 for work nothing runs, never a loop of claims until the wait ends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_too_slow_for_the_lease_is_503_after_two_claims() {
+    let store = LateFirstAnswer::new(LEASE * 11 / 15, true);
+    let calls = Calls::default();
+    let app = app(&calls).layer(IdempotencyLayer::new(store.clone()).lease(LEASE));
+    let started = std::time::Instant::now();
+    for key in ["a", "b", "c"] {
+        let seen = send(&app, keyed("POST", "/payments", key, "{}")).await;
+        seen.assert_problem(503, "store-unavailable");
+    }
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert_eq!((calls.get(), store.claims.load(Ordering::SeqCst)), (0, 6));
+}
+
+/// Leases of a few milliseconds (no longer than their renewal period) still run.
+#[tokio::test]
+async fn leases_of_a_few_milliseconds_still_run() {
+    for ms in [1, 2, 3] {
+        let calls = Calls::default();
+        let layer = IdempotencyLayer::new(MemoryStore::new()).lease(Duration::from_millis(ms));
+        let seen = send(&app(&calls).layer(layer), keyed("POST", "/payments", "k", "{}")).await;
+        assert_eq!((seen.status.as_u16(), calls.get()), (201, 1), "lease {ms} ms: {seen:?}");
+    }
 }
