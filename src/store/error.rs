@@ -79,6 +79,19 @@ impl StoreError {
         }
     }
 
+    /// The same error, no longer saying that the operation was never sent: an earlier attempt
+    /// of it may have been.
+    #[cfg_attr(not(feature = "redis"), allow(dead_code, reason = "said by the Redis stores"))]
+    pub(crate) fn maybe_sent(self) -> Self {
+        match self {
+            Self::Unavailable(error) => match error.downcast::<NeverSent>() {
+                Ok(never_sent) => Self::Unavailable(never_sent.0),
+                Err(error) => Self::Unavailable(error),
+            },
+            other => other,
+        }
+    }
+
     /// Whether the operation was never sent ([`never_sent`](Self::never_sent)).
     pub(crate) fn was_never_sent(&self) -> bool {
         matches!(self, Self::Unavailable(error) if error.is::<NeverSent>())

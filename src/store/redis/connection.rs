@@ -227,7 +227,14 @@ impl Connections {
                     (Err(Attempt::Redis(error)), true) if error.is_connection_dropped() => {
                         self.drop_connection(id);
                         used = None;
-                        self.run_checked_out(runtime, timeout, deadline, &op, &mut used).await
+                        // Not "never sent" should no connection be had now: a batch another
+                        // worker flushed may have carried the first attempt before the loss.
+                        let again =
+                            self.run_checked_out(runtime, timeout, deadline, &op, &mut used);
+                        again.await.map_err(|error| match error {
+                            Attempt::Store(error) => Attempt::Store(error.maybe_sent()),
+                            other => other,
+                        })
                     }
                     (result, _) => result,
                 }
