@@ -390,6 +390,40 @@ async fn a_transaction_begun_after_its_door_settled_is_refused_before_it_writes(
     assert_eq!(payments(&app.pool).await, 0);
 }
 
+/// A store that wraps `PostgresStore` (a near cache in front) commits in its transactions too:
+/// a transaction spawned a moment after the handler returned is waited for, and answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spawned_transaction_behind_a_near_cache_is_waited_for() {
+    let d = TestDatabase::create("held").await;
+    let app = setup(&d).await;
+    let router = Router::new()
+        .route(
+            "/pay",
+            post(|State(app): State<App>, context: IdempotencyContext| async move {
+                let store = app.store.clone();
+                drop(tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let paid = store.transaction(&context, |tx| {
+                        Box::pin(async move {
+                            let sql = "INSERT INTO payments (code) VALUES ('cached')";
+                            sqlx::query(sql).execute(&mut *tx).await?;
+                            Ok::<_, sqlx::Error>(Json(json!({ "paid": true })))
+                        })
+                    });
+                    let _ = paid.await;
+                }));
+                (StatusCode::ACCEPTED, Json(json!({ "queued": true }))).into_response()
+            }),
+        )
+        .with_state(app.clone())
+        .layer(IdempotencyLayer::new(axum_idempotency::store::CachingStore::new(
+            app.store.clone(),
+        )));
+    let first = send(&router, keyed("POST", "/pay", "k1", "{}")).await;
+    assert!(first.body.contains("\"paid\""), "{first:?}");
+    assert_eq!(payments(&app.pool).await, 1);
+}
+
 /// A handler that keeps a clone of its context for other work (an audit task of 30 s): the
 /// door waits for it 250 ms at most over `PostgresStore`, and not at all over a store that
 /// commits in no transaction.

@@ -3,22 +3,19 @@
 //! its lease renewed, a failure or a panic that releases the key, and the door's settle; then
 //! the answer back to the caller.
 
+mod detachable;
+
 use super::observe::Label;
-use std::{
-    future::Future,
-    panic::AssertUnwindSafe,
-    pin::Pin,
-    task::{Context, Poll},
-    time::Duration,
-};
+use std::{future::Future, panic::AssertUnwindSafe, pin::Pin, time::Duration};
 
 use tokio::sync::oneshot;
-use tokio_util::task::{TaskTracker, task_tracker::TaskTrackerToken};
-use tracing::{Instrument as _, instrument::Instrumented};
+use tokio_util::task::TaskTracker;
+use tracing::Instrument as _;
 
 use bytes::Bytes;
 use futures_util::FutureExt as _;
 
+use self::detachable::Detachable;
 use super::{
     Asked, Claimed, Engine, Holder, Panic,
     door::{Door, Settlement, Streaming},
@@ -359,46 +356,5 @@ fn outcome_name<St: Store>(claimed: &Result<Claimed<St>, StoreError>) -> &'stati
         Ok(Claimed::Mismatch) => "mismatch",
         Err(error) if error.is_unavailable() => "store_unavailable",
         Err(_) => "corrupt_record",
-    }
-}
-
-/// A claimed operation's work, polled by its caller while it waits for the answer, and spawned
-/// when dropped unfinished: a caller that goes away does not cancel it. Run inline, the common
-/// request (its answer sent when its work ends) costs no task, no wake-up of another task
-/// and no hop between them.
-struct Detachable {
-    work: Option<Instrumented<Pin<Box<dyn Future<Output = ()> + Send>>>>,
-    /// Counts the work on the configured `TaskTracker` until it ends.
-    tracked: Option<TaskTrackerToken>,
-}
-
-impl Detachable {
-    /// Polls the work, while it is not done. A panic of its own (the operation's is caught
-    /// and resumed through the answer) ends it, as a spawned task's would: its answer's sender
-    /// is dropped, and the caller ends as [`Ended::Cancelled`].
-    fn poll_attached(&mut self, cx: &mut Context<'_>) {
-        if let Some(work) = &mut self.work {
-            let polled =
-                std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(&mut *work).poll(cx)));
-            if !matches!(polled, Ok(Poll::Pending)) {
-                self.work = None;
-            }
-        }
-    }
-}
-
-impl Drop for Detachable {
-    fn drop(&mut self) {
-        let Some(work) = self.work.take() else { return };
-        let tracked = self.tracked.take();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(async move {
-                work.await;
-                drop(tracked);
-            })),
-            // Dropped outside any runtime (its own shut down): nothing can run the work, and
-            // dropping it releases what it holds, as a task cancelled at shutdown would.
-            Err(_) => drop(work),
-        }
     }
 }
