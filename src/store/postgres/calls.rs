@@ -6,7 +6,10 @@ use std::time::Duration;
 use sqlx::{Executor as _, PgPool, Row as _, postgres::PgRow};
 
 use super::Beginning;
-use crate::store::{Fenced, StoreError};
+use crate::{
+    fingerprint::Fingerprint,
+    store::{Fenced, StoreError},
+};
 
 /// The longest duration written to the database: 30 years, in milliseconds. A configured
 /// duration as long as `Duration::MAX` means "keep it", never an overflow.
@@ -65,12 +68,11 @@ pub(crate) async fn migrate(
     tx.commit().await.map_err(StoreError::unavailable)
 }
 
-/// The version of `schema` a migrated table's comment names: its SHA-256, so that any change
+/// The version of `schema` a migrated table's comment names: its digest, so that any change
 /// to the schema's text migrates again.
 fn schema_version(schema: &str) -> String {
-    use sha2::Digest as _;
-    let digest = sha2::Sha256::digest(schema.as_bytes());
-    let hex: String = digest[..12].iter().map(|byte| format!("{byte:02x}")).collect();
+    let digest = Fingerprint::of_payload(schema.as_bytes());
+    let hex: String = digest.as_bytes()[..12].iter().map(|byte| format!("{byte:02x}")).collect();
     format!("axum-idempotency schema {hex}")
 }
 

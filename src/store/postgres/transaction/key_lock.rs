@@ -6,7 +6,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, Row as _};
 
 use super::{Beginning, bounded, millis};
-use crate::{context::Completion, key::RecordKey};
+use crate::{context::Completion, fingerprint::Fingerprint, key::RecordKey};
 
 /// The lock a record store's transaction holds its key by, from before its `BEGIN` to after
 /// its `COMMIT`: a session-level advisory lock named after the table and the key
@@ -24,17 +24,12 @@ pub(crate) struct KeyLock<'a> {
     pub(crate) touch: &'a str,
 }
 
-/// The advisory lock of `key` in `table`: the first eight bytes of their SHA-256, computed
+/// The advisory lock of `key` in `table`: the first eight bytes of their digest, computed
 /// here for both the transaction that takes it and the claim that looks at it.
 pub(crate) fn key_lock(table: &str, key: &RecordKey) -> i64 {
-    use sha2::Digest as _;
-    let digest = sha2::Sha256::new()
-        .chain_update(table.as_bytes())
-        .chain_update(b":")
-        .chain_update(key.as_str().as_bytes())
-        .finalize();
+    let digest = Fingerprint::of_fields(&[table.as_bytes(), key.as_str().as_bytes()]);
     let mut first = [0; 8];
-    first.copy_from_slice(&digest[..8]);
+    first.copy_from_slice(&digest.as_bytes()[..8]);
     i64::from_be_bytes(first)
 }
 
