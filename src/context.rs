@@ -89,7 +89,7 @@ struct Context {
     /// The record key the claim holds; its hash is the context's `key_hash`.
     key: RecordKey,
     fingerprint: Fingerprint,
-    /// The same request's names under the other naming, while a service moves between two.
+    /// The same request's names under the naming a move goes to, while a service moves.
     alongside: Option<(RecordKey, Fingerprint)>,
     /// The plain record key, which no naming changes: what derived keys are derived from;
     /// unknown in a completer's context under keyed names.
@@ -103,6 +103,11 @@ struct Context {
 /// The claim an outcome committed in the operation's transaction settles.
 pub(crate) struct Completion {
     pub(crate) owner: OwnerToken,
+    /// During a move between namings: the owner token of the claim under the other names
+    /// (the context's [`key_hash_alongside`](IdempotencyContext::key_hash_alongside)), which
+    /// a store's transaction holds and completes too.
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
+    pub(crate) other_owner: Option<OwnerToken>,
     pub(crate) retention: Duration,
     /// The claim's lease: a store that holds the key while the operation's transaction runs
     /// renews it before and after.
@@ -125,7 +130,7 @@ pub(crate) struct Completion {
 impl Completion {
     /// The completion of a claim, sharing the holder's commit slot.
     pub(crate) fn new(
-        owner: OwnerToken,
+        (owner, other_owner): (OwnerToken, Option<OwnerToken>),
         (retention, lease): (Duration, Lease),
         commit: Arc<CommitSlot>,
         at_rest: AtRest,
@@ -133,7 +138,7 @@ impl Completion {
         durable: Option<DurableTable>,
     ) -> Self {
         commit.context_alive(true);
-        Self { owner, retention, lease, commit, at_rest, encoding, durable }
+        Self { owner, other_owner, retention, lease, commit, at_rest, encoding, durable }
     }
 }
 
@@ -152,7 +157,8 @@ impl IdempotencyContext {
         taken_over: bool,
         completion: Option<Completion>,
     ) -> Self {
-        let Named { key, fingerprint, alongside, plain } = named;
+        let Named { key, fingerprint, next, plain } = named;
+        let alongside = next.map(|next| (next.key, next.fingerprint));
         let context = Context { scope, key, fingerprint, alongside, plain, taken_over, completion };
         Self { inner: Arc::new(context) }
     }
@@ -189,6 +195,35 @@ impl IdempotencyContext {
         })
     }
 
+    /// During a move between namings, `outcome` encoded for the claim under the other names
+    /// (see [`encoded`](Self::encoded)): a store's transaction commits both.
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
+    pub(crate) fn encoded_other(
+        &self,
+        outcome: Bytes,
+    ) -> Result<Option<EncodedOutcome>, EncodeError> {
+        let completion = self.completion().ok_or(EncodeError::NotClaimed)?;
+        let (Some((key, fingerprint)), Some(owner)) =
+            (&self.inner.alongside, &completion.other_owner)
+        else {
+            return Ok(None);
+        };
+        Ok(Some(EncodedOutcome {
+            key: key.clone(),
+            owner: owner.clone(),
+            fingerprint: fingerprint.clone(),
+            stored: completion.at_rest.seal(key, fingerprint, outcome.clone()),
+            outcome,
+            retention: completion.retention,
+        }))
+    }
+
+    /// The record key of the claim under the other names, during a move between namings.
+    #[allow(dead_code, reason = "read by the stores that run an operation's transaction")]
+    pub(crate) fn other_key(&self) -> Option<&RecordKey> {
+        self.inner.alongside.as_ref().map(|(key, _)| key)
+    }
+
     /// The claim's lease; ten seconds (the doors' default) for a context no door gave.
     #[allow(dead_code, reason = "read by the tables beside the stores (`durable`)")]
     pub(crate) fn lease(&self) -> Duration {
@@ -212,17 +247,20 @@ impl IdempotencyContext {
     /// the SHA-256 of the prefix, the scope and the key, or its HMAC under the door's secret
     /// with keyed names ([`crate::hashing`]). Store it with the outcome.
     ///
-    /// While a service moves from one naming to another, the same request may have run under
-    /// its other name on an instance of the neighbouring deploy: a hook that looks an outcome
-    /// up by key hash looks under [`key_hash_alongside`](Self::key_hash_alongside) too (the
-    /// crate's `DurableOutcomes` and `Checkpoints` do).
+    /// While a service moves from one naming to another, it is the name the deploy completes
+    /// first (the old one in the move's first deploy, the new one in its second: the one its
+    /// outer neighbour reads), and the same request may have run under its other name on an
+    /// instance of the neighbouring deploy: a hook that looks an outcome up by key hash looks
+    /// under [`key_hash_alongside`](Self::key_hash_alongside) too (the crate's
+    /// `DurableOutcomes` and `Checkpoints` do).
     #[must_use]
     pub fn key_hash(&self) -> &str {
         self.inner.key.hash()
     }
 
     /// The request's key hash under the other naming, while a service moves from one naming
-    /// to another ([`Hashing::alongside`](crate::hashing::Hashing::alongside)); `None` otherwise.
+    /// to another ([`Hashing::moving_to`](crate::hashing::Hashing::moving_to)); `None`
+    /// otherwise.
     #[must_use]
     pub fn key_hash_alongside(&self) -> Option<&str> {
         self.inner.alongside.as_ref().map(|(key, _)| key.hash())

@@ -23,58 +23,30 @@
 //!
 //! # Turning it on, or rotating the secret, in a running service
 //!
-//! A request is one record only while every instance names it alike: an instance that names
-//! keys anew beside one that names them as before would run a retry of the other's request
-//! again. [`alongside`](Hashing::alongside) bridges the two, in three deploys, each a rolling
-//! one:
+//! A request is one record only while every instance names it alike. A move from one naming
+//! to another is three rolling deploys, each beside its neighbours only:
 //!
-//! 1. `Hashing::plain().alongside(Hashing::keyed(secret))?`: keys are still claimed under their
-//!    plain names; after each claim, the keyed name is looked at too.
-//! 2. Once no instance of the previous version runs:
-//!    `Hashing::keyed(secret).alongside(Hashing::plain())?`: keys are claimed under their keyed
-//!    names, and the plain name is looked at after each claim.
-//! 3. Once the retention, the recovery window, the keep-alive ceiling and a lease, added up,
-//!    have passed since the last instance of deploy 1 stopped (every record under a plain name
-//!    has expired by then, the completed and the lapsed): `Hashing::keyed(secret)`.
+//! 1. `Hashing::plain().moving_to(Hashing::keyed(secret), Deploy::First)?`
+//! 2. `Hashing::plain().moving_to(Hashing::keyed(secret), Deploy::Second)?`
+//! 3. `Hashing::keyed(secret)`, once the retention, the recovery window, the keep-alive ceiling
+//!    and a lease, added up, have passed since the last instance of deploy 1 stopped.
 //!
-//! **Only neighbours may run side by side.** An instance before deploy 1 beside one of deploy
-//! 2 (a deploy skipped, or a binary rolled back past deploy 1) can run a request twice: roll
-//! back one deploy at a time, as you rolled forward.
+//! Deploys 1 and 2 claim a request under the old names, then under the new ones, always in
+//! that order, and hold both until the settle: a request running under either is seen by every
+//! neighbour, and two instances never hold one name each (no tie to break). A response stored
+//! under either is replayed (one found under the new names only is written under the old ones
+//! too). The response is completed under both: under the old names first in deploy 1 (its
+//! neighbour before it reads only those), under the new ones first in deploy 2. A crash
+//! between two claims or two completes leaves a lapsed claim that the next claim takes over
+//! under both names, not a name a neighbour takes over alone. A secret is rotated the same way,
+//! `Hashing::keyed(old).moving_to(Hashing::keyed(new), ..)`.
 //!
-//! After each claim won under one name, the other is claimed for a moment and let go, with
-//! what it held deciding: a completed request there is replayed, one running there is answered
-//! as in progress (below), another request there is a mismatch, and a holder there whose lease
-//! lapsed is taken over under that name. Nothing is copied from one name to the other: deploy 3
-//! waits until every record under a plain name has expired.
-//!
-//! Two instances of deploys 1 and 2 each hold the name they claim while they look at the
-//! other's: one of the two sees the other, and both may. Were both to let go, duplicates
-//! meeting so in a burst could all be answered 202, the request never run. So the request whose
-//! own name sorts first (both see the same two) keeps its claim and waits on the other name,
-//! within its wait and a quarter of its lease. When the other name is let go, or left to a
-//! claim that lapsed (which it takes over), it renews its own claim, fenced, and runs: a wait
-//! past its lease, which let another request take its claim over and run under it, runs
-//! nothing; a renewal the store fails is a store error (503), as is one it does not answer
-//! within a third of the lease after such a takeover. When the request there completes, it replays it; otherwise
-//! it answers what it found when its wait ended (in progress, or a mismatch). The request on
-//! the other side is answered as in progress at once, as is every request when waiting is off
-//! ([`Waiting::off`](crate::settings::Waiting::off): the consumer door's default) or too many
-//! wait already; their clients' retries find the request run. A caller that goes away during
-//! the look leaves nothing held; a claim that took a lapsed one over is handed back with its
-//! lapse, not released, whatever the look finds that lets it go. Between deploys, each claim
-//! won costs a claim and a release more (and the request kept through a collision, its wait
-//! and a renewal). The plain names and fingerprints
-//! are written until deploy 3 (deploy 1 claims under them, deploy 2's look claims there for a
-//! moment), and the logs name them meanwhile: what is stored confirms no guess from deploy 3
-//! on, once the records under plain names have expired.
-//!
-//! Meanwhile an operation may have started under either name: its context names the other
-//! ([`key_hash_alongside`](crate::IdempotencyContext::key_hash_alongside)), and what looks an
-//! outcome up by key hash looks under both. `DurableOutcomes` and `Checkpoints` do; so must a
-//! recovery hook of your own over an outbox keyed by key hash.
-//!
-//! A secret is rotated the same way: `Hashing::keyed(old).alongside(Hashing::keyed(new))?`,
-//! then `Hashing::keyed(new).alongside(Hashing::keyed(old))?`, then `Hashing::keyed(new)`.
+//! **Only neighbours may run side by side**: roll back one deploy at a time, as you rolled
+//! forward. Meanwhile a claim costs a claim and a complete more, and an operation's context
+//! names the request under the other naming too
+//! ([`key_hash_alongside`](crate::IdempotencyContext::key_hash_alongside)): a recovery hook
+//! of your own over an outbox keyed by key hash looks under both, as `DurableOutcomes` and
+//! `Checkpoints` do.
 
 use std::fmt;
 
@@ -84,14 +56,27 @@ use sha2::Sha256;
 use crate::{fingerprint::Fingerprint, key::RecordKey};
 
 /// How record keys and stored fingerprints are hashed: plain SHA-256 (the default) or
-/// HMAC-SHA256 under a secret, and optionally the other names looked at after each claim while
-/// a running service moves from one to the other (see [the module](self)).
+/// HMAC-SHA256 under a secret, or a deploy of a move from one to the other (see
+/// [the module](self)).
 ///
 /// Its `Debug` output never shows a secret.
 #[derive(Clone, Default)]
 pub struct Hashing {
     names: Names,
-    alongside: Option<Names>,
+    /// During a move: the names moved to, and this build's deploy.
+    next: Option<(Names, Deploy)>,
+}
+
+/// Which deploy of a move between two namings a build is ([`Hashing::moving_to`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Deploy {
+    /// The first: runs beside instances of the old naming alone; completes under the old
+    /// names first.
+    First,
+    /// The second: runs beside instances of the new naming alone; completes under the new
+    /// names first.
+    Second,
 }
 
 /// One way of naming records.
@@ -118,29 +103,29 @@ impl Hashing {
         let mac = Hmac::<Sha256>::new_from_slice(&secret);
         zeroize_secret(&mut secret);
         match mac {
-            Ok(mac) => Self { names: Names::Keyed(mac), alongside: None },
+            Ok(mac) => Self { names: Names::Keyed(mac), next: None },
             // HMAC takes a key of any length: never reached.
             Err(_) => Self::default(),
         }
     }
 
-    /// Also looks at `other`'s names after each claim: for the deploys that move a running
-    /// service from one naming to another (see [the module](self)).
+    /// A deploy of the move from these names to `to`'s (see [the module](self)): a request
+    /// is claimed under these names, then under `to`'s, and held and completed under both.
     ///
     /// # Errors
     ///
-    /// [`HashingError::SameNames`] when `other` names records as `self` does (the same secret,
-    /// or both plain); [`HashingError::Nested`] when `self` or `other` has names alongside
-    /// already (a move is between two namings).
-    pub fn alongside(mut self, other: Hashing) -> Result<Self, HashingError> {
-        if other.alongside.is_some() || self.alongside.is_some() {
+    /// [`HashingError::SameNames`] when `to` names records as `self` does (the same secret, or
+    /// both plain); [`HashingError::Nested`] when `self` or `to` is a move already (a move is
+    /// between two namings).
+    pub fn moving_to(mut self, to: Hashing, deploy: Deploy) -> Result<Self, HashingError> {
+        if to.next.is_some() || self.next.is_some() {
             return Err(HashingError::Nested);
         }
         let probe = Fingerprint::from_digest([0; 32]);
-        if self.names.fingerprint(&probe) == other.names.fingerprint(&probe) {
+        if self.names.fingerprint(&probe) == to.names.fingerprint(&probe) {
             return Err(HashingError::SameNames);
         }
-        self.alongside = Some(other.names);
+        self.next = Some((to.names, deploy));
         Ok(self)
     }
 
@@ -152,38 +137,50 @@ impl Hashing {
 
     /// The names a record is claimed and stored under, from the plain ones.
     pub(crate) fn name(&self, key: RecordKey, fingerprint: Fingerprint) -> Named {
-        let alongside = self
-            .alongside
-            .as_ref()
-            .map(|other| (other.record_key(&key), other.fingerprint(&fingerprint)));
+        let next = self.next.as_ref().map(|(names, deploy)| Next {
+            key: names.record_key(&key),
+            fingerprint: names.fingerprint(&fingerprint),
+            completed_first: *deploy == Deploy::Second,
+        });
         let plain = Some(key.clone());
         let (key, fingerprint) = match &self.names {
             Names::Plain => (key, fingerprint),
             names => (names.record_key(&key), names.fingerprint(&fingerprint)),
         };
-        Named { key, fingerprint, alongside, plain }
+        Named { key, fingerprint, next, plain }
     }
 
-    /// The namings in use: the one claimed under, then the one alongside.
+    /// The namings in use: the one moved from (or the only one), then the one moved to.
     pub(crate) fn namings(&self) -> impl Iterator<Item = &Names> {
-        std::iter::once(&self.names).chain(&self.alongside)
+        std::iter::once(&self.names).chain(self.next.as_ref().map(|(names, _)| names))
     }
 
-    /// The record keys of a plain one: the key claimed under, and the key alongside.
+    /// The record keys of a plain one: under the names claimed first, and under the names
+    /// moved to.
     pub(crate) fn record_keys(&self, plain: &RecordKey) -> (RecordKey, Option<RecordKey>) {
-        (self.names.record_key(plain), self.alongside.as_ref().map(|other| other.record_key(plain)))
+        let next = self.next.as_ref().map(|(names, _)| names.record_key(plain));
+        (self.names.record_key(plain), next)
     }
 }
 
-/// A request's names in the store: the ones it is claimed under, and the ones looked at after
-/// a claim while a service moves between namings; and its plain record key, which no naming
-/// changes (the derived keys' source), when it is known.
+/// A request's names in the store: the ones it is claimed under first, and during a move the
+/// names moved to, claimed second; and its plain record key, which no naming changes (the
+/// derived keys' source), when it is known.
 #[derive(Debug, Clone)]
 pub(crate) struct Named {
     pub(crate) key: RecordKey,
     pub(crate) fingerprint: Fingerprint,
-    pub(crate) alongside: Option<(RecordKey, Fingerprint)>,
+    pub(crate) next: Option<Next>,
     pub(crate) plain: Option<RecordKey>,
+}
+
+/// A request's names under the naming a move goes to.
+#[derive(Debug, Clone)]
+pub(crate) struct Next {
+    pub(crate) key: RecordKey,
+    pub(crate) fingerprint: Fingerprint,
+    /// Completed before the names claimed first ([`Deploy::Second`]).
+    pub(crate) completed_first: bool,
 }
 
 impl Named {
@@ -192,22 +189,14 @@ impl Named {
     /// plain digest of a keyed name, and a listed name may be either during a move).
     pub(crate) fn stored(key: RecordKey, fingerprint: Fingerprint, hashing: &Hashing) -> Self {
         let all_plain = hashing.namings().all(|names| matches!(names, Names::Plain));
-        Self { plain: all_plain.then(|| key.clone()), key, fingerprint, alongside: None }
+        Self { plain: all_plain.then(|| key.clone()), key, fingerprint, next: None }
     }
 
-    /// The same request held under its names alongside: those become the names claimed under,
-    /// and these the names alongside.
-    pub(crate) fn swapped(self) -> Self {
-        let Self { key, fingerprint, alongside, plain } = self;
-        match alongside {
-            Some((other_key, other_fingerprint)) => Self {
-                key: other_key,
-                fingerprint: other_fingerprint,
-                alongside: Some((key, fingerprint)),
-                plain,
-            },
-            None => Self { key, fingerprint, alongside: None, plain },
-        }
+    /// The names moved to, as a request's own (held by a claim of their own).
+    pub(crate) fn next_names(&self) -> Option<Self> {
+        let next = self.next.as_ref()?;
+        let (key, fingerprint) = (next.key.clone(), next.fingerprint.clone());
+        Some(Self { key, fingerprint, next: None, plain: self.plain.clone() })
     }
 }
 
@@ -253,32 +242,27 @@ impl fmt::Debug for Hashing {
         };
         f.debug_struct("Hashing")
             .field("names", &name(&self.names))
-            .field("alongside", &self.alongside.as_ref().map(name))
+            .field("moving_to", &self.next.as_ref().map(|(names, deploy)| (name(names), deploy)))
             .finish()
     }
 }
 
-/// Why [`Hashing::alongside`] refused its names.
+/// Why [`Hashing::moving_to`] refused a move.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum HashingError {
-    /// The names alongside are the names themselves: the look after each claim would find the
-    /// claim itself, and answer every request as in progress.
+    /// The names moved to are the names moved from: the second claim would find the first,
+    /// and answer every request as in progress.
     SameNames,
-    /// The names or the names alongside have names alongside of their own: a move is between
-    /// two namings.
+    /// One of the two is a move already: a move is between two namings.
     Nested,
 }
 
 impl fmt::Display for HashingError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Self::SameNames => {
-                "the names alongside are the names themselves (the same secret, or both plain)"
-            }
-            Self::Nested => {
-                "a move is between two namings: one of them has names alongside already"
-            }
+            Self::SameNames => "a move to the names moved from (the same secret, or both plain)",
+            Self::Nested => "a move is between two namings: one of them is a move already",
         })
     }
 }
@@ -310,38 +294,44 @@ mod tests {
         let other = Hashing::keyed([2; 32]).name(key, fingerprint);
         assert_ne!(other.key, keyed.key);
         assert_ne!(other.fingerprint, keyed.fingerprint);
-        assert!(keyed.alongside.is_none());
+        assert!(keyed.next.is_none());
     }
 
     #[test]
-    fn alongside_names_the_other_way_and_refuses_the_same_or_nested() {
+    fn a_move_names_the_new_way_second_and_refuses_the_same_or_nested() {
         let (key, fingerprint) = plain();
-        let moving = Hashing::keyed([1; 32]).alongside(Hashing::plain()).unwrap();
-        let named = moving.name(key.clone(), fingerprint.clone());
-        assert_eq!(named.alongside, Some((key.clone(), fingerprint.clone())));
         let keyed = Hashing::keyed([1; 32]).name(key.clone(), fingerprint.clone());
-        let back = Hashing::plain().alongside(Hashing::keyed([1; 32])).unwrap();
-        assert_eq!(back.name(key, fingerprint).alongside, Some((keyed.key, keyed.fingerprint)));
-
-        let same = Hashing::keyed([1; 32]).alongside(Hashing::keyed([1; 32]));
+        for (deploy, completed_first) in [(Deploy::First, false), (Deploy::Second, true)] {
+            let moving = Hashing::plain().moving_to(Hashing::keyed([1; 32]), deploy).unwrap();
+            let named = moving.name(key.clone(), fingerprint.clone());
+            assert_eq!((&named.key, &named.fingerprint), (&key, &fingerprint));
+            let next = named.next.as_ref().unwrap();
+            assert_eq!((&next.key, &next.fingerprint), (&keyed.key, &keyed.fingerprint));
+            assert_eq!(next.completed_first, completed_first);
+            let own = named.next_names().unwrap();
+            assert_eq!((own.key, own.plain), (keyed.key.clone(), Some(key.clone())));
+        }
+        let same = Hashing::keyed([1; 32]).moving_to(Hashing::keyed([1; 32]), Deploy::First);
         assert_eq!(same.unwrap_err(), HashingError::SameNames);
-        assert_eq!(
-            Hashing::plain().alongside(Hashing::plain()).unwrap_err(),
-            HashingError::SameNames
-        );
-        let nested = Hashing::keyed([1; 32]).alongside(moving).unwrap_err();
+        let both_plain = Hashing::plain().moving_to(Hashing::plain(), Deploy::Second);
+        assert_eq!(both_plain.unwrap_err(), HashingError::SameNames);
+        let moving = Hashing::plain().moving_to(Hashing::keyed([1; 32]), Deploy::First).unwrap();
+        let nested = Hashing::keyed([3; 32]).moving_to(moving.clone(), Deploy::First).unwrap_err();
         assert_eq!(nested, HashingError::Nested);
+        assert_eq!(
+            moving.moving_to(Hashing::keyed([4; 32]), Deploy::Second).unwrap_err(),
+            HashingError::Nested
+        );
         assert!(HashingError::SameNames.to_string().contains("the same secret, or both plain"));
         assert!(nested.to_string().contains("a move is between two namings"));
-        let twice = Hashing::keyed([3; 32]).alongside(Hashing::plain()).unwrap();
-        assert_eq!(twice.alongside(Hashing::keyed([4; 32])).unwrap_err(), HashingError::Nested);
-        assert!(Hashing::keyed([3; 32]).alongside(Hashing::keyed([4; 32])).is_ok());
+        assert!(Hashing::keyed([3; 32]).moving_to(Hashing::keyed([4; 32]), Deploy::First).is_ok());
     }
 
     #[test]
     fn a_secret_is_never_printed() {
-        let printed =
-            format!("{:?}", Hashing::keyed([0xAB; 32]).alongside(Hashing::plain()).unwrap());
-        assert_eq!(printed, r#"Hashing { names: "keyed", alongside: Some("plain") }"#);
+        let moving =
+            Hashing::keyed([0xAB; 32]).moving_to(Hashing::keyed([0xCD; 32]), Deploy::First);
+        let printed = format!("{:?}", moving.unwrap());
+        assert_eq!(printed, r#"Hashing { names: "keyed", moving_to: Some(("keyed", First)) }"#);
     }
 }

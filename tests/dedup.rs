@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum_idempotency::{
     dedup::{Dedup, Strategy},
-    hashing::Hashing,
+    hashing::{Deploy, Hashing},
     store::{DedupStore, StoreError},
 };
 use proptest::prop_assert;
@@ -180,7 +180,7 @@ async fn a_configuration_change_keeps_deduplicating_against_the_previous_one<St:
 
 /// Keyed names (`Dedup::hashing`) deduplicate as plain ones do, apart from them: a plain
 /// instance's ids are new to a keyed one. Moving a running stream to them is one rolling
-/// deploy with the plain names alongside, which keeps every id the plain instances saw, and
+/// deploy of the move's first build, which keeps every id the plain instances saw, and
 /// which they see in turn.
 async fn keyed_names_deduplicate_and_a_move_to_them_keeps_deduplicating<St: DedupStore>(store: St) {
     let strategies = [
@@ -194,7 +194,7 @@ async fn keyed_names_deduplicate_and_a_move_to_them_keeps_deduplicating<St: Dedu
         let plain = Dedup::new(store.clone(), strategy);
         let keyed = Dedup::new(store.clone(), strategy).hashing(Hashing::keyed([9; 32]));
         let moving = Dedup::new(store.clone(), strategy)
-            .hashing(Hashing::keyed([9; 32]).alongside(Hashing::plain()).unwrap());
+            .hashing(Hashing::plain().moving_to(Hashing::keyed([9; 32]), Deploy::First).unwrap());
         assert!(plain.first_seen_batch(&scope, &ids).await.unwrap().iter().all(|&new| new));
         // Under its own names only, a keyed instance has seen none of them.
         assert_eq!(

@@ -48,11 +48,15 @@ fn the_protocol_holds_with_four_faults_a_path() {
         let protocol = Protocol { transactional, ..Protocol::TODAY };
         check(&format!("transactional {transactional}, 4 faults"), protocol, 4).assert_properties();
     }
-    for (a, b) in
-        [(Build::Old, Build::First), (Build::First, Build::Second), (Build::Second, Build::New)]
-    {
-        let protocol = Protocol { placement: Placement::Transition(a, b), ..Protocol::TODAY };
-        check(&format!("transition {a:?} beside {b:?}, 4 faults"), protocol, 4).assert_properties();
+    for transactional in [false, true] {
+        for (a, b) in
+            [(Build::Old, Build::First), (Build::First, Build::Second), (Build::Second, Build::New)]
+        {
+            let placement = Placement::Transition(a, b);
+            let protocol = Protocol { placement, transactional, ..Protocol::TODAY };
+            let name = format!("transition {a:?} beside {b:?}, transactional {transactional}");
+            check(&format!("{name}, 4 faults"), protocol, 4).assert_properties();
+        }
     }
 }
 
@@ -165,12 +169,34 @@ fn the_crash_between_the_looks_claims_replayed() {
 /// fault.
 #[test]
 fn the_transition_holds_between_neighbouring_builds() {
-    for (a, b) in
-        [(Build::Old, Build::First), (Build::First, Build::Second), (Build::Second, Build::New)]
-    {
-        let protocol = Protocol { placement: Placement::Transition(a, b), ..Protocol::TODAY };
-        check(&format!("transition {a:?} beside {b:?}"), protocol, 2).assert_properties();
+    for transactional in [false, true] {
+        for (a, b) in
+            [(Build::Old, Build::First), (Build::First, Build::Second), (Build::Second, Build::New)]
+        {
+            let placement = Placement::Transition(a, b);
+            let protocol = Protocol { placement, transactional, ..Protocol::TODAY };
+            let name = format!("transition {a:?} beside {b:?}, transactional {transactional}");
+            check(&name, protocol, 2).assert_properties();
+        }
     }
+}
+
+/// The transition's transaction committing only the name its context is keyed by (not both in
+/// its one commit): a crash after it leaves the other held, and a neighbour that reads only
+/// that one takes it over and runs again.
+#[test]
+fn a_transition_whose_transaction_commits_one_name_runs_twice() {
+    let protocol = Protocol {
+        placement: Placement::Transition(Build::Second, Build::New),
+        transactional: true,
+        commit_both: false,
+        ..Protocol::TODAY
+    };
+    counterexample(
+        "the transaction commits one name",
+        protocol,
+        "no run after a response was stored",
+    );
 }
 
 /// A build skipped (the old placement beside the second transition build, or the new one beside

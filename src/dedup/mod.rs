@@ -162,7 +162,7 @@ pub struct Dedup<St> {
     /// against its buckets too.
     previous: Option<Strategy>,
     prefix: String,
-    /// How event ids are named in the store: plain or keyed, and the names alongside.
+    /// How event ids are named in the store: plain or keyed, or both during a move.
     hashing: Hashing,
 }
 
@@ -180,12 +180,13 @@ impl<St: DedupStore> Dedup<St> {
 
     /// Names event ids in the store with keyed hashes (HMAC-SHA256 under a secret), so that
     /// what is stored cannot confirm a guessed event id (see [`crate::hashing`]). Plain SHA-256
-    /// by default. A naming alongside ([`Hashing::alongside`]) is checked too, as a previous
-    /// configuration is ([`during_change_from`](Self::during_change_from)): an event is new
-    /// only if it is new under both namings, and is remembered under both. Turning keyed names
-    /// on in a running service is one rolling deploy of `Hashing::keyed(secret)
-    /// .alongside(Hashing::plain())`, then, a window after the last plain instance stopped,
-    /// one of `Hashing::keyed(secret)`.
+    /// by default. During a move ([`Hashing::moving_to`], either deploy), an event is new only
+    /// if it is new under both namings, and is remembered under both, as against a previous
+    /// configuration ([`during_change_from`](Self::during_change_from)). Turning keyed names
+    /// on in a running dedup door is one rolling deploy of `Hashing::plain()
+    /// .moving_to(Hashing::keyed(secret), Deploy::First)`, then, a window after the last plain
+    /// instance stopped, one of `Hashing::keyed(secret)`: with no lease, a dedup door needs no
+    /// second deploy.
     #[must_use]
     pub fn hashing(mut self, hashing: Hashing) -> Self {
         self.hashing = hashing;

@@ -3,6 +3,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use super::{Engine, UnsettledClaim, renewals};
 use crate::{
     fingerprint::Fingerprint,
@@ -15,13 +17,13 @@ impl<St: Store> Engine<St> {
     /// or whose claim timed out, may own the key without knowing it, or may come to own it
     /// when the claim lands late: a guard abandons whatever its token may hold. A claim won
     /// but answered too late to hold its lease is abandoned so, and the key claimed again,
-    /// once: the caller gets what holds it now.
+    /// once: the caller gets what holds it now, and when the claim it got was sent.
     pub(super) async fn claim_once(
         &self,
         key: &RecordKey,
         fingerprint: &Fingerprint,
         waiting: bool,
-    ) -> Result<(Claim, OwnerToken), StoreError> {
+    ) -> Result<(Claim, OwnerToken, Instant), StoreError> {
         match self.claim_in_time(key, fingerprint, waiting).await {
             // Claimed again, once, under a fresh token: what holds the key now (the holder
             // that took it over, its stored response) answers the caller.
@@ -42,7 +44,7 @@ impl<St: Store> Engine<St> {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         waiting: bool,
-    ) -> Result<Result<(Claim, OwnerToken), StoreError>, Late> {
+    ) -> Result<Result<(Claim, OwnerToken, Instant), StoreError>, Late> {
         let owner = OwnerToken::random();
         let lease = self.settings.lease();
         let abandoned = self.settings.abandoned_lease();
@@ -50,7 +52,7 @@ impl<St: Store> Engine<St> {
             armed: Some((&self.store, key, &owner, fingerprint, abandoned)),
             tasks: self.settings.tasks.as_ref(),
         };
-        let sent = tokio::time::Instant::now();
+        let sent = Instant::now();
         let claim = if waiting {
             self.store.claim_waiting(key, fingerprint, &owner, lease).await
         } else {
@@ -77,7 +79,7 @@ impl<St: Store> Engine<St> {
             guard.disarm();
         }
         drop(guard);
-        Ok(claim.map(|claim| (claim, owner)))
+        Ok(claim.map(|claim| (claim, owner, sent)))
     }
 }
 

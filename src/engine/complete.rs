@@ -67,7 +67,7 @@ impl<St: Store> Engine<St> {
         let settings = &self.settings;
         let owner = OwnerToken::random();
         let completion = Completion::new(
-            owner.clone(),
+            (owner.clone(), None),
             (settings.retention, settings.lease()),
             Arc::new(CommitSlot::default()),
             settings.at_rest.clone(),

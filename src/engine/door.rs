@@ -92,7 +92,11 @@ impl Held {
         crate::hashing::Named {
             key: self.key.clone(),
             fingerprint: self.fingerprint.clone(),
-            alongside: self.alongside.clone(),
+            next: self.alongside.clone().map(|(key, fingerprint)| crate::hashing::Next {
+                key,
+                fingerprint,
+                completed_first: false,
+            }),
             plain: self.plain.clone(),
         }
     }

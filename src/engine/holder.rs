@@ -14,10 +14,10 @@ use super::{
 use crate::{
     context::{Completion, Encoding, IdempotencyContext},
     fingerprint::Fingerprint,
-    hashing::Named,
+    hashing::{Named, Next},
     key::RecordKey,
     recovery::{BoxError, Recovered},
-    store::{CommitSlot, Lease, OwnerToken, Store},
+    store::{CommitSlot, Fenced, Lease, OwnerToken, Store},
 };
 
 /// A panic's payload, carried to where it is resumed.
@@ -35,9 +35,11 @@ pub(crate) struct Holder<St> {
     store: St,
     key: RecordKey,
     fingerprint: Fingerprint,
-    /// The request's other names, while a service moves between namings (boxed: rarely
-    /// there), and its plain key: for the operation's context.
-    alongside: Option<Box<(RecordKey, Fingerprint)>>,
+    /// While a service moves between namings: the claim under the names moved to, held
+    /// beside this one (boxed: rarely there); and whether it is completed first.
+    next: Option<Box<Holder<St>>>,
+    next_first: bool,
+    /// The request's plain key: for the operation's context.
     plain: Option<RecordKey>,
     owner: OwnerToken,
     settings: Arc<Settings>,
@@ -82,9 +84,34 @@ impl<St: Store> Holder<St> {
         route: Label,
         taken_over: bool,
     ) -> Self {
-        let Named { key, fingerprint, alongside, plain } = named;
-        let alongside = alongside.map(Box::new);
-        let commit = Arc::<CommitSlot>::default();
+        Self::sharing(engine, named, owner, route, taken_over, Arc::default())
+    }
+
+    /// The holder of the claim `engine` won under `named`'s names moved to for `owner`, held
+    /// beside this one: the same commit slot (a store's transaction commits both).
+    pub(super) fn beside(&self, engine: &Engine<St>, named: Named, owner: OwnerToken) -> Self {
+        let commit = self.commit.clone();
+        Self::sharing(engine, named, owner, self.route.clone(), false, commit)
+    }
+
+    /// This holder holding `next` beside it (see [`beside`](Self::beside)); `taken_over`
+    /// when either claim took a lapsed one over.
+    pub(super) fn holding(mut self, next: Self, next_first: bool, taken_over: bool) -> Self {
+        self.next_first = next_first;
+        self.next = Some(Box::new(next));
+        self.taken_over = taken_over;
+        self
+    }
+
+    fn sharing(
+        engine: &Engine<St>,
+        named: Named,
+        owner: OwnerToken,
+        route: Label,
+        taken_over: bool,
+        commit: Arc<CommitSlot>,
+    ) -> Self {
+        let Named { key, fingerprint, next: _, plain } = named;
         let renewal = engine
             .renewals
             .as_ref()
@@ -94,7 +121,8 @@ impl<St: Store> Holder<St> {
             store,
             key,
             fingerprint,
-            alongside,
+            next: None,
+            next_first: false,
             plain,
             owner,
             settings,
@@ -111,12 +139,18 @@ impl<St: Store> Holder<St> {
         if let Some(renewal) = self.renewal.take() {
             renewal.stop().await;
         }
+        if let Some(next) = &mut self.next
+            && let Some(renewal) = next.renewal.take()
+        {
+            renewal.stop().await;
+        }
     }
 
     /// Whether this claim spawned its runtime's renewals task: see
     /// [`Renewing::spawned_task`].
     pub(crate) fn spawned_renewals(&self) -> bool {
         self.renewal.as_ref().is_some_and(Renewing::spawned_task)
+            || self.next.as_ref().is_some_and(|next| next.spawned_renewals())
     }
 
     pub(crate) fn key(&self) -> &RecordKey {
@@ -138,10 +172,21 @@ impl<St: Store> Holder<St> {
         self.settings.lease
     }
 
+    /// The claim completed first, and the other one (during a move): the names the
+    /// operation's context and a store's transaction name it by first.
+    fn completed_first(&self) -> (&Self, Option<&Self>) {
+        match self.next.as_deref() {
+            Some(next) if self.next_first => (next, Some(self)),
+            next => (self, next),
+        }
+    }
+
     /// What the door knows of this claim when it settles it.
     pub(super) fn held(&self) -> Held {
-        let (key, fingerprint) = (self.key.clone(), self.fingerprint.clone());
-        let (alongside, plain) = (self.alongside.as_deref().cloned(), self.plain.clone());
+        let (first, other) = self.completed_first();
+        let (key, fingerprint) = (first.key.clone(), first.fingerprint.clone());
+        let alongside = other.map(|other| (other.key.clone(), other.fingerprint.clone()));
+        let plain = self.plain.clone();
         Held { key, fingerprint, retention: self.settings.retention, alongside, plain }
     }
 
@@ -153,18 +198,24 @@ impl<St: Store> Holder<St> {
         encoding: Arc<dyn Encoding>,
         durable: Option<crate::recovery::DurableTable>,
     ) -> IdempotencyContext {
+        let (first, other) = self.completed_first();
         let completion = Completion::new(
-            self.owner.clone(),
+            (first.owner.clone(), other.map(|other| other.owner.clone())),
             (self.settings.retention, self.settings.lease()),
             self.commit.clone(),
             self.settings.at_rest.clone(),
             encoding,
             durable,
         );
+        let next = other.map(|other| Next {
+            key: other.key.clone(),
+            fingerprint: other.fingerprint.clone(),
+            completed_first: false,
+        });
         let named = Named {
-            key: self.key.clone(),
-            fingerprint: self.fingerprint.clone(),
-            alongside: self.alongside.as_deref().cloned(),
+            key: first.key.clone(),
+            fingerprint: first.fingerprint.clone(),
+            next,
             plain: self.plain.clone(),
         };
         IdempotencyContext::new(scope, named, self.taken_over, Some(completion))
@@ -242,6 +293,9 @@ impl<St: Store> Holder<St> {
     /// claim takes it over (and asks the hook again) rather than claiming it fresh. Without
     /// a window there is nothing to keep: the claim is released.
     pub(super) async fn hand_back(mut self, why: &'static str) {
+        if let Some(next) = self.next.take() {
+            Box::pin(next.hand_back(why)).await;
+        }
         self.stop_renewal().await;
         let lease = self.settings.lease();
         if lease.recovery_window.is_zero() {
@@ -305,6 +359,9 @@ impl<St: Store> Holder<St> {
 
     /// Deletes the claim, so that a retry runs the operation again.
     pub(crate) async fn release(mut self, why: &'static str) {
+        if let Some(next) = self.next.take() {
+            Box::pin(next.release(why)).await;
+        }
         self.stop_renewal().await;
         let tasks = self.settings.tasks.as_ref();
         release(&self.store, &self.key, &self.owner, Some(&self.route), why, tasks).await;
@@ -318,7 +375,31 @@ impl<St: Store> Holder<St> {
     /// the store shorter than the lease less a renewal period never lets a retry take the key
     /// over and run the operation again. A renewal that lands after the
     /// complete is refused by the completed record.
+    ///
+    /// During a move, under both names, in the order the deploy's outer neighbour reads
+    /// ([`crate::hashing`]): fenced out of the first (taken over there), the response is not
+    /// the key's, and the second is released; the first not answered while held, the second
+    /// is handed back (its lapse kept, so that the next claim is a takeover, and asks the
+    /// recovery hook).
     pub(crate) async fn complete(mut self, outcome: Bytes, answered: impl FnOnce()) {
+        let Some(next) = self.next.take() else {
+            self.complete_one(outcome, answered).await;
+            return;
+        };
+        let (first, second) = if self.next_first { (*next, self) } else { (self, *next) };
+        let route = first.route.clone();
+        match first.complete_one(outcome.clone(), answered).await {
+            Some(Fenced::Applied) => drop(second.complete_one(outcome, || {}).await),
+            Some(Fenced::Rejected) => second.release("fenced out under the other names").await,
+            None => {
+                observe::store_error(&route, "complete");
+                second.hand_back("not stored under the other names").await;
+            }
+        }
+    }
+
+    /// [`complete`](Self::complete) under one name: what the store answered, if it did.
+    async fn complete_one(mut self, outcome: Bytes, answered: impl FnOnce()) -> Option<Fenced> {
         let outcome = self.settings.at_rest.seal(&self.key, &self.fingerprint, outcome);
         let retention = self.settings.retention;
         // A renewal that finds the record completed from here is this complete's, not a lease
@@ -337,7 +418,7 @@ impl<St: Store> Holder<St> {
         let settled =
             complete_while_held(write, &self.route, outcome, retention, answered, still_held).await;
         self.stop_renewal().await;
-        settled.report(self.key.hash(), &self.route);
+        settled.report(self.key.hash(), &self.route)
     }
 }
 

@@ -18,7 +18,6 @@
 //! fingerprint, an operation and bytes to store, and the engine's answers ([`Claimed`],
 //! [`Ended`]) back into theirs.
 
-mod alongside;
 mod claim_once;
 mod complete;
 mod door;
@@ -30,6 +29,7 @@ mod renewals;
 mod run;
 mod setters;
 mod settle;
+mod transition;
 mod unsettled;
 
 use std::{sync::Arc, time::Duration};
@@ -45,6 +45,7 @@ pub(crate) use self::observe::Label;
 pub(crate) use self::renewals::{Renewals, RenewalsCell};
 pub(crate) use self::run::{Claiming, Decided, Ended, Operated, Start};
 pub(crate) use self::setters::{engine_setters, inner_service_accessors};
+use self::transition::Second;
 use self::unsettled::{UnsettledClaim, spawn};
 use crate::{
     at_rest::AtRest,
@@ -215,49 +216,59 @@ impl<St: Store> Engine<St> {
         route: Label,
         wait_until: Option<tokio::time::Instant>,
     ) -> Result<Claimed<St>, StoreError> {
-        // The request's whole wait, its own caller's deadline within it: a look at the names
-        // alongside waits only within what is left of it.
-        // (Read from the clock only while a service moves between namings.)
+        // During a move, the request's whole wait, its own caller's deadline within it: a wait
+        // on the names moved to waits only within what is left of it.
         let waits_until = (self.settings.wait)
-            .filter(|_| named.alongside.is_some())
+            .filter(|_| named.next.is_some())
             .map(after)
             .map(|end| wait_until.map_or(end, |until| end.min(until)));
-        let claimed = self.claim_or_wait(&named.key, &named.fingerprint, &route, wait_until).await;
-        let (claim, owner) = match claimed {
-            Ok(claimed) => claimed,
-            Err(error) => {
-                observe::store_error(&route, "claim");
-                return Err(error);
-            }
-        };
-        Ok(match claim {
-            Claim::Claimed | Claim::TakenOver => {
-                if named.alongside.is_some()
-                    && let Some(decided) = self
-                        .look_alongside(
-                            &named,
-                            &owner,
-                            claim == Claim::TakenOver,
-                            &route,
-                            waits_until,
-                        )
-                        .await?
-                {
-                    return Ok(decided);
+        let mut in_order_again = true;
+        loop {
+            let claimed =
+                self.claim_or_wait(&named.key, &named.fingerprint, &route, wait_until).await;
+            let (claim, owner, sent) = match claimed {
+                Ok(claimed) => claimed,
+                Err(error) => {
+                    observe::store_error(&route, "claim");
+                    return Err(error);
                 }
-                let key = &named.key;
-                let taken_over = claim == Claim::TakenOver;
-                if taken_over {
+            };
+            if !matches!(claim, Claim::Claimed | Claim::TakenOver) {
+                return self.found(claim, &named, &route);
+            }
+            // During a move, the names moved to are claimed next (claimed again in order, once,
+            // when the request there settled and left them free while it was waited for).
+            let taken_over = claim == Claim::TakenOver;
+            let waits = waits_until.filter(|_| in_order_again);
+            let holder =
+                match self.claim_next(&named, (owner, taken_over, sent), &route, waits).await? {
+                    Second::Held(holder) => holder,
+                    Second::Decided(decided) => return Ok(decided),
+                    Second::Again => {
+                        in_order_again = false;
+                        continue;
+                    }
+                };
+            let key = &named.key;
+            return Ok({
+                if holder.taken_over() {
                     tracing::warn!(key_hash = key.hash(), "idempotency: took over a lapsed claim");
                     observe::claim(&route, "taken_over");
                 } else {
                     tracing::debug!(key_hash = key.hash(), "idempotency: claimed");
                     observe::claim(&route, "claimed");
                 }
-                Claimed::Run(Holder::new(self, named, owner, route, taken_over))
-            }
+                Claimed::Run(holder)
+            });
+        }
+    }
+
+    /// What a claim under `named`'s first names found, when it did not win it.
+    fn found(&self, claim: Claim, named: &Named, route: &Label) -> Result<Claimed<St>, StoreError> {
+        Ok(match claim {
+            Claim::Claimed | Claim::TakenOver => unreachable!("a claim won is run"),
             Claim::Replay { response: stored, .. } => {
-                observe::claim(&route, "replayed");
+                observe::claim(route, "replayed");
                 Claimed::Replay(self.settings.at_rest.open(
                     &named.key,
                     &named.fingerprint,
@@ -265,7 +276,7 @@ impl<St: Store> Engine<St> {
                 )?)
             }
             Claim::InProgress { remaining } => {
-                observe::claim(&route, "in_progress");
+                observe::claim(route, "in_progress");
                 Claimed::InProgress { retry_after: self.settings.retry_after.min(remaining) }
             }
             Claim::Mismatch => {
@@ -273,7 +284,7 @@ impl<St: Store> Engine<St> {
                     key_hash = named.key.hash(),
                     "idempotency: key reused with a different request"
                 );
-                observe::claim(&route, "mismatch");
+                observe::claim(route, "mismatch");
                 Claimed::Mismatch
             }
         })
@@ -286,8 +297,8 @@ impl<St: Store> Engine<St> {
         fingerprint: &Fingerprint,
         route: &Label,
         wait_until: Option<tokio::time::Instant>,
-    ) -> Result<(Claim, OwnerToken), StoreError> {
-        let (mut claim, mut owner) = self.claim_once(key, fingerprint, false).await?;
+    ) -> Result<(Claim, OwnerToken, tokio::time::Instant), StoreError> {
+        let (mut claim, mut owner, mut sent) = self.claim_once(key, fingerprint, false).await?;
         let left = |wait: Duration| match wait_until {
             Some(until) => wait.min(until.saturating_duration_since(tokio::time::Instant::now())),
             None => wait,
@@ -298,7 +309,7 @@ impl<St: Store> Engine<St> {
             match self.settings.waiters.clone().try_acquire_owned() {
                 Ok(_place) => {
                     let started = tokio::time::Instant::now();
-                    (claim, owner) = self.wait(key, fingerprint, wait).await?;
+                    (claim, owner, sent) = self.wait(key, fingerprint, wait).await?;
                     observe::waited(route, started.elapsed());
                 }
                 Err(_) => tracing::debug!(
@@ -307,7 +318,7 @@ impl<St: Store> Engine<St> {
                 ),
             }
         }
-        Ok((claim, owner))
+        Ok((claim, owner, sent))
     }
 
     /// Waits up to `wait` for an in-progress record to settle: subscribe, claim again
@@ -320,15 +331,15 @@ impl<St: Store> Engine<St> {
         key: &RecordKey,
         fingerprint: &Fingerprint,
         wait: Duration,
-    ) -> Result<(Claim, OwnerToken), StoreError> {
+    ) -> Result<(Claim, OwnerToken, tokio::time::Instant), StoreError> {
         let deadline = after(wait);
         let mut subscription = self.store.subscribe(key).await;
         let mut poll = (!subscription.is_live()).then_some(FIRST_POLL);
         loop {
-            let (claim, owner) = self.claim_once(key, fingerprint, true).await?;
+            let (claim, owner, sent) = self.claim_once(key, fingerprint, true).await?;
             let Claim::InProgress { remaining } = claim else {
                 tracing::debug!(key_hash = key.hash(), "idempotency: waited for the original");
-                return Ok((claim, owner));
+                return Ok((claim, owner, sent));
             };
             // Claim again when the original's lease would lapse (a holder that died settles
             // nothing: its key is taken over then, within the wait), or when the store says to

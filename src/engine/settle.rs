@@ -34,12 +34,13 @@ pub(super) enum Completed {
 }
 
 impl Completed {
-    /// Counts and logs what became of the complete.
-    pub(super) fn report(self, hash: &str, route: &Label) {
+    /// Counts and logs what became of the complete; what the store answered, if it did.
+    pub(super) fn report(self, hash: &str, route: &Label) -> Option<Fenced> {
         match self {
             Self::Settled(Fenced::Applied) => {
                 observe::settle(route, "stored");
                 tracing::debug!(key_hash = hash, "idempotency: completed");
+                Some(Fenced::Applied)
             }
             Self::Settled(Fenced::Rejected) => {
                 observe::settle(route, "fenced_out");
@@ -47,6 +48,7 @@ impl Completed {
                     key_hash = hash,
                     "idempotency: lease lapsed and the key was taken over; outcome not stored"
                 );
+                Some(Fenced::Rejected)
             }
             Self::GaveUp(error) => {
                 observe::settle(route, "failed");
@@ -55,6 +57,7 @@ impl Completed {
                     %error,
                     "idempotency: the response could not be stored while the key was held; a retry after the lease ends will run the handler again"
                 );
+                None
             }
         }
     }

@@ -51,6 +51,9 @@ pub(crate) struct Protocol {
     /// A claim answered too late to hold its lease (its process paused with the answer on the
     /// wire) is abandoned, not run (`engine::heard_in_time`).
     pub(crate) late_claim_bound: bool,
+    /// A transition build's transaction commits every name it holds in its one commit (else:
+    /// only the one it claimed first).
+    pub(crate) commit_both: bool,
     /// Where the instances keep the key: one placement, or a move between two.
     pub(crate) placement: Placement,
 }
@@ -115,6 +118,7 @@ impl Protocol {
         settle_retried: true,
         abandon_marker: true,
         late_claim_bound: true,
+        commit_both: true,
         placement: Placement::Fixed,
     };
 
@@ -277,6 +281,13 @@ impl OneKey {
         let holds = state.under[owner] == name || (state.both[owner] && name == 1);
         let renewed = Self::running(state, owner) && holds;
         faulted || !(fresh || renewed) || state.steps[owner] == Step::InTransaction
+    }
+
+    /// The names `attempt` holds: the one it claimed, and the second placement's in a
+    /// transition build.
+    fn held_names(state: &State, a: usize) -> Vec<u8> {
+        let first = state.under[a];
+        if state.both[a] { vec![first, 1 - first] } else { vec![first] }
     }
 
     /// The store's claim of `name`, applied atomically for `attempt`.
@@ -604,48 +615,63 @@ impl Model for OneKey {
             }
             Action::Begin(attempt) => {
                 let a = usize::from(attempt);
-                let name = state.under[a];
-                let n = usize::from(name);
+                // Every name it holds (both, in a transition build), each by its lock, taken
+                // in order: `PostgresStore::transaction` during `Hashing::moving_to`.
+                let names = Self::held_names(&state, a);
                 if self.protocol.key_lock {
-                    if state.lock[n].is_some() {
+                    if names.iter().any(|&name| state.lock[usize::from(name)].is_some()) {
                         return None;
                     }
-                    state.lock[n] = Some(attempt);
+                    for &name in &names {
+                        state.lock[usize::from(name)] = Some(attempt);
+                    }
                     // The lease renewed, fenced, under the lock: a holder taken over before is
                     // fenced out here, before anything is paid.
-                    match state.records[n] {
-                        Record::Held { owner, .. } if owner == attempt => {
-                            state.records[n] = Record::Held { owner, live: true };
+                    let ours = |record: Record| matches!(record, Record::Held { owner, .. } if owner == attempt);
+                    if names.iter().all(|&name| ours(state.records[usize::from(name)])) {
+                        for &name in &names {
+                            state.records[usize::from(name)] =
+                                Record::Held { owner: attempt, live: true };
                         }
-                        _ => {
+                    } else {
+                        for &name in &names {
                             Self::unlock(&mut state, name, attempt);
                             self.release(&mut state, name, attempt);
-                            state.steps[a] = Step::Answered(Answer::Unavailable);
-                            return Some(state);
                         }
+                        state.steps[a] = Step::Answered(Answer::Unavailable);
+                        return Some(state);
                     }
                 }
                 state.steps[a] = Step::InTransaction;
             }
             Action::Commit { attempt, reply_lost } => {
                 let a = usize::from(attempt);
-                let name = state.under[a];
-                let n = usize::from(name);
-                let committed =
-                    matches!(state.records[n], Record::Held { owner, .. } if owner == attempt);
+                // Every name it holds, in the one commit: all of them fenced by its token, or
+                // none written.
+                let names = Self::held_names(&state, a);
+                let written = if self.protocol.commit_both { &names[..] } else { &names[..1] };
+                let committed = written.iter().all(|&name| {
+                    matches!(state.records[usize::from(name)], Record::Held { owner, .. } if owner == attempt)
+                });
                 if committed {
-                    state.records[n] = Record::Done { owner: attempt };
+                    for &name in written {
+                        state.records[usize::from(name)] = Record::Done { owner: attempt };
+                    }
                 }
                 if reply_lost {
                     state.faults -= 1;
                 }
-                Self::unlock(&mut state, name, attempt);
+                for &name in &names {
+                    Self::unlock(&mut state, name, attempt);
+                }
                 state.steps[a] = if committed && !reply_lost {
                     Step::Answered(Answer::Response(attempt))
                 } else {
                     // Rolled back, or its fate unknown: a fenced release, which a committed
                     // record refuses; the retry learns the truth.
-                    self.release(&mut state, name, attempt);
+                    for &name in &names {
+                        self.release(&mut state, name, attempt);
+                    }
                     Step::Answered(Answer::Unavailable)
                 };
             }

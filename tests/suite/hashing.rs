@@ -11,7 +11,7 @@ use axum::Router;
 use axum_idempotency::{
     Fingerprint, IdempotencyLayer, Idempotent,
     consumer::Outcome,
-    hashing::{Hashing, HashingError},
+    hashing::{Deploy, Hashing, HashingError},
     store::{Admin, Claim, Forgotten, Lease, OwnerToken, Store},
 };
 use common::*;
@@ -32,11 +32,11 @@ fn deploy(h: &impl Harness<Store: Admin>, calls: &Calls, hashing: Hashing) -> Ro
 }
 
 fn plain_to_keyed() -> Hashing {
-    Hashing::plain().alongside(Hashing::keyed(SECRET)).unwrap()
+    Hashing::plain().moving_to(Hashing::keyed(SECRET), Deploy::First).unwrap()
 }
 
 fn keyed_from_plain() -> Hashing {
-    Hashing::keyed(SECRET).alongside(Hashing::plain()).unwrap()
+    Hashing::plain().moving_to(Hashing::keyed(SECRET), Deploy::Second).unwrap()
 }
 
 async fn keyed_names_hide_the_key_and_the_request<H: Harness>(h: H)
@@ -176,12 +176,13 @@ where
     let second = deploy(&h, &calls, keyed_from_plain());
     let ran = send(&second, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
-    // Taken over and completed under the plain name it started with; nothing under the keyed
-    // one (its claim was let go), so that the next look finds the plain record.
+    // Taken over under the plain name and claimed under the keyed one: completed under both,
+    // so that the neighbours on either side (and the deploy after) replay it.
     assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
-    assert_eq!(h.record_count().await, 1);
-    let before = deploy(&h, &calls, Hashing::plain());
-    for instance in [&before, &second] {
+    assert_eq!(h.record_count().await, 2);
+    let first = deploy(&h, &calls, plain_to_keyed());
+    let after = deploy(&h, &calls, Hashing::keyed(SECRET));
+    for instance in [&first, &second, &after] {
         assert!(send(instance, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     }
     assert_eq!(calls.get(), 1);
@@ -209,9 +210,9 @@ where
 }
 
 #[test]
-fn the_names_alongside_are_other_names() {
-    let same = Hashing::keyed(SECRET).alongside(Hashing::keyed(SECRET));
+fn a_move_is_between_two_other_namings() {
+    let same = Hashing::keyed(SECRET).moving_to(Hashing::keyed(SECRET), Deploy::First);
     assert_eq!(same.unwrap_err(), HashingError::SameNames);
-    let nested = Hashing::keyed(SECRET).alongside(plain_to_keyed());
+    let nested = Hashing::keyed(SECRET).moving_to(plain_to_keyed(), Deploy::Second);
     assert_eq!(nested.unwrap_err(), HashingError::Nested);
 }

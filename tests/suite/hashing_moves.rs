@@ -1,4 +1,4 @@
-//! A running service moving to keyed names (`Hashing::alongside`), and what an operation's
+//! A running service moving to keyed names (`Hashing::moving_to`), and what an operation's
 //! context keeps through it: derived keys that never change, recovery hooks and the tables
 //! beside the stores (`DurableOutcomes`, `Checkpoints`) that find what an instance of the
 //! neighbouring deploy committed under the request's other names, a holder lapsed under both
@@ -20,10 +20,10 @@ use axum::body::Bytes;
 use axum_idempotency::{
     Fingerprint, IdempotencyContext, IdempotencyLayer, Idempotent, MemoryStore,
     consumer::Outcome,
-    hashing::Hashing,
+    hashing::{Deploy, Hashing},
     recovery::{BoxError, Lookup, Recovered},
     settings::{Recovery, Waiting},
-    store::{Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError},
+    store::{Claim, Fenced, Lease, OwnerToken, RecordKey, RecordStatus, Store, StoreError},
 };
 use common::*;
 
@@ -31,11 +31,11 @@ const SECRET: [u8; 32] = [0x5e; 32];
 const NEXT: [u8; 32] = [0x77; 32];
 
 fn plain_to_keyed() -> Hashing {
-    Hashing::plain().alongside(Hashing::keyed(SECRET)).unwrap()
+    Hashing::plain().moving_to(Hashing::keyed(SECRET), Deploy::First).unwrap()
 }
 
 fn keyed_from_plain() -> Hashing {
-    Hashing::keyed(SECRET).alongside(Hashing::plain()).unwrap()
+    Hashing::plain().moving_to(Hashing::keyed(SECRET), Deploy::Second).unwrap()
 }
 
 /// A payment provider that charges once per idempotency key it is given.
@@ -62,8 +62,8 @@ async fn a_derived_key_is_the_same_on_every_deploy_of_a_move_and_a_rotation() {
         (plain_to_keyed(), keyed_from_plain()),
         (keyed_from_plain(), Hashing::keyed(SECRET)),
         (
-            Hashing::keyed(SECRET).alongside(Hashing::keyed(NEXT)).unwrap(),
-            Hashing::keyed(NEXT).alongside(Hashing::keyed(SECRET)).unwrap(),
+            Hashing::keyed(SECRET).moving_to(Hashing::keyed(NEXT), Deploy::First).unwrap(),
+            Hashing::keyed(SECRET).moving_to(Hashing::keyed(NEXT), Deploy::Second).unwrap(),
         ),
     ];
     for (i, (first, then)) in moves.into_iter().enumerate() {
@@ -148,9 +148,9 @@ async fn a_hook_asked_on_every_claim_finds_what_the_neighbouring_deploy_committe
     }
 }
 
-/// A holder of deploy 2 charged under the keyed names and died; a claim of deploy 1 under the
-/// plain names died before its look at the keyed ones: both names hold a lapsed claim. The
-/// retry on deploy 2 takes one over and asks the hook, which finds the charge under either.
+/// A holder of deploy 2 charged (its outbox row under the keyed names, the ones it completes
+/// first) and died: both names hold its lapsed claim. The retry on either deploy of the move
+/// takes both over and asks the hook, which finds the charge under either name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_lapsed_under_both_names_is_recovered_once() {
     for retry_on in [keyed_from_plain(), plain_to_keyed()] {
@@ -177,11 +177,6 @@ async fn a_request_lapsed_under_both_names_is_recovered_once() {
         })
         .await;
         assert!(died.is_err(), "the holder \"died\" mid-operation");
-        let plain = RecordKey::new("idempotency-consumer", b"pay", b"k1");
-        let lease = Lease::new(Duration::from_millis(100)).recovery_window(Duration::from_secs(60));
-        let fingerprint = Fingerprint::of_payload(b"100");
-        let phantom = store.claim(&plain, &fingerprint, &OwnerToken::random(), lease).await;
-        assert_eq!(phantom.unwrap(), Claim::Claimed);
         tokio::time::sleep(Duration::from_millis(400)).await;
 
         let retried = door(retry_on).run("pay", "k1", b"100", charge(&outbox, &charges)).await;
@@ -475,7 +470,8 @@ async fn a_takeover_whose_look_fails_keeps_the_lapse() {
     assert!(died.is_err());
     tokio::time::sleep(Duration::from_millis(300)).await;
     let plain = RecordKey::new("idempotency-consumer", b"pay", b"k1");
-    // The retry's look at the plain name fails: nothing runs.
+    // The retry's claim of the keyed name, after it took the plain one over, fails: nothing
+    // runs, and the plain one keeps its lapse (abandoned, not released).
     let failing = SlowOthers {
         inner: inner.clone(),
         fast: String::new(),
@@ -483,8 +479,7 @@ async fn a_takeover_whose_look_fails_keeps_the_lapse() {
         fail: true,
         slow_releases: false,
     };
-    let keyed = ours.inspect("pay", "k1", false).await.unwrap().expect("the lapsed claim");
-    let failing = SlowOthers { fast: keyed_record(&keyed.key_hash), ..failing };
+    let failing = SlowOthers { fast: plain.as_str().to_owned(), ..failing };
     let asked = Arc::new(AtomicUsize::new(0));
     let hook = {
         let asked = asked.clone();
@@ -497,17 +492,14 @@ async fn a_takeover_whose_look_fails_keeps_the_lapse() {
     let failing = Idempotent::new(failing).hashing(named.clone()).recover(hook.clone());
     let refused = failing.run("pay", "k1", b"100", |_| async { Ok::<_, String>(8_u32) }).await;
     assert!(refused.is_err(), "{refused:?}");
-    assert_eq!(inner.state(&plain), None, "nothing written under the plain name");
+    let lapsed = ours.inspect("pay", "k1", false).await.unwrap().expect("the lapsed claim");
+    assert!(matches!(lapsed.record.state, RecordStatus::Lapsed { .. }), "{lapsed:?}");
+    assert_eq!(asked.load(Ordering::SeqCst), 0, "the hook is asked once both are held");
     // The next retry takes the lapsed claim over again and asks the hook, which knows it.
     let door = Idempotent::new(inner.clone()).hashing(named).recover(hook);
     let retried = door.run("pay", "k1", b"100", |_| async { Ok::<_, String>(8_u32) }).await;
     assert!(matches!(retried, Ok(Outcome::Replayed(7))), "{retried:?}");
     assert_eq!(asked.load(Ordering::SeqCst), 1);
-}
-
-/// The stored text of a keyed record's name, from its hash (the consumer door's prefix).
-fn keyed_record(hash: &str) -> String {
-    format!("idempotency-consumer:{{{hash}}}")
 }
 
 /// The tables beside the stores, over real Redis and PostgreSQL: what a request committed on

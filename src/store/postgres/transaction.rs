@@ -81,22 +81,32 @@ where
     let started = tokio::time::Instant::now();
     let connection = bounded(timeout, pool.acquire()).await.map_err(TransactionError::Store)?;
     let mut connection = Beginning::new(connection);
-    let held = match where_kept {
-        Kept::InRecord(lock) => {
+    // Every name the claim holds (two during a move between namings), each by its lock,
+    // taken in the order of the names, as every transaction takes them.
+    let mut names = vec![(context.key(), &completion.owner)];
+    if let (Some(other), Some(owner)) = (context.other_key(), &completion.other_owner) {
+        names.push((other, owner));
+        names.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    }
+    let mut held = Vec::new();
+    if let Kept::InRecord(lock) = where_kept {
+        for (key, owner) in names {
             let left = timeout.saturating_sub(started.elapsed());
-            let held = Held { lock, key: context.key() };
-            match bounded(left, held.take(&mut connection, completion)).await {
+            let hold = Held { lock, key, owner };
+            let taken = bounded(left, hold.take(&mut connection, completion)).await;
+            held.push(hold);
+            match taken {
                 Ok(true) => {}
                 Ok(false) => {
-                    held.let_go(&mut connection, None, timeout).await;
+                    for hold in held.into_iter().rev() {
+                        hold.let_go(&mut connection, None, timeout).await;
+                    }
                     return Err(TransactionError::Store(StoreError::FencedOut));
                 }
                 Err(error) => return Err(TransactionError::Store(error)),
             }
-            Some(held)
         }
-        Kept::Beside(_) => None,
-    };
+    }
     let left = timeout.saturating_sub(started.elapsed());
     let result = in_transaction(
         &mut connection,
@@ -108,17 +118,17 @@ where
         &mut running,
     )
     .await;
-    if let Some(held) = held {
-        // Renewed before it is let go, unless it committed (a completed record is never
-        // renewed): the holder's renewals resume a period on, and the lease lapsed meanwhile
-        // when the transaction outlived it. A commit whose fate is unknown leaves the
-        // connection as it is: closed, which ends the lock.
-        let renew = match &result {
-            Ok(_) | Err(TransactionError::CommitUnknown(_)) => None,
-            Err(_) => Some(completion),
-        };
-        if !matches!(result, Err(TransactionError::CommitUnknown(_))) {
-            held.let_go(&mut connection, renew, timeout).await;
+    // Renewed before it is let go, unless it committed (a completed record is never
+    // renewed): the holder's renewals resume a period on, and the lease lapsed meanwhile
+    // when the transaction outlived it. A commit whose fate is unknown leaves the
+    // connection as it is: closed, which ends the lock.
+    let renew = match &result {
+        Ok(_) | Err(TransactionError::CommitUnknown(_)) => None,
+        Err(_) => Some(completion),
+    };
+    if !matches!(result, Err(TransactionError::CommitUnknown(_))) {
+        for hold in held.into_iter().rev() {
+            hold.let_go(&mut connection, renew, timeout).await;
         }
     }
     result
@@ -149,12 +159,19 @@ where
     let value = operation(&mut tx).await.map_err(TransactionError::Operation)?;
     let (outcome, value) =
         value.encode(context).await.map_err(|why| TransactionError::NotStored(why.to_string()))?;
-    let encoded =
-        context.encoded(outcome).map_err(|why| TransactionError::NotStored(why.to_string()))?;
-    match write(&mut tx, &encoded, timeout, statement).await {
-        Ok(true) => {}
-        Ok(false) => return Err(TransactionError::Store(StoreError::FencedOut)),
-        Err(error) => return Err(TransactionError::Store(error)),
+    let not_stored = |why: crate::store::EncodeError| TransactionError::NotStored(why.to_string());
+    let encoded = context.encoded(outcome.clone()).map_err(not_stored)?;
+    // During a move between namings, under the other names too, in the same commit.
+    let other = match where_kept {
+        Kept::InRecord(_) => context.encoded_other(outcome).map_err(not_stored)?,
+        Kept::Beside(_) => None,
+    };
+    for encoded in std::iter::once(&encoded).chain(&other) {
+        match write(&mut tx, encoded, timeout, statement).await {
+            Ok(true) => {}
+            Ok(false) => return Err(TransactionError::Store(StoreError::FencedOut)),
+            Err(error) => return Err(TransactionError::Store(error)),
+        }
     }
     running.committing();
     match tokio::time::timeout(timeout, tx.commit()).await {

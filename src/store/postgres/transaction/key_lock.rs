@@ -6,7 +6,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, Row as _};
 
 use super::{Beginning, bounded, millis};
-use crate::{context::Completion, fingerprint::Fingerprint, key::RecordKey};
+use crate::{context::Completion, fingerprint::Fingerprint, key::RecordKey, store::OwnerToken};
 
 /// The lock a record store's transaction holds its key by, from before its `BEGIN` to after
 /// its `COMMIT`: a session-level advisory lock named after the table and the key
@@ -33,10 +33,11 @@ pub(crate) fn key_lock(table: &str, key: &RecordKey) -> i64 {
     i64::from_be_bytes(first)
 }
 
-/// A record store's transaction's hold on its key: [`KeyLock`], on `key`.
+/// A record store's transaction's hold on its key: [`KeyLock`], on `key`, claimed by `owner`.
 pub(super) struct Held<'a> {
     pub(super) lock: KeyLock<'a>,
     pub(super) key: &'a RecordKey,
+    pub(super) owner: &'a OwnerToken,
 }
 
 impl Held<'_> {
@@ -64,7 +65,7 @@ impl Held<'_> {
     ) -> Result<bool, sqlx::Error> {
         let renew = sqlx::query(self.lock.touch)
             .bind(self.key.as_str())
-            .bind(completion.owner.as_bytes())
+            .bind(self.owner.as_bytes())
             .bind(millis(completion.lease.duration))
             .bind(millis(completion.lease.recovery_window));
         let outcome: i32 = renew.fetch_one(connection).await?.try_get(0)?;
