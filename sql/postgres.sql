@@ -7,6 +7,9 @@
 --   state 'C'  completed: `response` is replayed until `expires_at` (the retention)
 --   state 'X'  the marker of an abandoned claim (see Store::abandon): `owner`'s claim, landing
 --              late, is refused; for every other claim the key is absent
+--   state 'F'  a door's fleet registry (Store::announce), under a key of its own prefix
+--              (`{prefix}-fleet:{..}`, never a request's): its entries in `response`, a line
+--              each, kept until the last of them (`expires_at`)
 -- A row whose `expires_at` has passed is absent, whatever it holds; the sweeper deletes it.
 -- `waited`: a claim is waiting for this record to settle, so its settle sends a NOTIFY on
 -- the channel `idempotency_records_settled` with the key as the payload (on a completed row it

@@ -48,6 +48,7 @@ pub mod grpc;
 pub mod hashing;
 mod key;
 pub mod layer;
+mod placement;
 pub mod recovery;
 pub mod settings;
 pub mod store;

@@ -26,6 +26,8 @@ use bytes::Bytes;
 struct LedgerStore {
     records: Arc<Mutex<HashMap<String, Record>>>,
     waiters: Waiters,
+    /// The fleets' registries: each entry until its time.
+    fleet: Arc<Mutex<HashMap<String, HashMap<String, Instant>>>>,
     /// What a broken store would get wrong, for the kit to catch.
     broken: Broken,
 }
@@ -36,6 +38,8 @@ struct Broken {
     unfenced: bool,
     /// A lapsed claim is forgotten at once, whatever its recovery window.
     no_window: bool,
+    /// No registry of the fleet (`announce` answers `None`, as by default).
+    no_registry: bool,
 }
 
 struct Record {
@@ -166,6 +170,26 @@ impl Store for LedgerStore {
     async fn subscribe(&self, key: &RecordKey) -> Subscription {
         self.waiters.register(key.as_str(), None).0
     }
+
+    async fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        if self.broken.no_registry {
+            return Ok(None);
+        }
+        let now = Instant::now();
+        let mut fleet = self.fleet.lock().unwrap();
+        let listed = fleet.entry(registry.as_str().to_owned()).or_default();
+        listed.retain(|_, until| *until > now);
+        for (entry, lasts) in entries {
+            let until = now + *lasts;
+            let kept = listed.entry(entry.clone()).or_insert(until);
+            *kept = (*kept).max(until);
+        }
+        Ok(Some(listed.keys().cloned().collect()))
+    }
 }
 
 /// The way the `conformance` module's docs (and CONTRIBUTING.md) tell a third-party store to run
@@ -255,6 +279,14 @@ async fn the_kit_fails_a_store_that_breaks_the_contract() {
         })
         .await,
         "a store without recovery windows passed the takeover check"
+    );
+    let no_registry = LedgerStore::broken(Broken { no_registry: true, ..Broken::default() });
+    assert!(
+        fails(async move {
+            conformance::the_fleet_registry_keeps_each_entry_for_its_time(&no_registry).await;
+        })
+        .await,
+        "a store without a registry passed the registry check"
     );
     // The same checks pass the sound store: the failures above are the breakage's.
     assert!(!fails(async move { conformance::check_all(&c).await }).await);

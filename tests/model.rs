@@ -13,6 +13,7 @@ mod protocol;
 
 use std::time::Instant;
 
+use axum_idempotency::hashing::{Deploy, Hashing};
 use protocol::{Build, OneKey, Placement, Protocol};
 use stateright::{Checker, Model};
 
@@ -207,5 +208,33 @@ fn a_skipped_transition_build_runs_twice() {
     for (a, b) in [(Build::Old, Build::Second), (Build::First, Build::New)] {
         let protocol = Protocol { placement: Placement::Transition(a, b), ..Protocol::TODAY };
         counterexample("a skipped build", protocol, "no run after a response was stored");
+    }
+}
+
+/// The rule the fleet's registry holds instances to (`Hashing::serves_beside`: each reads the
+/// names the other always completes) agrees with the model on every pair of a move's builds:
+/// the pairs it lets serve side by side hold every property, and each pair it refuses gives a
+/// counterexample.
+#[test]
+fn the_fleets_rule_agrees_with_the_model_on_every_pair_of_builds() {
+    let keyed = || Hashing::keyed([3; 32]);
+    let builds = [
+        (Build::Old, Hashing::plain()),
+        (Build::First, Hashing::plain().moving_to(keyed(), Deploy::First).unwrap()),
+        (Build::Second, Hashing::plain().moving_to(keyed(), Deploy::Second).unwrap()),
+        (Build::New, keyed()),
+    ];
+    for (i, (a, hashing_a)) in builds.iter().enumerate() {
+        for (b, hashing_b) in &builds[i + 1..] {
+            let allowed = hashing_a.serves_beside(hashing_b);
+            assert_eq!(allowed, hashing_b.serves_beside(hashing_a), "{a:?} {b:?}: not symmetric");
+            let protocol = Protocol { placement: Placement::Transition(*a, *b), ..Protocol::TODAY };
+            let name = format!("{a:?} beside {b:?}, allowed {allowed}");
+            if allowed {
+                check(&name, protocol, 2).assert_properties();
+            } else {
+                counterexample(&name, protocol, "no run after a response was stored");
+            }
+        }
     }
 }

@@ -43,15 +43,18 @@ async fn payments(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM payments").fetch_one(pool).await.unwrap()
 }
 
-/// One event on `deploy`, its transaction 2.5 s long with a lease of a second: `runs` counts
-/// the operation's runs.
+/// One event on `deploy` (in the fleet of the key prefix `fleet`), its transaction 2.5 s long
+/// with a lease of a second: `runs` counts the operation's runs.
 async fn pay(
-    store: &PostgresStore,
+    (store, fleet): (&PostgresStore, &str),
     deploy: usize,
     event: &str,
     runs: Arc<AtomicUsize>,
 ) -> Result<Outcome<i64>, axum_idempotency::consumer::Error<TransactionError<sqlx::Error>>> {
-    let door = Idempotent::new(store.clone()).hashing(build(deploy)).lease(Duration::from_secs(1));
+    let door = Idempotent::new(store.clone())
+        .key_prefix(fleet)
+        .hashing(build(deploy))
+        .lease(Duration::from_secs(1));
     let store = store.clone();
     door.run("payments", event, b"{}", move |context| async move {
         runs.fetch_add(1, Ordering::SeqCst);
@@ -69,8 +72,9 @@ async fn pay(
 }
 
 /// Each deploy of the move runs an event whose transaction outlives its lease, redelivered
-/// every 200 ms meanwhile to both of its neighbours: one run, one payment, every redelivery
-/// answered "in progress" and then the replay, and the outcome stored under both names.
+/// every 200 ms meanwhile to a neighbour and to its own deploy: one run, one payment, every
+/// redelivery answered "in progress" and then the replay, and the outcome stored under both
+/// names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_during_a_move_holds_and_commits_both_names() {
     let d = TestDatabase::create("moving").await;
@@ -79,36 +83,43 @@ async fn a_transaction_during_a_move_holds_and_commits_both_names() {
     store.migrate().await.unwrap();
     let table = "CREATE TABLE payments (id BIGSERIAL PRIMARY KEY, code TEXT NOT NULL)";
     sqlx::raw_sql(table).execute(&pool).await.unwrap();
-    for (deploy, neighbours) in [(1, [0, 2]), (2, [1, 3])] {
+    // A fleet (a key prefix) each: only neighbours run side by side.
+    for (deploy, neighbour) in [(1, 0), (1, 2), (2, 1), (2, 3)] {
         sqlx::query("TRUNCATE payments").execute(&pool).await.unwrap();
+        let fleet = format!("moving-{deploy}-{neighbour}");
         let event = format!("evt-{deploy}");
         let runs = Arc::new(AtomicUsize::new(0));
         let first = tokio::spawn({
-            let (store, event, runs) = (store.clone(), event.clone(), runs.clone());
-            async move { pay(&store, deploy, &event, runs).await }
+            let (store, fleet, event, runs) =
+                (store.clone(), fleet.clone(), event.clone(), runs.clone());
+            async move { pay((&store, &fleet), deploy, &event, runs).await }
         });
         let started = Instant::now();
         let mut turn = 0;
         while started.elapsed() < Duration::from_millis(3500) {
             tokio::time::sleep(Duration::from_millis(200)).await;
-            let neighbour = neighbours[turn % 2];
+            let redelivered_to = [neighbour, deploy][turn % 2];
             turn += 1;
-            match pay(&store, neighbour, &event, runs.clone()).await {
+            match pay((&store, &fleet), redelivered_to, &event, runs.clone()).await {
                 Ok(Outcome::InProgress { .. }) => {}
                 Ok(Outcome::Replayed(_)) if started.elapsed() > Duration::from_millis(2400) => {}
-                other => panic!("deploy {deploy}'s neighbour {neighbour}: {other:?}"),
+                other => panic!("deploy {deploy}, redelivered to {redelivered_to}: {other:?}"),
             }
         }
         let ran = first.await.unwrap().unwrap();
         let Outcome::Ran(id) = ran else { panic!("deploy {deploy}: {ran:?}") };
-        for neighbour in neighbours {
-            let replayed = pay(&store, neighbour, &event, runs.clone()).await.unwrap();
+        for redelivered_to in [neighbour, deploy] {
+            let replayed = pay((&store, &fleet), redelivered_to, &event, runs.clone()).await;
+            let replayed = replayed.unwrap();
             assert!(matches!(replayed, Outcome::Replayed(again) if again == id), "{replayed:?}");
         }
-        assert_eq!((runs.load(Ordering::SeqCst), payments(&pool).await), (1, 1), "deploy {deploy}");
-        // Completed under the old name and the new one, each as the build reading only it sees.
+        let paid = (runs.load(Ordering::SeqCst), payments(&pool).await);
+        assert_eq!(paid, (1, 1), "deploy {deploy} beside {neighbour}");
+        // Completed under the old name and the new one, each as the build reading only it
+        // sees.
         for alone in [0, 3] {
-            let operator = Idempotent::new(store.clone()).hashing(build(alone)).operator();
+            let operator =
+                Idempotent::new(store.clone()).key_prefix(&fleet).hashing(build(alone)).operator();
             let report = operator.inspect("payments", &event, false).await.unwrap();
             let state = report.map(|report| report.record.state);
             assert!(matches!(state, Some(RecordStatus::Completed)), "{deploy} {alone}: {state:?}");

@@ -56,7 +56,7 @@ async fn payments(pool: &PgPool, event: &str) -> i64 {
 
 /// The record's state: `Some('P')` in progress, `Some('C')` completed, `None` absent.
 async fn record_state(pool: &PgPool) -> Option<String> {
-    let sql = "SELECT state::text FROM idempotency_records";
+    let sql = "SELECT state::text FROM idempotency_records WHERE state <> 'F'";
     sqlx::query_scalar(sql).fetch_optional(pool).await.unwrap()
 }
 

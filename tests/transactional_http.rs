@@ -223,7 +223,7 @@ async fn payments(app: &App) -> i64 {
 }
 
 async fn record_state(app: &App) -> Option<String> {
-    let sql = "SELECT state::text FROM idempotency_records";
+    let sql = "SELECT state::text FROM idempotency_records WHERE state <> 'F'";
     sqlx::query_scalar(sql).fetch_optional(&app.pool).await.unwrap()
 }
 

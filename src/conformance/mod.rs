@@ -37,6 +37,7 @@
 
 mod admin;
 mod checks;
+mod fleet;
 mod sequences;
 
 use std::time::Duration;
@@ -45,6 +46,7 @@ use bytes::Bytes;
 
 pub use self::admin::check_admin;
 pub use self::checks::*;
+pub use self::fleet::the_fleet_registry_keeps_each_entry_for_its_time;
 pub use self::sequences::random_sequences_agree_with_the_model;
 use crate::{
     fingerprint::Fingerprint,
@@ -80,6 +82,7 @@ macro_rules! __conformance_checks {
             a_response_equal_to_the_owner_token_is_not_a_claim,
             a_waiter_is_woken_by_the_settle,
             random_sequences_agree_with_the_model,
+            the_fleet_registry_keeps_each_entry_for_its_time,
         );
     };
 }

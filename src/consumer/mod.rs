@@ -186,7 +186,10 @@ impl<St: Store, H> Idempotent<St, H> {
     fn settings(&mut self) -> &mut Settings {
         // New settings, new renewals: a lease changed after an operation ran is renewed as set.
         self.renewals = RenewalsCell::default();
-        Arc::make_mut(&mut self.settings)
+        // And a fleet of their own: what the door announces changes with them.
+        let settings = Arc::make_mut(&mut self.settings);
+        settings.fleet = Arc::default();
+        settings
     }
 
     fn payload_rules(&mut self) -> &mut PayloadRules {

@@ -22,6 +22,7 @@ mod claim_once;
 mod complete;
 mod door;
 pub(crate) mod envelope;
+mod fleet;
 mod holder;
 pub(crate) mod observe;
 mod operate;
@@ -86,6 +87,8 @@ pub(crate) struct Settings {
     pub(crate) release_too_large: bool,
     /// How records are named in the store: plain or keyed hashes.
     pub(crate) hashing: crate::hashing::Hashing,
+    /// What the door last learned of its fleet, shared by every clone of these settings.
+    pub(crate) fleet: Arc<self::fleet::Fleet>,
 }
 
 impl Settings {
@@ -146,6 +149,7 @@ impl Default for Settings {
             at_rest: AtRest::default(),
             release_too_large: false,
             hashing: crate::hashing::Hashing::default(),
+            fleet: Arc::default(),
         }
     }
 }
@@ -216,6 +220,13 @@ impl<St: Store> Engine<St> {
         route: Label,
         wait_until: Option<tokio::time::Instant>,
     ) -> Result<Claimed<St>, StoreError> {
+        // Counted as the claim's: the first claim of a door announces it to its fleet.
+        if let Err(error) = self.in_its_fleet(&named.key).await {
+            if error.is_unavailable() {
+                observe::store_error(&route, "claim");
+            }
+            return Err(error);
+        }
         // During a move, the request's whole wait, its own caller's deadline within it: a wait
         // on the names moved to waits only within what is left of it.
         let waits_until = (self.settings.wait)
@@ -224,8 +235,10 @@ impl<St: Store> Engine<St> {
             .map(|end| wait_until.map_or(end, |until| end.min(until)));
         let mut in_order_again = true;
         loop {
-            let claimed =
-                self.claim_or_wait(&named.key, &named.fingerprint, &route, wait_until).await;
+            // Claimed again in order after a wait under the names moved to: within what is left
+            // of the request's wait, not a wait of its own.
+            let until = if in_order_again { wait_until } else { waits_until.or(wait_until) };
+            let claimed = self.claim_or_wait(&named.key, &named.fingerprint, &route, until).await;
             let (claim, owner, sent) = match claimed {
                 Ok(claimed) => claimed,
                 Err(error) => {

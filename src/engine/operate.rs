@@ -9,6 +9,7 @@ use super::{
 };
 use crate::{
     key::RecordKey,
+    placement::{self, Phase},
     store::{Admin, Forgotten, KeyReport, StoreError},
 };
 
@@ -59,12 +60,22 @@ impl<St: Admin> Engine<St> {
     /// door claims with and under the names alongside ([`crate::hashing`]): a record left under
     /// either would still answer the key. One whose lease runs is refused
     /// ([`Forgotten::Running`]) unless `force`: under the names claimed with, before anything
-    /// is deleted; under the names alongside, after the first is.
+    /// is deleted; under the names alongside, after the first is. Refused
+    /// ([`StoreError::Misplaced`]) when the fleet's registry lists an instance that reads
+    /// names this door's naming does not (forget through a build of the move).
     pub(crate) async fn forget(
         &self,
         plain: &RecordKey,
         force: bool,
     ) -> Result<Forgotten, StoreError> {
+        // Refused when an instance reads names this operator does not: the record under them
+        // would still answer the key.
+        let registry = placement::registry(plain.prefix());
+        if let Some(listed) = self.store().announce(&registry, &[]).await?
+            && let Some(why) = placement::uncovered(&Phase::of(&self.settings.hashing), &listed)
+        {
+            return Err(StoreError::Misplaced(why));
+        }
         let (ours, alongside) = self.settings.hashing.record_keys(plain);
         let forgotten = self.store().forget(&ours, force).await?;
         let Some(other) = alongside.filter(|_| forgotten != Forgotten::Running) else {

@@ -81,7 +81,10 @@ impl<St: Store> Engine<St> {
                     key_hash = key.hash(),
                     "idempotency: the second claim of a move came too late to hold the first's lease; both let go, nothing run"
                 );
-                release(&self.store, &next.key, &next_owner, Some(route), "late", tasks).await;
+                // Abandoned as a late claim is: a lapsed claim it took over keeps its lapse
+                // (the next claim is a takeover, and asks the recovery hook).
+                let (next_key, next_fp) = (&next.key, &next.fingerprint);
+                abandon(&self.store, next_key, &next_owner, next_fp, abandoned).await;
                 let_go("late").await;
                 Err(StoreError::Timeout(self.settings.lease))
             }
@@ -118,16 +121,36 @@ impl<St: Store> Engine<St> {
             Ok((Claim::InProgress { remaining }, _, _)) => {
                 let_go("the request runs under the names moved to").await;
                 let left = waits_until.map(|until| until.saturating_duration_since(Instant::now()));
-                match left.filter(|left| !left.is_zero()) {
-                    Some(wait) => {
+                // A place among the waiters, as any wait takes: past them, answered at once.
+                let place = left.filter(|left| !left.is_zero()).and_then(|left| {
+                    Some((left, self.settings.waiters.clone().try_acquire_owned().ok()?))
+                });
+                match place {
+                    Some((wait, _place)) => {
                         guard.disarm();
                         let (claim, waited, _) =
                             self.wait(&next.key, &next.fingerprint, wait).await?;
                         return Ok(match claim {
                             Claim::Claimed | Claim::TakenOver => {
-                                let why = "claimed again in order";
-                                release(&self.store, &next.key, &waited, Some(route), why, tasks)
+                                // Let go, to be claimed again in order: a lapsed claim taken
+                                // over keeps its lapse (abandoned), so that the claim in order
+                                // is a takeover again, and asks the recovery hook.
+                                let (next_key, next_fp) = (&next.key, &next.fingerprint);
+                                if claim == Claim::TakenOver {
+                                    let lease = self.settings.lease();
+                                    abandon(&self.store, next_key, &waited, next_fp, lease).await;
+                                } else {
+                                    let why = "claimed again in order";
+                                    release(
+                                        &self.store,
+                                        next_key,
+                                        &waited,
+                                        Some(route),
+                                        why,
+                                        tasks,
+                                    )
                                     .await;
+                                }
                                 Second::Again
                             }
                             Claim::Replay { response, .. } => {

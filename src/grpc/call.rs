@@ -109,6 +109,14 @@ where
                 let message = "a call with this idempotency key is in progress; retry later";
                 retry_after(Code::Aborted, message, after)
             }
+            Operated::Decided(
+                _,
+                Decided::Failed(error @ crate::store::StoreError::Misplaced(_)),
+            ) => {
+                tracing::error!(key_hash = hash, %error, "idempotency: refused beside its fleet");
+                let message = "this instance cannot serve beside its fleet; the call did not run";
+                retry_after(Code::Unavailable, message, ONE_SECOND)
+            }
             Operated::Decided(_, Decided::Failed(error)) if error.is_unavailable() => {
                 tracing::error!(key_hash = hash, %error, "idempotency: store unavailable");
                 retry_after(Code::Unavailable, "the idempotency store is unavailable", ONE_SECOND)

@@ -91,7 +91,10 @@ impl<St, Sc> IdempotencyLayer<St, Sc> {
     fn settings(&mut self) -> &mut Settings {
         // New settings, new renewals: a lease changed after a claim is renewed as set.
         self.renewals = RenewalsCell::default();
-        Arc::make_mut(&mut self.settings)
+        // And a fleet of their own: what the door announces changes with them.
+        let settings = Arc::make_mut(&mut self.settings);
+        settings.fleet = Arc::default();
+        settings
     }
 
     engine_setters!();

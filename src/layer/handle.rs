@@ -183,7 +183,15 @@ fn ended_response<E>(ended: Ended<Response, E>, config: &Config) -> Result<Respo
 }
 
 fn store_error_response(error: &StoreError, hash: &str) -> Response {
-    if error.is_unavailable() {
+    if let StoreError::Misplaced(_) = error {
+        tracing::error!(key_hash = hash, %error, "idempotency: refused beside its fleet");
+        problem_retry_after(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ProblemType::FleetDisagrees,
+            None,
+            UNAVAILABLE_RETRY_AFTER_SECS,
+        )
+    } else if error.is_unavailable() {
         tracing::error!(key_hash = hash, %error, "idempotency: store unavailable");
         problem_retry_after(
             StatusCode::SERVICE_UNAVAILABLE,

@@ -21,12 +21,13 @@ pub(crate) enum ProblemType {
     RecoveryFailed,
     RebuildFailed,
     ResponseNotReplayable,
+    FleetDisagrees,
 }
 
 impl ProblemType {
     /// Every type, for the test that holds the documented table (`src/docs/answers.md`) to them.
     #[cfg(test)]
-    const ALL: [Self; 14] = [
+    const ALL: [Self; 15] = [
         Self::KeyMissing,
         Self::KeyMalformed,
         Self::ScopeMissing,
@@ -41,6 +42,7 @@ impl ProblemType {
         Self::RecoveryFailed,
         Self::RebuildFailed,
         Self::ResponseNotReplayable,
+        Self::FleetDisagrees,
     ];
 
     fn uri_and_title(self) -> (&'static str, &'static str) {
@@ -94,6 +96,10 @@ impl ProblemType {
             Self::HandlerFailed => {
                 ("urn:axum-idempotency:problem:handler-failed", "The request handler failed")
             }
+            Self::FleetDisagrees => (
+                "urn:axum-idempotency:problem:fleet-disagrees",
+                "This instance names records in a way that cannot serve beside its fleet; the request did not run",
+            ),
             Self::ResponseNotReplayable => (
                 "urn:axum-idempotency:problem:response-not-replayable",
                 "The request ran, but its response was too large to keep; it does not run again",

@@ -285,6 +285,14 @@ impl<St: Store> Store for CachingStore<St> {
     fn commits_in_transactions(&self) -> bool {
         self.inner.commits_in_transactions()
     }
+
+    async fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        self.inner.announce(registry, entries).await
+    }
 }
 
 impl<St: Admin> Admin for CachingStore<St> {

@@ -49,6 +49,13 @@ pub enum StoreError {
     /// event's bucket has expired already, so a check against it would answer every event new.
     /// How far past the horizon it is.
     BeyondHorizon(Duration),
+    /// This instance cannot serve beside its fleet (see [`crate::hashing`]): the fleet's
+    /// registry lists instances that name records another way, running now or recently
+    /// enough that their records may live, whose records this one could not see, or that
+    /// could not see its own (a deploy of a move skipped, another secret, a rollback too
+    /// far). Says which step is missing. Its requests are refused (503, never run without
+    /// idempotency, whatever `fail_open` says) until the disagreement ends.
+    Misplaced(String),
 }
 
 impl StoreError {
@@ -65,7 +72,11 @@ impl StoreError {
     pub fn is_unavailable(&self) -> bool {
         !matches!(
             self,
-            Self::CorruptRecord(_) | Self::FencedOut | Self::KeyReused | Self::BeyondHorizon(_)
+            Self::CorruptRecord(_)
+                | Self::FencedOut
+                | Self::KeyReused
+                | Self::BeyondHorizon(_)
+                | Self::Misplaced(_)
         )
     }
 
@@ -143,6 +154,7 @@ impl fmt::Display for StoreError {
                 "the store's schema is missing: run migrate() at start, or apply its schema \
                  ({why})"
             ),
+            Self::Misplaced(why) => write!(f, "this instance cannot serve beside its fleet: {why}"),
         }
     }
 }
@@ -159,6 +171,7 @@ impl std::error::Error for StoreError {
             | Self::SchemaMissing(_)
             | Self::KeyReused
             | Self::BeyondHorizon(_)
+            | Self::Misplaced(_)
             | Self::FencedOut => None,
         }
     }

@@ -173,6 +173,25 @@ pub trait Store: Clone + Send + Sync + 'static {
         false
     }
 
+    /// Records under `registry` that an instance holds each of `entries`, each until its own
+    /// duration from now by the store's clock (never shortening an entry another instance
+    /// announced for longer), forgets the entries past their time, and answers every entry
+    /// left, its own among them: how a door learns which namings its fleet serves, and
+    /// refuses to run beside an instance whose records it could not see (see
+    /// [`crate::hashing`]). Called when a door first claims, then every third of its lease (one to ten seconds).
+    ///
+    /// The default answers `None`: a store that keeps no registry. Its doors then check
+    /// nothing, and say so once in a warning; a store of your own keeps one as the crate's do
+    /// (the conformance kit checks it).
+    fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> impl Future<Output = Result<Option<Vec<String>>, StoreError>> + Send {
+        let _ = (registry, entries);
+        async { Ok(None) }
+    }
+
     /// Renews the lease of the record under `key` to `lease` if `owner` still holds it. A
     /// zero `lease.duration` ends the lease now and keeps the record for its recovery window:
     /// the next claim takes it over.

@@ -189,7 +189,7 @@ impl RedisCluster {
         let mut sizes = Vec::new();
         for (port, _) in self.masters().await {
             let mut connection = self.node(port).connection().await;
-            sizes.push((port, redis::cmd("DBSIZE").query_async(&mut connection).await.unwrap()));
+            sizes.push((port, super::redis::records_on(&mut connection).await));
         }
         sizes
     }

@@ -114,7 +114,9 @@ impl World {
     pub async fn record(&self) -> Option<String> {
         if let Some(redis) = &self.redis {
             let mut keys: Vec<String> = redis.connection().await.keys("*").await.unwrap();
-            keys.retain(|key| !key.contains(":sub:") && key.ends_with('}'));
+            keys.retain(|key| {
+                !key.contains(":sub:") && !key.contains("-fleet:") && key.ends_with('}')
+            });
             assert!(keys.len() <= 1, "{keys:?}");
             let value: Option<Vec<u8>> = match keys.first() {
                 Some(key) => redis.connection().await.get(key).await.unwrap(),
@@ -125,7 +127,7 @@ impl World {
                 if value[1] == b'W' { "P".into() } else { char::from(value[1]).to_string() }
             });
         }
-        let sql = "SELECT state::text FROM idempotency_records";
+        let sql = "SELECT state::text FROM idempotency_records WHERE state <> 'F'";
         let row = self.db.client().await.query_opt(sql, &[]).await;
         // Before the first service ran, the table does not exist: no record.
         row.ok().flatten().map(|row| row.get(0))

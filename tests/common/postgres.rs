@@ -231,8 +231,7 @@ mod store {
         }
 
         async fn record_count(&self) -> usize {
-            let sql =
-                "SELECT count(*) FROM idempotency_records WHERE expires_at > clock_timestamp()";
+            let sql = "SELECT count(*) FROM idempotency_records WHERE expires_at > clock_timestamp() AND state <> 'F'";
             let count: i64 = self.database.client().await.query_one(sql, &[]).await.unwrap().get(0);
             usize::try_from(count).unwrap()
         }

@@ -66,11 +66,20 @@ where
     assert_ne!(report.key_hash, global("k1").hash());
     let plain = Fingerprint::new("POST", "/payments", "", br#"{"amount":1}"#);
     assert_ne!(report.record.fingerprint, plain);
-    // Another secret names another record: the old one is not found, the request runs.
-    let other = deploy(&h, &calls, Hashing::keyed([0x77; 32]));
-    let elsewhere = send(&other, keyed("POST", "/payments", "k1", r#"{"amount":1}"#)).await;
-    assert_eq!((elsewhere.status.as_u16(), elsewhere.replayed()), (201, false));
-    assert_eq!(calls.get(), 2);
+    // Another secret names another record, which would not find the old one: an instance
+    // of it beside this one is refused (503, nothing run), and so is one with plain names.
+    for other in [Hashing::keyed([0x77; 32]), Hashing::plain()] {
+        let other = deploy(&h, &calls, other);
+        send(&other, keyed("POST", "/payments", "k1", r#"{"amount":1}"#))
+            .await
+            .assert_problem(503, "fleet-disagrees");
+    }
+    assert_eq!(calls.get(), 1);
+    // Under another prefix, another fleet: it serves.
+    let apart = IdempotencyLayer::new(h.store()).key_prefix("other").hashing(Hashing::plain());
+    let apart =
+        send(&common::app(&calls).layer(apart), keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((apart.status.as_u16(), calls.get()), (201, 2));
 }
 
 async fn the_consumer_door_names_its_records_keyed_too<H: Harness>(h: H)
@@ -93,41 +102,56 @@ where
     H::Store: Admin,
 {
     let calls = Calls::default();
-    let before = deploy(&h, &calls, Hashing::plain());
-    let first = deploy(&h, &calls, plain_to_keyed());
-    let second = deploy(&h, &calls, keyed_from_plain());
-    let after = deploy(&h, &calls, Hashing::keyed(SECRET));
+    // Short-lived records, so that deploy 3 may start once deploy 1's have expired.
+    let short = |hashing| {
+        let layer = IdempotencyLayer::new(h.store())
+            .hashing(hashing)
+            .lease(Duration::from_millis(300))
+            .keep_alive(Some(Duration::from_millis(300)))
+            .retention(Duration::from_secs(5));
+        app(&calls).layer(layer)
+    };
+    let before = short(Hashing::plain());
     let pay = |key, body| keyed("POST", "/payments", key, body);
 
-    // Completed before any deploy: replayed by the first and second deploys (the third comes
-    // once every record under a plain name has expired).
+    // Completed before any deploy: replayed by deploy 1, and the key is still the request's.
     let done = send(&before, pay("done", "{}")).await;
     assert_eq!(done.status, 201);
-    send(&before, pay("other", r#"{"a":1}"#)).await;
-    assert_eq!(calls.get(), 2);
-    for instance in [&first, &second] {
-        let retry = send(instance, pay("done", "{}")).await;
-        assert!(retry.replayed(), "{retry:?}");
-        assert_eq!((retry.status, &retry.body), (done.status, &done.body));
-    }
-    // The same key with another request is still a mismatch, under either name.
-    send(&second, pay("other", r#"{"a":2}"#)).await.assert_problem(409, "key-reused");
-    assert_eq!(calls.get(), 2);
+    let first = short(plain_to_keyed());
+    let retry = send(&first, pay("done", "{}")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!((retry.status, &retry.body), (done.status, &done.body));
+    send(&first, pay("done", r#"{"a":2}"#)).await.assert_problem(409, "key-reused");
 
-    // Run by the first deploy (its plain name): its neighbours replay it.
+    // Run by deploy 1: replayed by deploy 0 beside it.
     let ran = send(&first, pay("one", "{}")).await;
     assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
-    for instance in [&before, &second] {
-        assert!(send(instance, pay("one", "{}")).await.replayed());
-    }
-    // Run by the second deploy (its keyed name): its neighbours replay it.
+    assert!(send(&before, pay("one", "{}")).await.replayed());
+    // Deploy 2 while deploy 0 runs (a deploy skipped): refused. Once deploy 0's last instance
+    // stopped (forgotten three announcements after, a second each here), deploy 2 replays it.
+    let second = short(keyed_from_plain());
+    send(&second, pay("one", "{}")).await.assert_problem(503, "fleet-disagrees");
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let second = short(keyed_from_plain());
+    assert!(send(&second, pay("one", "{}")).await.replayed());
+    // Deploy 3 while deploy 1's records may live: refused, saying that deploy 2 comes first
+    // and deploy 3 after deploy 1's records expired.
+    let after = short(Hashing::keyed(SECRET));
+    send(&after, pay("two", "{}")).await.assert_problem(503, "fleet-disagrees");
+    // Run by deploy 2.
     let ran = send(&second, pay("two", "{}")).await;
     assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
-    for instance in [&first, &after] {
-        let retry = send(instance, pay("two", "{}")).await;
-        assert!(retry.replayed(), "{retry:?}");
-        assert_eq!(retry.body, ran.body);
-    }
+    assert_eq!(calls.get(), 3);
+    // Deploy 1's records expired (a lease, the keep-alive ceiling, the retention and its
+    // recovery window, 10.6 s, after it last announced itself), and deploy 0's: deploy 3
+    // serves, and replays what deploy 2 completed meanwhile.
+    tokio::time::sleep(Duration::from_millis(8000)).await;
+    let three = send(&second, pay("three", "{}")).await;
+    assert_eq!((three.status.as_u16(), three.replayed()), (201, false));
+    let after = short(Hashing::keyed(SECRET));
+    let retry = send(&after, pay("three", "{}")).await;
+    assert!(retry.replayed(), "{retry:?}");
+    assert_eq!(retry.body, three.body);
     assert_eq!(calls.get(), 4);
 }
 
@@ -136,14 +160,20 @@ where
     H::Store: Admin,
 {
     let calls = Calls::default();
+    // Each rolling deploy runs two neighbours side by side (a fleet, a key prefix, each): 50
+    // duplicates spread over them, one handler run, every other answer 202 or the replay.
     let deploys = [Hashing::plain(), plain_to_keyed(), keyed_from_plain(), Hashing::keyed(SECRET)];
-    let instances: Vec<Router> = deploys.into_iter().map(|d| deploy(&h, &calls, d)).collect();
-    // Each rolling deploy runs two neighbours side by side: 50 duplicates spread over them,
-    // one handler run, every other answer 202 or the replay.
-    for (round, pair) in instances.windows(2).enumerate() {
+    for (round, pair) in deploys.windows(2).enumerate() {
+        let instances: Vec<Router> = pair
+            .iter()
+            .map(|hashing| {
+                let layer = IdempotencyLayer::new(h.store()).key_prefix(format!("round-{round}"));
+                app(&calls).layer(layer.hashing(hashing.clone()))
+            })
+            .collect();
         let key: &'static str = Box::leak(format!("k{round}").into_boxed_str());
         let requests: Vec<_> = (0..50)
-            .map(|i| send_in_background(&pair[i % 2], delayed("/slow", key, 50, "{}")))
+            .map(|i| send_in_background(&instances[i % 2], delayed("/slow", key, 50, "{}")))
             .collect();
         let mut originals = 0;
         for request in requests {
@@ -177,12 +207,11 @@ where
     let ran = send(&second, keyed("POST", "/payments", "k1", "{}")).await;
     assert_eq!((ran.status.as_u16(), ran.replayed()), (201, false));
     // Taken over under the plain name and claimed under the keyed one: completed under both,
-    // so that the neighbours on either side (and the deploy after) replay it.
+    // so that the neighbours on either side replay it.
     assert_eq!(h.held(&global("k1")).await, Some(Held::Completed));
     assert_eq!(h.record_count().await, 2);
     let first = deploy(&h, &calls, plain_to_keyed());
-    let after = deploy(&h, &calls, Hashing::keyed(SECRET));
-    for instance in [&first, &second, &after] {
+    for instance in [&first, &second] {
         assert!(send(instance, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     }
     assert_eq!(calls.get(), 1);
@@ -193,20 +222,19 @@ where
     H::Store: Admin,
 {
     let calls = Calls::default();
-    let before = deploy(&h, &calls, Hashing::plain());
-    let keyed_only = deploy(&h, &calls, Hashing::keyed(SECRET));
     let layer = IdempotencyLayer::new(h.store()).hashing(keyed_from_plain());
     let second = app(&calls).layer(layer.clone());
-    // A record of one key under each name (a deploy skipped: two runs).
-    send(&before, keyed("POST", "/payments", "k1", "{}")).await;
-    send(&keyed_only, keyed("POST", "/payments", "k1", "{}")).await;
-    assert_eq!((h.record_count().await, calls.get()), (2, 2));
+    // Completed by deploy 2: under both names.
+    send(&second, keyed("POST", "/payments", "k1", "{}")).await;
+    assert_eq!((h.record_count().await, calls.get()), (2, 1));
     assert!(send(&second, keyed("POST", "/payments", "k1", "{}")).await.replayed());
     assert_eq!(layer.operator().forget(b"", "k1", false).await.unwrap(), Forgotten::Deleted);
     assert_eq!(h.record_count().await, 0);
-    let again = send(&second, keyed("POST", "/payments", "k1", "{}")).await;
-    assert_eq!((again.status.as_u16(), again.replayed()), (201, false));
-    assert_eq!(calls.get(), 3);
+    for instance in [&second, &deploy(&h, &calls, Hashing::keyed(SECRET))] {
+        let again = send(instance, keyed("POST", "/payments", "k1", "{}")).await;
+        assert_eq!(again.header("x-payment"), Some("pay_2"), "{again:?}");
+    }
+    assert_eq!(calls.get(), 2);
 }
 
 #[test]

@@ -397,11 +397,10 @@ async fn a_let_go_after_a_takeover_under_the_other_names_is_waited_for_at_shutdo
     assert_eq!(calls.get(), 1);
 }
 
-/// A takeover under the other names whose own claim was a takeover too lets that one go with
-/// an abandon, which tries for up to a lease (its store answers late: a busy pool). The
-/// operation does not wait for it past a third of its lease, with keep-alive or without: a
-/// retry after the lease finds the operation done (the replay), never a lapsed claim to take
-/// over and run a second time.
+/// A request lapsed under both names (a holder of each naming died) is taken over under both
+/// by deploy 2, whose store answers renewals and releases late (a busy pool): the operation
+/// does not wait for them, with keep-alive or without: a retry after the lease finds the
+/// operation done (the replay), never a lapsed claim to take over and run a second time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_let_go_after_a_takeover_under_the_other_names_never_lets_the_claim_lapse() {
     for keep_alive in [Some(Duration::from_secs(60)), None] {
@@ -421,8 +420,8 @@ async fn a_slow_let_go_after_a_takeover_under_the_other_names_never_lets_the_cla
         // And one under the plain names.
         lapsed_under_plain(&inner, "/slow").await;
 
-        // Deploy 2 takes both over: the plain claim to run under, and its own, let go with an
-        // abandon whose store answers 1.5 s late, five of its 300 ms leases.
+        // Deploy 2 takes both over, its renewals and releases answered 1.5 s late, five of its
+        // 300 ms leases.
         let slow = SlowOthers::letting_go_late(&inner, Duration::from_millis(1500));
         let calls = Calls::default();
         let deploy2 = IdempotencyLayer::new(slow)
@@ -432,11 +431,13 @@ async fn a_slow_let_go_after_a_takeover_under_the_other_names_never_lets_the_cla
             .waiting(Waiting::off());
         let deploy2 = app(&calls).layer(deploy2);
         let first = send_in_background(&deploy2, delayed("/slow", "k1", 0, "{}"));
-        // Past the lease of the claim the first took over, while its abandon is still on the
-        // wire: a deploy-1 instance's retry.
+        // Past the lease of the claims the first took over, while its renewals are still on
+        // the wire: another deploy-2 instance's retry.
         tokio::time::sleep(Duration::from_millis(800)).await;
-        let deploy1 = IdempotencyLayer::new(inner.clone()).waiting(Waiting::off());
-        let retry = send(&app(&calls).layer(deploy1), delayed("/slow", "k1", 0, "{}")).await;
+        let other = IdempotencyLayer::new(inner.clone())
+            .hashing(keyed_from_plain())
+            .waiting(Waiting::off());
+        let retry = send(&app(&calls).layer(other), delayed("/slow", "k1", 0, "{}")).await;
         assert_eq!((retry.status.as_u16(), retry.replayed()), (201, true), "{retry:?}");
         let first = first.await.unwrap();
         assert_eq!((first.status.as_u16(), first.replayed()), (201, false), "{first:?}");

@@ -66,9 +66,16 @@ async fn records_are_compact_strings_that_never_hold_the_raw_key() {
     let retention_left: i64 = redis.pttl(key.as_str()).await.unwrap();
     assert!((55_000..=60_000).contains(&retention_left), "retention PTTL {retention_left}");
 
-    let keys: Vec<String> = redis.keys("*").await.unwrap();
+    // The record, and the fleet's registry beside it (a sorted set of what instances serve),
+    // neither holding the raw key.
+    let mut keys: Vec<String> = redis.keys("*").await.unwrap();
+    keys.sort();
+    let registry = keys.remove(0);
+    assert!(registry.starts_with("idempotency-fleet:{"), "{registry}");
     assert_eq!(keys, [key.as_str()]);
     assert!(keys[0].starts_with("idempotency:{") && !keys[0].contains("secret"));
+    let entries: Vec<String> = redis.zrange(&registry, 0, -1).await.unwrap();
+    assert_eq!(entries, ["running:names=plain", "wrote:names=plain"]);
     assert_eq!(calls.get(), 1);
 }
 

@@ -37,6 +37,8 @@ pub struct MemoryStore {
     waiters: Waiters,
     /// The `dedup` door's markers and bucket sets.
     seen: Arc<Mutex<dedup::Seen>>,
+    /// The fleets' registries ([`Store::announce`]): each entry until its time.
+    fleet: Arc<Mutex<HashMap<String, HashMap<String, Instant>>>>,
 }
 
 #[derive(Debug)]
@@ -264,6 +266,25 @@ impl Store for MemoryStore {
 
     async fn subscribe(&self, key: &RecordKey) -> Subscription {
         self.waiters.register(key.as_str(), None).0
+    }
+
+    async fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        let now = Instant::now();
+        let mut fleet = self.fleet.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let listed = fleet.entry(registry.as_str().to_owned()).or_default();
+        listed.retain(|_, until| *until > now);
+        for (entry, lasts) in entries {
+            let until = later(now, *lasts);
+            let kept = listed.entry(entry.clone()).or_insert(until);
+            *kept = (*kept).max(until);
+        }
+        let mut answered: Vec<String> = listed.keys().cloned().collect();
+        answered.sort();
+        Ok(Some(answered))
     }
 
     async fn touch(

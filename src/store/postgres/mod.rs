@@ -3,6 +3,7 @@
 mod admin;
 mod begin;
 mod calls;
+mod fleet;
 mod listener;
 mod schema;
 mod sweeper;
@@ -352,5 +353,13 @@ impl Store for PostgresStore {
             .bind(millis(lease.duration))
             .bind(millis(lease.recovery_window));
         self.fenced(query).await
+    }
+
+    async fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        self.announce_in(registry, entries).await.map(Some)
     }
 }

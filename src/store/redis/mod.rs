@@ -328,6 +328,22 @@ impl Store for RedisStore {
             [owner.as_bytes(), lease.as_bytes(), RECORD_VERSION.as_bytes(), window.as_bytes()];
         self.fenced(ScriptCall::new(&TOUCH, &[key.as_str()], &args, 0)).await
     }
+
+    async fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        let lasts: Vec<String> =
+            entries.iter().map(|(_, lasts)| whole_millis(*lasts).to_string()).collect();
+        let args: Vec<&[u8]> = entries
+            .iter()
+            .zip(&lasts)
+            .flat_map(|((entry, _), lasts)| [entry.as_bytes(), lasts.as_bytes()])
+            .collect();
+        let call = ScriptCall::new(&scripts::ANNOUNCE, &[registry.as_str()], &args, 0);
+        self.invoke::<Vec<String>>(call).await.map(Some)
+    }
 }
 
 #[cfg(test)]

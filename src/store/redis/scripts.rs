@@ -23,6 +23,7 @@ macro_rules! script {
 }
 
 pub(super) static ABANDON: LazyLock<Script> = script!("abandon.lua");
+pub(super) static ANNOUNCE: LazyLock<Script> = script!("announce.lua");
 pub(super) static BLOOM: LazyLock<Script> = script!("bloom.lua");
 pub(super) static CLAIM: LazyLock<Script> = script!("claim.lua");
 pub(super) static COMPLETE: LazyLock<Script> = script!("complete.lua");
