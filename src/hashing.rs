@@ -43,22 +43,25 @@
 //!
 //! **Only neighbours may run side by side, and the store holds the fleet to it.** Each door
 //! records in a registry beside its records (one key, or one row, per key prefix) the naming
-//! it serves, and reads what the others record, when it first claims and every third of a
-//! lease after. It refuses its requests (503 `fleet-disagrees`, nothing run, whatever
-//! `fail_open` says; [`StoreError::Misplaced`](crate::store::StoreError::Misplaced) from the
-//! consumer door; the error log says which step is missing) when an instance runs beside it
-//! that cannot see its records or whose records it cannot see: a deploy skipped, another secret
-//! mid-move, a second move begun during the first's first deploy. And it does not start while
-//! such records may live, which makes the two waits of a move checked, not only written:
-//! deploy 3 starts once deploy 1's records have expired (the retention, the recovery window,
-//! the keep-alive ceiling and a lease after the last of its instances stopped); a rollback to
-//! the old naming alone, once deploy 2's have. An instance that stopped is forgotten three
-//! announcements (about a lease) after its last: start the next deploy after that. A door
-//! refused at start records nothing, so it never refuses the fleet it was refused by. A
-//! store of your own that keeps no registry ([`Store::announce`](crate::store::Store::announce)
-//! answers `None`) is warned about once, and nothing is checked. An operator's `forget`
-//! through a door that does not read every naming its fleet reads is refused too: forget
-//! through a build of the move, which forgets under both.
+//! it serves, and reads what the others record: when it first claims (or first claims after
+//! an idle spell), then every third of a lease. It refuses its requests (503
+//! `fleet-disagrees`, nothing run, whatever `fail_open` says;
+//! [`StoreError::Misplaced`](crate::store::StoreError::Misplaced) from the consumer door;
+//! the error log says which step is missing) when an instance runs beside it that cannot see
+//! its records or whose records it cannot see: a deploy skipped, another secret mid-move, a
+//! second move begun during the first's first deploy. It does not start while such records may
+//! live, which makes a move's waits checked, not only written: deploy 3 starts once deploy 1's
+//! records have expired (the retention, the recovery window, the keep-alive ceiling and a
+//! lease after the last of its instances stopped); a rollback to the old naming alone, once
+//! deploy 2's have. An instance that stopped is forgotten about a lease (three announcements)
+//! after its last; start the next deploy after that. A door refused at start records nothing
+//! lasting, and two that start at the same moment leave one serving. `check_fleet()` on a
+//! door's operator asks the same at start, for a readiness check. Two services that share a
+//! store and a key prefix are one fleet: give each door its own prefix. A store of your own
+//! that keeps no registry ([`Store::announce`](crate::store::Store::announce) answers
+//! `None`) is warned about once, and nothing is checked. An operator's `forget` through a door
+//! that does not read every naming its fleet reads is refused: forget through a build of the
+//! move, which forgets under both.
 //!
 //! Roll back one deploy at a time, as you rolled forward. Meanwhile a claim costs a claim and
 //! a complete more, and an operation's context

@@ -151,7 +151,8 @@ impl Hashing {
 }
 
 /// The registry's key for a door whose records' keys have `prefix` (escaped): beside them,
-/// under a prefix of its own (an operator's scan of the records never meets it).
+/// under a prefix of its own, never a request's key (an operator's scan of abandoned claims
+/// that meets it reads no record there, and skips it).
 pub(crate) fn registry(prefix: &str) -> RecordKey {
     RecordKey::with_digest(
         &format!("{prefix}-fleet"),
@@ -170,13 +171,22 @@ pub(crate) fn entries(
     [(format!("running:{label}"), every * 3), (format!("wrote:{label}"), records_live)]
 }
 
+/// The entry a door in `phase` announces while it starts (for one announcement, `every`):
+/// another door starting at the same moment that cannot serve beside it sees it.
+pub(crate) fn starting(phase: &Phase, every: Duration) -> [(String, Duration); 1] {
+    [(format!("starting:{}", phase.label()), every)]
+}
+
 /// Why an instance in `mine` cannot serve beside the registry's `entries`, if it cannot.
+///
+/// An instance starting (`starting:`) counts only if the instances running would let it
+/// start: one they refuse is refused already, and refuses nobody.
 pub(crate) fn conflict(mine: &Phase, entries: &[String]) -> Option<String> {
+    let running: Vec<Phase> =
+        entries.iter().filter_map(|entry| Phase::parse(entry.strip_prefix("running:")?)).collect();
     for entry in entries {
-        let (running, label) = match entry.split_once(':') {
-            Some(("running", label)) => (true, label),
-            Some(("wrote", label)) => (false, label),
-            _ => continue,
+        let Some((kind @ ("running" | "starting" | "wrote"), label)) = entry.split_once(':') else {
+            continue;
         };
         let Some(other) = Phase::parse(label) else {
             return Some(format!(
@@ -187,10 +197,16 @@ pub(crate) fn conflict(mine: &Phase, entries: &[String]) -> Option<String> {
         if other == *mine {
             continue;
         }
-        if mine.sees(&other) && (!running || other.sees(mine)) {
+        let refused_already =
+            running.iter().any(|phase| !(phase.sees(&other) && other.sees(phase)));
+        if kind == "starting" && refused_already {
             continue;
         }
-        return Some(why(mine, &other, running));
+        let both_ways = kind != "wrote";
+        if mine.sees(&other) && (!both_ways || other.sees(mine)) {
+            continue;
+        }
+        return Some(why(mine, &other, both_ways));
     }
     None
 }
@@ -240,12 +256,14 @@ fn why(mine: &Phase, other: &Phase, running: bool) -> String {
              alone before the second deploy"
         }
         (Phase::Alone(from), Phase::Moving { from: moved_from, .. }) if from == moved_from => {
-            "a rollback too far: roll back one deploy at a time (the move's first deploy, then \
-             the old naming alone once the second's records expired)"
+            "the move's first deploy (`Deploy::First`) was skipped, or this is a rollback too \
+             far: the move's first deploy replaces the old naming alone before the second, and \
+             the old naming alone comes back only after the second's records expired (roll \
+             back one deploy at a time)"
         }
         (Phase::Moving { to, deploy: Deploy::First, .. }, Phase::Alone(alone)) if to == alone => {
-            "a rollback too far: roll back one deploy at a time (the move's second deploy \
-             first)"
+            "the move's second deploy (`Deploy::Second`) was skipped, or this is a rollback too \
+             far: roll back one deploy at a time (the move's second deploy first)"
         }
         (Phase::Moving { .. }, Phase::Moving { .. }) => {
             "another move (another secret, or a move begun in the middle of this one): finish \

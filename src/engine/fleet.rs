@@ -5,7 +5,10 @@
 //! ([`StoreError::Misplaced`]) until the disagreement ends.
 
 use std::{
-    sync::{Arc, Mutex, PoisonError},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -19,11 +22,42 @@ use crate::{
 };
 
 /// What a door last learned of its fleet; shared by the clones of its settings.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Fleet {
     state: Mutex<Known>,
+    /// While the door agrees with its fleet, until when it need not announce itself again
+    /// (milliseconds from `since`): a request's only cost then, one atomic read and the clock.
+    agrees_until: AtomicU64,
+    since: Instant,
     /// One announcement at a time.
     announcing: tokio::sync::Mutex<()>,
+}
+
+impl Default for Fleet {
+    fn default() -> Self {
+        Self {
+            state: Mutex::default(),
+            agrees_until: AtomicU64::new(0),
+            since: Instant::now(),
+            announcing: tokio::sync::Mutex::default(),
+        }
+    }
+}
+
+impl Fleet {
+    fn millis(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.since).as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn learned(&self, known: Known) {
+        let agrees_until = match &known {
+            Known::Agrees { next } => self.millis(*next),
+            Known::NoRegistry => u64::MAX,
+            Known::Nothing | Known::Disagrees { .. } => 0,
+        };
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = known;
+        self.agrees_until.store(agrees_until, Ordering::Release);
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -40,47 +74,60 @@ enum Known {
 }
 
 impl<St: Store + Clone + 'static> Engine<St> {
-    /// Whether this door may serve the request whose record key is `key` beside its fleet:
-    /// announced (in the background once known), and refused while the registry disagrees.
+    /// Whether this door may serve the request whose record key is `key` beside its fleet.
+    /// While it agrees and its entry in the registry lives, it serves, and announces itself
+    /// again in the background when due. Otherwise (its first claim, an idle door whose entry
+    /// may have lapsed, a refusal due to be asked again) the request waits for the registry's
+    /// answer: refused while it disagrees, a store error while it cannot be read.
     pub(super) async fn in_its_fleet(&self, key: &RecordKey) -> Result<(), StoreError> {
         let fleet = &self.settings.fleet;
-        let known = fleet.state.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        let due = match &known {
-            Known::NoRegistry => return Ok(()),
-            Known::Agrees { next } | Known::Disagrees { next, .. } => Instant::now() >= *next,
-            Known::Nothing => true,
-        };
-        if due {
-            let engine = self.clone();
-            let registry = placement::registry(key.prefix());
-            let announce = async move { engine.announce(&registry).await };
-            if matches!(known, Known::Nothing) {
-                announce.await?;
-                return self.answer();
-            }
-            drop(spawn(self.settings.tasks.as_ref(), async move { drop(announce.await) }));
+        let now = Instant::now();
+        if fleet.millis(now) < fleet.agrees_until.load(Ordering::Acquire) {
+            return Ok(());
         }
-        self.answer()
+        let known = fleet.state.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let every = placement::announce_every(self.settings.lease);
+        match known {
+            Known::NoRegistry => return Ok(()),
+            // Due, its running entry still live (it lasts three announcements): announced
+            // again in the background, the request served meanwhile.
+            Known::Agrees { next } if now < next + every * 2 => {
+                // The requests meanwhile take the fast path: one announcement is on its way.
+                fleet.agrees_until.store(fleet.millis(next + every), Ordering::Release);
+                let (engine, registry) = (self.clone(), placement::registry(key.prefix()));
+                let announce = async move { drop(engine.announce(&registry, false).await) };
+                drop(spawn(self.settings.tasks.as_ref(), announce));
+                return Ok(());
+            }
+            Known::Disagrees { why, next } if now < next => {
+                return Err(StoreError::Misplaced(why.to_string()));
+            }
+            Known::Nothing | Known::Agrees { .. } | Known::Disagrees { .. } => {}
+        }
+        self.announce(&placement::registry(key.prefix()), true).await?;
+        match &*fleet.state.lock().unwrap_or_else(PoisonError::into_inner) {
+            Known::Disagrees { why, .. } => Err(StoreError::Misplaced(why.to_string())),
+            Known::Nothing => {
+                Err(StoreError::unavailable("the fleet's registry could not be read yet"))
+            }
+            Known::Agrees { .. } | Known::NoRegistry => Ok(()),
+        }
     }
 
-    fn answer(&self) -> Result<(), StoreError> {
-        match &*self.settings.fleet.state.lock().unwrap_or_else(PoisonError::into_inner) {
-            Known::Disagrees { why, .. } => Err(StoreError::Misplaced(why.to_string())),
-            _ => Ok(()),
-        }
+    /// [`in_its_fleet`](Self::in_its_fleet), for an operator's readiness check: `key` names the
+    /// door's prefix.
+    pub(crate) async fn check_fleet(&self, key: &RecordKey) -> Result<(), StoreError> {
+        self.in_its_fleet(key).await
     }
 
     /// Learns what the fleet serves from `registry`, and announces this door there when it
     /// may serve beside it: one announcement at a time (another that is on its way answers for
-    /// this one).
-    ///
-    /// A door that has not served yet (or was refused) reads the registry first, and is
-    /// refused, announcing nothing, by any entry it cannot serve beside: an instance running,
-    /// or records that may live. Once it serves, it announces itself, and is refused by a
-    /// running instance it cannot serve beside (one that started at the same moment), not by
-    /// the records of one refused so: a door refused at start never announces, and never
-    /// refuses the fleet it was refused by.
-    pub(crate) async fn announce(&self, registry: &RecordKey) -> Result<(), StoreError> {
+    /// this one). `starting`: the door does not serve yet (or no longer: refused, or idle).
+    pub(crate) async fn announce(
+        &self,
+        registry: &RecordKey,
+        starting: bool,
+    ) -> Result<(), StoreError> {
         let fleet = &self.settings.fleet;
         let Ok(_one) = fleet.announcing.try_lock() else {
             // Another is on its way: wait for it, and take its answer.
@@ -88,39 +135,40 @@ impl<St: Store + Clone + 'static> Engine<St> {
             return Ok(());
         };
         let phase = Phase::of(&self.settings.hashing);
-        let serving = matches!(
-            *fleet.state.lock().unwrap_or_else(PoisonError::into_inner),
-            Known::Agrees { .. }
-        );
-        let known = match self.learn(registry, &phase, serving).await {
+        let known = match self.learn(registry, &phase, starting).await {
             Ok(known) => known,
             Err(error) => {
                 tracing::warn!(%error, "idempotency: could not announce this instance to its fleet");
-                let next = Instant::now() + placement::announce_every(self.settings.lease);
-                let mut state = fleet.state.lock().unwrap_or_else(PoisonError::into_inner);
-                if let Known::Agrees { next: at } | Known::Disagrees { next: at, .. } = &mut *state
-                {
-                    *at = next;
-                }
                 return Err(error);
             }
         };
         if let Known::Disagrees { why, .. } = &known {
             tracing::error!(%why, "idempotency: this instance cannot serve beside its fleet; its requests are refused");
         }
-        *fleet.state.lock().unwrap_or_else(PoisonError::into_inner) = known;
+        fleet.learned(known);
         Ok(())
     }
 
+    /// A door `starting` first says so for one announcement (`starting:`), and reads every
+    /// entry: it is refused, having recorded nothing lasting, by any it cannot serve beside (an
+    /// instance running or starting, records that may live). Two doors starting at once that
+    /// cannot serve side by side: the one that reads second sees the other's, and is refused.
+    /// Then (and every announcement after) it records itself running and its records, and
+    /// is refused by an instance running that it cannot serve beside; never by an instance
+    /// starting, nor by the records of one refused: a door refused at start never refuses
+    /// the fleet it was refused by.
     async fn learn(
         &self,
         registry: &RecordKey,
         phase: &Phase,
-        serving: bool,
+        starting: bool,
     ) -> Result<Known, StoreError> {
-        let next = Instant::now() + placement::announce_every(self.settings.lease);
-        if !serving {
-            let Some(listed) = self.store.announce(registry, &[]).await? else {
+        let every = placement::announce_every(self.settings.lease);
+        let next = Instant::now() + every;
+        if starting {
+            let Some(listed) =
+                self.store.announce(registry, &placement::starting(phase, every)).await?
+            else {
                 tracing::warn!(
                     "idempotency: the store keeps no registry of its fleet: a deploy skipped in a \
                      move between namings is not refused"
@@ -131,7 +179,6 @@ impl<St: Store + Clone + 'static> Engine<St> {
                 return Ok(Known::Disagrees { why: why.into(), next });
             }
         }
-        let every = placement::announce_every(self.settings.lease);
         let entries = placement::entries(phase, every, self.records_live());
         let listed = self.store.announce(registry, &entries).await?.unwrap_or_default();
         let running: Vec<String> =

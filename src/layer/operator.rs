@@ -70,6 +70,19 @@ impl<St: Admin> Operator<St> {
         self.engine.report(&self.record_key(scope, key), with_response, reader).await
     }
 
+    /// Announces this door to its fleet's registry and says whether it may serve beside it
+    /// (see [`crate::hashing`]): for a readiness check at start, so that an instance of a
+    /// skipped deploy is kept out of the rotation rather than answering 503 to every
+    /// request. Each request checks the same, once known without a round trip.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Misplaced`] (saying which step of a move is missing) when the door cannot
+    /// serve beside its fleet; the store's when its registry cannot be read.
+    pub async fn check_fleet(&self) -> Result<(), StoreError> {
+        self.engine.check_fleet(&self.record_key(b"", "")).await
+    }
+
     /// Deletes the record of `key` in `scope`, so that the client's next retry runs its
     /// request as new (see [`Admin::forget`]): one in progress whose lease runs only when
     /// `force`.

@@ -110,3 +110,18 @@ fn labels_read_back_and_an_unknown_entry_is_refused() {
     assert!(unknown.contains("does not know"), "{unknown}");
     assert_eq!(conflict(&phases[0], &["other:x".to_owned()]), None, "not a phase's entry");
 }
+
+#[test]
+fn an_instance_starting_counts_only_if_the_running_fleet_would_let_it_start() {
+    let old = Phase::of(&Hashing::plain());
+    let first = moving(Hashing::plain(), keyed(1), Deploy::First);
+    let new = Phase::of(&keyed(1));
+    let starting = |phase: &Phase| format!("starting:{}", phase.label());
+    // Two starting at once, nothing running: the one that reads second is refused.
+    assert!(conflict(&old, &[starting(&new)]).is_some());
+    // A deploy-1 instance scaling up beside deploy 1, while a skipped deploy 3 instance was
+    // refused a moment ago: its starting entry is refused already, and refuses nobody.
+    let listed = [running(&[&first]), vec![starting(&new)]].concat();
+    assert_eq!(conflict(&first, &listed), None);
+    assert_eq!(conflict(&old, &listed), None);
+}

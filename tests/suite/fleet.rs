@@ -5,14 +5,20 @@
 
 use crate::common;
 
-use std::time::Duration;
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
-use axum::Router;
+use axum::{Router, body::Bytes};
 use axum_idempotency::{
-    IdempotencyLayer, Idempotent,
-    consumer::Error,
+    Fingerprint, IdempotencyLayer, Idempotent, MemoryStore,
+    consumer::{Error, Outcome},
     hashing::{Deploy, Hashing},
-    store::StoreError,
+    store::{Admin, Claim, Fenced, Lease, OwnerToken, RecordKey, Store, StoreError, Subscription},
 };
 use common::*;
 
@@ -80,12 +86,23 @@ async fn each_hurried_step_is_refused_and_runs_nothing<H: Harness>(h: H) {
     assert!(why.contains("`Deploy::Second`) is missing"), "{why}");
 }
 
-async fn a_door_refused_at_start_leaves_its_fleet_serving<H: Harness>(h: H) {
+async fn a_door_refused_at_start_leaves_its_fleet_serving<H: Harness>(h: H)
+where
+    H::Store: Admin,
+{
     let calls = Calls::default();
     let prefix = "refused-at-start";
     let first = instance(&h, &calls, prefix, moving(Hashing::plain(), keyed(1), Deploy::First));
     assert_eq!(send(&first, common::keyed("POST", "/payments", "k1", "{}")).await.status, 201);
-    let skipped = instance(&h, &calls, prefix, keyed(1));
+    // A readiness check at start says so before any request: the skipped deploy's door is
+    // refused, the fleet's is not.
+    let skipped_layer = IdempotencyLayer::new(h.store()).key_prefix(prefix).hashing(keyed(1));
+    let refused = skipped_layer.operator().check_fleet().await.unwrap_err();
+    assert!(matches!(&refused, StoreError::Misplaced(why) if why.contains("`Deploy::Second`")));
+    let serving = IdempotencyLayer::new(h.store()).key_prefix(prefix);
+    let serving = serving.hashing(moving(Hashing::plain(), keyed(1), Deploy::First));
+    serving.operator().check_fleet().await.unwrap();
+    let skipped = app(&calls).layer(skipped_layer);
     send(&skipped, common::keyed("POST", "/payments", "k2", "{}"))
         .await
         .assert_problem(503, "fleet-disagrees");
@@ -103,4 +120,177 @@ async fn a_door_refused_at_start_leaves_its_fleet_serving<H: Harness>(h: H) {
     let second = instance(&h, &calls, prefix, moving(Hashing::plain(), keyed(1), Deploy::Second));
     assert!(send(&second, common::keyed("POST", "/payments", "k2", "{}")).await.replayed());
     assert_eq!(calls.get(), 3);
+}
+
+/// A store whose `announce` is `delay` late (a round trip), and fails while `fail` is set.
+#[derive(Clone)]
+struct Wrap<S> {
+    inner: S,
+    delay: Duration,
+    fail: Arc<AtomicBool>,
+    announces: Arc<AtomicUsize>,
+}
+impl<S> Wrap<S> {
+    fn new(inner: S, delay: Duration) -> Self {
+        Self { inner, delay, fail: Arc::default(), announces: Arc::default() }
+    }
+}
+
+impl<S: Store> Store for Wrap<S> {
+    async fn claim(
+        &self,
+        key: &RecordKey,
+        fp: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.inner.claim(key, fp, owner, lease).await
+    }
+    async fn claim_waiting(
+        &self,
+        key: &RecordKey,
+        fp: &Fingerprint,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Claim, StoreError> {
+        self.inner.claim_waiting(key, fp, owner, lease).await
+    }
+    async fn subscribe(&self, key: &RecordKey) -> Subscription {
+        self.inner.subscribe(key).await
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fp: &Fingerprint,
+        response: Bytes,
+        retention: Duration,
+    ) -> Result<Fenced, StoreError> {
+        self.inner.complete(key, owner, fp, response, retention).await
+    }
+    async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        self.inner.release(key, owner).await
+    }
+    async fn abandon(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        fp: &Fingerprint,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        self.inner.abandon(key, owner, fp, lease).await
+    }
+    async fn touch(
+        &self,
+        key: &RecordKey,
+        owner: &OwnerToken,
+        lease: Lease,
+    ) -> Result<Fenced, StoreError> {
+        self.inner.touch(key, owner, lease).await
+    }
+    fn commits_in_transactions(&self) -> bool {
+        self.inner.commits_in_transactions()
+    }
+    async fn announce(
+        &self,
+        registry: &RecordKey,
+        entries: &[(String, Duration)],
+    ) -> Result<Option<Vec<String>>, StoreError> {
+        self.announces.fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(self.delay).await;
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(StoreError::Timeout(Duration::from_secs(1)));
+        }
+        self.inner.announce(registry, entries).await
+    }
+}
+
+/// A consumer door with a short lease (announced every second) and records that live about
+/// `records` (a retention and its window, a lease, no keep-alive).
+fn door<S: Store>(store: S, hashing: Hashing, records: Duration) -> Idempotent<S> {
+    Idempotent::new(store)
+        .hashing(hashing)
+        .lease(Duration::from_secs(1))
+        .retention(records / 2)
+        .keep_alive(None)
+}
+
+/// One event on `door`: "ran", "replayed", or what else it was answered.
+async fn run<S: Store>(door: &Idempotent<S>, event: &str, runs: &Arc<AtomicUsize>) -> String {
+    let runs = runs.clone();
+    let ran = door
+        .run("pay", event, b"{}", move |_| async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, String>(1_u32)
+        })
+        .await;
+    match ran {
+        Ok(Outcome::Ran(_)) => "ran".into(),
+        Ok(Outcome::Replayed(_)) => "replayed".into(),
+        Err(Error::Store(StoreError::Misplaced(_))) => "refused".into(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// An idle door: its running entry lapses (three announcements, a second each) and its
+/// records expire; a door of another naming starts meanwhile and runs an event. The idle door
+/// asks its fleet again before it serves the retry: refused, never run a second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_door_asks_its_fleet_again_before_it_serves() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let late = |store: &MemoryStore| Wrap::new(store.clone(), Duration::from_millis(20));
+    let plain = door(late(&store), Hashing::plain(), Duration::from_secs(1));
+    assert_eq!(run(&plain, "k0", &runs).await, "ran");
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    let keyed = door(late(&store), keyed(1), Duration::from_secs(60));
+    assert_eq!(run(&keyed, "k1", &runs).await, "ran");
+    assert_eq!(run(&plain, "k1", &runs).await, "refused");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "run twice");
+}
+
+/// Two doors that cannot serve side by side start at the same moment (each announcement a
+/// tenth of a second late): one serves, the other is refused, and so they stay; the one
+/// refused recorded nothing that refuses the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doors_starting_at_once_leave_one_serving() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let late = || Wrap::new(store.clone(), Duration::from_millis(100));
+    let plain = door(late(), Hashing::plain(), Duration::from_secs(60));
+    let keyed = door(late(), keyed(1), Duration::from_secs(60));
+    let (a, b) = tokio::join!(run(&plain, "a0", &runs), run(&keyed, "b0", &runs));
+    let first = (a.clone(), b.clone());
+    assert!(matches!(first.0.as_str(), "ran" | "refused"), "{first:?}");
+    assert_ne!(a, b, "both {a}: one serves, the other is refused");
+    for second in 1..=5 {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let (event_a, event_b) = (format!("a{second}"), format!("b{second}"));
+        let (a, b) = tokio::join!(run(&plain, &event_a, &runs), run(&keyed, &event_b, &runs));
+        assert_eq!((a, b), first, "after {second} s");
+    }
+}
+
+/// A door whose first announcement fails (the registry cannot be read) serves nothing
+/// unchecked, the requests that waited for that announcement included; once the registry
+/// answers, it is refused beside the fleet it cannot serve beside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_door_whose_registry_cannot_be_read_serves_nothing_unchecked() {
+    let store = MemoryStore::new();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let plain = door(store.clone(), Hashing::plain(), Duration::from_secs(60));
+    assert_eq!(run(&plain, "k0", &runs).await, "ran");
+    let failing = Wrap::new(store.clone(), Duration::from_millis(200));
+    failing.fail.store(true, Ordering::SeqCst);
+    let keyed = door(failing.clone(), keyed(1), Duration::from_secs(60));
+    let second = async {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        run(&keyed, "k2", &runs).await
+    };
+    let (first, second) = tokio::join!(run(&keyed, "k1", &runs), second);
+    assert!(first.contains("Store") && second.contains("Store"), "{first} | {second}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    failing.fail.store(false, Ordering::SeqCst);
+    assert_eq!(run(&keyed, "k3", &runs).await, "refused");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

@@ -210,10 +210,7 @@ async fn a_crash_between_a_moves_claims_or_completes_runs_the_request_once<H: Ha
                 assert!(answers.iter().all(|seen| &seen.body == first), "{answers:?}");
                 // What ran before the crash was stored: the first retry replays it too.
                 let replays = if ran_before == 1 { &answers[..] } else { &answers[1..] };
-                assert!(
-                    replays.iter().all(Seen::replayed),
-                    "{dying} {step:?}: {answers:?}"
-                );
+                assert!(replays.iter().all(Seen::replayed), "{dying} {step:?}: {answers:?}");
             }
         }
     }
