@@ -16,7 +16,6 @@ use crate::{
     fingerprint::Fingerprint,
     hashing::{Named, Next},
     key::RecordKey,
-    recovery::{BoxError, Recovered},
     store::{CommitSlot, Fenced, Lease, OwnerToken, Store},
 };
 
@@ -52,20 +51,6 @@ pub(crate) struct Holder<St> {
     renewal: Option<Renewing<St>>,
     /// Where a store says that the operation committed its outcome in its own transaction.
     commit: Arc<CommitSlot>,
-}
-
-/// What a recovery hook's answer leaves the holder to do.
-pub(crate) enum Asked<St, T> {
-    /// Nothing is known of a first run: run the operation.
-    Run(Holder<St>),
-    /// The operation happened, with this outcome: store it and answer it as a replay.
-    Happened(Holder<St>, T),
-    /// The hook failed: the operation must not run. The key is handed back, so that the
-    /// next claim takes it over and asks again.
-    Refused,
-    /// The system of record holds another request's outcome under the key: nothing runs, and
-    /// the claim was released.
-    Mismatch,
 }
 
 impl<St> fmt::Debug for Holder<St> {
@@ -233,62 +218,6 @@ impl<St: Store> Holder<St> {
             && (self.taken_over || self.settings.recovery.every_claim || durable)
     }
 
-    /// Waits (within the recovery timeout) for the hook's `lookup`, and says what to do.
-    pub(crate) async fn recover<T>(
-        self,
-        lookup: impl Future<Output = Result<Recovered<T>, BoxError>>,
-    ) -> Asked<St, T> {
-        let policy = self.settings.recovery;
-        let hash = self.key.hash();
-        let lookup = AssertUnwindSafe(lookup).catch_unwind();
-        let failure = match tokio::time::timeout(policy.timeout, lookup).await {
-            Ok(Ok(Ok(Recovered::Happened(outcome)))) => {
-                tracing::warn!(
-                    key_hash = hash,
-                    "idempotency: recovered the outcome from the system of record"
-                );
-                observe::recovery(&self.route, "happened");
-                return Asked::Happened(self, outcome);
-            }
-            Ok(Ok(Ok(Recovered::Mismatch))) => {
-                tracing::info!(
-                    key_hash = hash,
-                    "idempotency: the system of record holds another request's outcome under the key"
-                );
-                observe::recovery(&self.route, "mismatch");
-                self.release("the key belongs to another request").await;
-                return Asked::Mismatch;
-            }
-            Ok(Ok(Ok(Recovered::Unknown))) => {
-                tracing::debug!(
-                    key_hash = hash,
-                    "idempotency: the system of record knows nothing of it"
-                );
-                observe::recovery(&self.route, "unknown");
-                return Asked::Run(self);
-            }
-            Ok(Ok(Err(error))) => error.to_string(),
-            Ok(Err(_panic)) => "the recovery hook panicked".to_owned(),
-            Err(_) => format!("no answer within {:?}", policy.timeout),
-        };
-        observe::recovery(&self.route, "failed");
-        if policy.run_on_failure {
-            tracing::error!(
-                key_hash = hash,
-                failure,
-                "idempotency: recovery failed; running the operation as configured"
-            );
-            return Asked::Run(self);
-        }
-        tracing::error!(
-            key_hash = hash,
-            failure,
-            "idempotency: recovery failed; the operation does not run"
-        );
-        self.hand_back("recovery failed").await;
-        Asked::Refused
-    }
-
     /// Ends the lease now, keeping the record for its recovery window, so that the next
     /// claim takes it over (and asks the hook again) rather than claiming it fresh. Without
     /// a window there is nothing to keep: the claim is released.
@@ -422,5 +351,8 @@ impl<St: Store> Holder<St> {
     }
 }
 
+mod recover;
 #[cfg(test)]
 mod tests;
+
+pub(crate) use self::recover::Asked;
