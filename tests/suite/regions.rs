@@ -273,3 +273,28 @@ async fn the_fallback_leaves_a_home_that_answered_alone() {
     assert_eq!(calls.get(), 0);
     assert_eq!(eu_server.held(&global(key)).await, None, "claimed in the fallback region");
 }
+
+/// Each region's store records its region's name: an instance whose region list names a store
+/// by another region's name (URLs swapped, one store under two names) is refused before it
+/// runs anything (503 `fleet-disagrees`), while the instances that name the stores as they
+/// record themselves serve on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_named_for_another_region_is_refused() {
+    let (eu, us) = (MemoryStore::new(), MemoryStore::new());
+    let calls = Calls::default();
+    let right = RegionalStore::new([("eu", eu.clone()), ("us", us.clone())]);
+    let right = app(&calls).layer(IdempotencyLayer::new(right));
+    assert_eq!(send(&right, delayed("/payments", "k1", 0, "{}")).await.status, StatusCode::CREATED);
+    let swapped = RegionalStore::new([("eu", us.clone()), ("us", eu.clone())]);
+    let twice = RegionalStore::new([("eu", eu.clone()), ("us", eu.clone())]);
+    for wrong in [swapped, twice] {
+        let wrong = app(&calls).layer(IdempotencyLayer::new(wrong));
+        for key in ["k1", "k2"] {
+            let refused = send(&wrong, delayed("/payments", key, 0, "{}")).await;
+            refused.assert_problem(503, "fleet-disagrees");
+        }
+    }
+    assert_eq!(calls.get(), 1, "run by an instance whose regions name the wrong stores");
+    let again = send(&right, delayed("/payments", "k3", 0, "{}")).await;
+    assert_eq!(again.status, StatusCode::CREATED);
+}

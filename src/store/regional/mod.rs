@@ -1,6 +1,7 @@
 //! [`RegionalStore`]: one store per region, and every record decided by its key's home region.
 
 mod fallback;
+mod fleet;
 mod home;
 
 use std::{fmt, sync::Arc, time::Duration};
@@ -287,34 +288,15 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         self.regions.iter().any(|(_, store)| store.commits_in_transactions())
     }
 
-    /// In every region's store (each keeps the records of the keys whose home it is): every
-    /// entry any of them lists; `None` when none keeps a registry. A region that cannot be
-    /// reached is left out (its keys' claims fail on their own), unless none can.
+    /// In every region's store, each recording its region's name: a store that records another
+    /// region's name (two URLs swapped, one store under two names) is refused,
+    /// [`StoreError::Misplaced`]: its keys would have two homes.
     async fn announce(
         &self,
         registry: &RecordKey,
         entries: &[(String, Duration)],
     ) -> Result<Option<Vec<String>>, StoreError> {
-        let mut listed: Option<Vec<String>> = None;
-        let mut failed = None;
-        for (region, store) in self.regions.iter() {
-            match store.announce(registry, entries).await {
-                Ok(Some(entries)) => listed.get_or_insert_with(Vec::new).extend(entries),
-                Ok(None) => {}
-                Err(error) => {
-                    tracing::warn!(region, %error, "idempotency: a region's store could not list its fleet");
-                    failed = Some(error);
-                }
-            }
-        }
-        if let (None, Some(error)) = (&listed, failed) {
-            return Err(error);
-        }
-        Ok(listed.map(|mut listed| {
-            listed.sort();
-            listed.dedup();
-            listed
-        }))
+        fleet::announce(&self.regions, registry, entries).await
     }
 
     async fn touch(
