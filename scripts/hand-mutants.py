@@ -35,7 +35,14 @@ DEDUP_REDIS = ["--test", "dedup", "--", "redis", "cluster"]
 DEDUP_MEMORY = ["--test", "dedup", "--", "memory"]
 # Not mutated, being equivalent: dropping `state = 'P'` from the abandoned claims' listing,
 # since a completed row and a marker have a NULL `lease_until`.
+FLEET = ["--test", "conformance", "--", "the_fleet_registry", "pass_the_kit", "passes_the_kit"]
 MUTANTS = [
+    ("announce.lua shortens an entry another instance announced for longer", "lua/announce.lua",
+     "if not kept or tonumber(kept) < untl then", "if true then", FLEET),
+    ("PostgreSQL's announce keeps the shorter time of an entry", "src/store/postgres/fleet.rs",
+     "SELECT entry, max(until) AS until FROM", "SELECT entry, min(until) AS until FROM", FLEET),
+    ("MemoryStore's announce shortens an entry", "src/store/memory/mod.rs",
+     "*kept = (*kept).max(until);", "*kept = until;", FLEET),
     ("complete.lua without the owner comparison", "lua/complete.lua",
      "\n      or string.sub(record, 35, 50) ~= ARGV[1] then", " then", REDIS),
     ("complete.lua over another version's record", "lua/complete.lua",
