@@ -27,6 +27,29 @@ mod readme {
             assert!(!(in_rust && hidden), "README.md:{}: a hidden line: {line}", number + 1);
         }
     }
+
+    /// The crate docs' Getting started is the README's, one heading level up: one text,
+    /// which cannot drift (the README's is the one doc-tested with every feature).
+    #[test]
+    fn the_crate_docs_getting_started_is_the_readmes() {
+        fn between<'a>(text: &'a str, from: &str, to: &str) -> &'a str {
+            let start = text.find(from).expect(from);
+            let end = start + text[start..].find(to).expect(to);
+            &text[start..end]
+        }
+        let readme = between(
+            include_str!("../README.md"),
+            "## Getting started",
+            "### Redis: every instance",
+        );
+        let raised: Vec<&str> = readme
+            .lines()
+            .map(|line| line.strip_prefix('#').filter(|_| line.starts_with("##")).unwrap_or(line))
+            .collect();
+        let docs =
+            between(include_str!("docs/crate.md"), "# Getting started", "## Redis and PostgreSQL");
+        assert_eq!(docs.lines().collect::<Vec<_>>(), raised);
+    }
 }
 
 // Front doors → engine → store; `key`, `fingerprint`, `hashing` and `at_rest` are the

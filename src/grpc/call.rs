@@ -52,10 +52,15 @@ where
         request: Request<tonic::body::Body>,
     ) -> Result<Response<Body>, S::Error> {
         let (mut parts, body) = request.into_parts();
-        // A retry waits for its original within its own deadline, counted from its arrival,
-        // less a tenth of it (at least 50 ms) for the last claim and the answer: its `ABORTED`,
-        // with when to retry, reaches the client before the client gives up.
-        let wait_until = grpc_timeout(&parts.headers).and_then(|timeout| {
+        // A retry waits for its original within its deadline (its own, or the server's when
+        // shorter), counted from its arrival, less a tenth of it (at least 50 ms) for the last
+        // claim and the answer: its `ABORTED`, with when to retry, reaches the client before
+        // the client or the server gives up.
+        let deadline = match (grpc_timeout(&parts.headers), self.config.server_timeout) {
+            (Some(own), Some(server)) => Some(own.min(server)),
+            (own, server) => own.or(server),
+        };
+        let wait_until = deadline.and_then(|timeout| {
             let margin = (timeout / 10).max(Duration::from_millis(50));
             tokio::time::Instant::now().checked_add(timeout.saturating_sub(margin))
         });

@@ -1,6 +1,6 @@
 //! What a [`GrpcIdempotencyLayer`](super::GrpcIdempotencyLayer) configures.
 
-use std::{collections::HashSet, fmt, sync::Arc};
+use std::{collections::HashSet, fmt, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 
@@ -24,6 +24,9 @@ pub(super) struct Config {
     pub(super) limits: Limits,
     /// Which of a response's headers and trailers are stored: the HTTP layer's default.
     pub(super) filter: HeaderFilter,
+    /// The server's own timeout (`Server::builder().timeout`), which tonic applies around this
+    /// layer without telling it: a call's deadline is the shorter of it and the call's own.
+    pub(super) server_timeout: Option<Duration>,
 }
 
 impl Default for Config {
@@ -37,6 +40,7 @@ impl Default for Config {
             recover: None,
             limits: Limits::default(),
             filter: HeaderFilter::default(),
+            server_timeout: None,
         }
     }
 }
@@ -58,6 +62,7 @@ impl fmt::Debug for Config {
             .field("require_key", &self.require_key)
             .field("recover", &self.recover)
             .field("limits", &self.limits)
+            .field("server_timeout", &self.server_timeout)
             .finish_non_exhaustive()
     }
 }

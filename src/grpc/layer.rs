@@ -3,6 +3,7 @@
 use std::{
     sync::Arc,
     task::{Context, Poll},
+    time::Duration,
 };
 
 use axum::body::Body;
@@ -122,6 +123,29 @@ impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
     /// ```
     pub fn key_from_message(mut self, find: impl KeyFromMessage) -> Self {
         self.config().key_from_message = Some(Arc::new(find));
+        self
+    }
+
+    /// Tells the layer the server's own timeout (`Server::builder().timeout(d)`), which tonic
+    /// applies around every layer without telling it: a duplicate still waiting for its
+    /// original when it fires would be answered `CANCELLED "Timeout expired"`, which no retry
+    /// policy lists. With it, a duplicate waits within the shorter of the server's timeout and
+    /// its own `grpc-timeout`, less a tenth (at least 50 ms), and is answered `ABORTED` with
+    /// `RetryInfo` first. The original itself is still cut at the server's timeout; its handler
+    /// runs on, once, and a later call replays its reply. Unset by default.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use axum_idempotency::{MemoryStore, grpc::GrpcIdempotencyLayer};
+    ///
+    /// let timeout = Duration::from_secs(5);
+    /// let layer = GrpcIdempotencyLayer::new(MemoryStore::new())
+    ///     .unary("/payments.v1.Payments/Charge")
+    ///     .server_timeout(timeout);
+    /// // tonic::transport::Server::builder().timeout(timeout).layer(layer) ...
+    /// ```
+    pub fn server_timeout(mut self, timeout: Duration) -> Self {
+        self.config().server_timeout = Some(timeout);
         self
     }
 

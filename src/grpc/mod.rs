@@ -57,12 +57,14 @@
 //!   its `ABORTED`, with when to retry, reaches the client before the client gives up. A
 //!   deadline shorter than a claim's round trip ends the call on the client's side first
 //!   (`DEADLINE_EXCEEDED`, or tonic's `CANCELLED`); nothing runs twice either way.
-//!   **Keep the wait below the server's own timeout** (`Server::builder().timeout(d)`): tonic
-//!   applies it around every layer, this one included, without telling it, and a duplicate
-//!   still waiting when it fires is answered `CANCELLED "Timeout expired"`, which no retry
-//!   policy lists (the handler still runs once; a later call replays). With
-//!   `.waiting(Waiting::up_to(d_wait))`, `d_wait` under the server's timeout, the duplicate
-//!   gets `ABORTED` with `RetryInfo` first. A client retry policy lists `ABORTED` beside
+//!   **Tell the layer the server's own timeout**
+//!   ([`server_timeout`](GrpcIdempotencyLayer::server_timeout)) when it has one
+//!   (`Server::builder().timeout(d)`): tonic applies it around every layer, this one included,
+//!   without telling it, and a duplicate still waiting when it fires is answered
+//!   `CANCELLED "Timeout expired"`, which no retry policy lists (the handler still runs once;
+//!   a later call replays). Told, the layer counts it as it counts the call's own deadline, and
+//!   the duplicate gets `ABORTED` with `RetryInfo` first. A client retry policy lists `ABORTED`
+//!   beside
 //!   `UNAVAILABLE`, or a waiting duplicate's answer ends the call:
 //!
 //!   ```json
@@ -90,7 +92,7 @@
 //! |---|---|
 //! | first call | the handler's response |
 //! | retry of a completed call | the stored response (metadata, message, trailers) with `idempotency-replayed: true` |
-//! | retry while the call runs | waits for it (up to 10 s by default, and within its own deadline), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
+//! | retry while the call runs | waits for it (up to 10 s by default, and within its own deadline and the [`server_timeout`](GrpcIdempotencyLayer::server_timeout)), then as above; past the wait `ABORTED` with `RetryInfo` and `grpc-retry-pushback-ms` |
 //! | the same key with another message | `FAILED_PRECONDITION` |
 //! | no key on a listed method, a malformed key (the `idempotency-key` entry: 1 to 255 printable ASCII characters, no space first or last, once, never `idempotency-key-bin`; a request id: 1 to 255 bytes of any text), a metadata key and a request id that differ | `INVALID_ARGUMENT` |
 //! | no scope: the scope extractor refused the call | `INVALID_ARGUMENT` with its reason; its 401 `UNAUTHENTICATED`, its 403 `PERMISSION_DENIED`, its 429 and 502–504 `UNAVAILABLE`, another 5xx `UNKNOWN` |

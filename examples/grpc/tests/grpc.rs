@@ -165,6 +165,45 @@ async fn a_retry_waits_within_its_own_deadline<H: Harness>(h: H) {
     assert_eq!(ledger.calls(), 1);
 }
 
+/// A server with its own timeout (`Server::builder().timeout`), told to the layer: a duplicate
+/// of a call that outlasts it is answered `ABORTED` with when to retry before tonic cuts it
+/// `CANCELLED "Timeout expired"`, which no retry policy lists; the handler runs once and a
+/// later call replays.
+async fn a_servers_own_timeout_is_answered_aborted_before_it_cuts_the_call<H: Harness>(h: H) {
+    let ledger = Ledger::new();
+    let timeout = Duration::from_secs(1);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = tonic::transport::Server::builder()
+        .timeout(timeout)
+        .layer(layer(h.store()).server_timeout(timeout))
+        .add_service(grpc_example::pb::payments_server::PaymentsServer::new(ledger.clone()))
+        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener));
+    tokio::spawn(server);
+    let mut client = PaymentsClient::connect(format!("http://{addr}")).await.unwrap();
+    let mut first = client.clone();
+    // The original outlasts the server's timeout: tonic cuts it, and its handler goes on.
+    let running =
+        tokio::spawn(async move { first.charge(slow(charge(Some("s"), "a", 7), 1500)).await });
+    eventually("the first call runs", async || ledger.calls() == 1).await;
+    let started = std::time::Instant::now();
+    let aborted = client.charge(charge(Some("s"), "a", 7)).await.unwrap_err();
+    let took = started.elapsed();
+    assert_eq!(aborted.code(), Code::Aborted, "{aborted:?}");
+    assert!(aborted.metadata().get("grpc-retry-pushback-ms").is_some(), "{aborted:?}");
+    assert!(!aborted.details().is_empty(), "google.rpc.RetryInfo in the details");
+    assert!(took >= Duration::from_millis(700) && took < timeout, "{took:?}");
+    // The original's own answer is tonic's, cut at the server's timeout.
+    assert_eq!(running.await.unwrap().unwrap_err().code(), Code::Cancelled);
+    eventually("the original settles", async || {
+        client.clone().charge(charge(Some("s"), "a", 7)).await.is_ok()
+    })
+    .await;
+    let (after, was_replayed, _) = reply(client.charge(charge(Some("s"), "a", 7)).await);
+    assert_eq!((after.call, was_replayed), (1, true));
+    assert_eq!(ledger.calls(), 1);
+}
+
 /// The HTTP layer's scopes serve the gRPC door: a metadata entry, and an extractor's refusal
 /// in gRPC's terms.
 async fn a_metadata_scope_keys_tenants_apart_and_refuses_a_call_without_it<H: Harness>(h: H) {
@@ -430,6 +469,7 @@ every_store!(
     a_retry_past_the_wait_is_aborted_with_retry_info,
     a_missing_or_malformed_key_is_invalid_argument,
     a_retry_waits_within_its_own_deadline,
+    a_servers_own_timeout_is_answered_aborted_before_it_cuts_the_call,
     a_stream_listed_as_unary_runs_once_and_is_not_replayed,
     two_different_keys_or_a_padded_key_are_refused,
     a_metadata_scope_keys_tenants_apart_and_refuses_a_call_without_it,
