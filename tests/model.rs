@@ -90,6 +90,16 @@ fn a_release_without_the_owner_fence_runs_twice() {
     counterexample("release unfenced", unfenced, "no second run beside a live holder");
 }
 
+/// The renewal's fence (`touch`, fenced by the owner token): the abandon of a claim whose
+/// reply was never seen ends its lease by a touch; unfenced, an abandon that comes after
+/// another attempt claimed the key ends that holder's lease while it runs, and a retry takes
+/// it over beside it.
+#[test]
+fn a_touch_without_the_owner_fence_runs_twice() {
+    let unfenced = Protocol { touch_fenced: false, ..Protocol::TODAY };
+    counterexample("touch unfenced", unfenced, "no second run beside a live holder");
+}
+
 #[test]
 fn a_settle_not_retried_answers_another_response_than_stored() {
     let once = Protocol { settle_retried: false, ..Protocol::TODAY };

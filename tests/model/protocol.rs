@@ -5,8 +5,9 @@
 //! lease that lapses, a commit's or a complete's reply lost).
 //!
 //! The store's operations are atomic, each with its fences: `claim` (a fresh claim, a
-//! takeover of a lapsed lease, "in progress", a replay), `complete` and `release` fenced by the
-//! owner token, `abandon` (a claim whose reply its caller never saw). The engine's decisions:
+//! takeover of a lapsed lease, "in progress", a replay), `complete`, `release` and `touch` (a
+//! renewal, or the end of a lease) fenced by the owner token, `abandon` (a claim whose reply
+//! its caller never saw: its lease ended by a touch when it landed, a marker when not yet). The engine's decisions:
 //! a claim answered "in progress" is asked again once (the wait), then answered 202; a claim
 //! answered too late to hold its lease is abandoned; a won claim runs the handler, after a look
 //! at the names alongside when its deploy has them; the handler's outcome is settled by
@@ -44,6 +45,9 @@ pub(crate) struct Protocol {
     pub(crate) complete_fenced: bool,
     /// `release` is fenced by the owner token.
     pub(crate) release_fenced: bool,
+    /// `touch` (the renewal, and the abandon that ends a landed claim's lease: a zero lease)
+    /// is fenced by the owner token: an abandon ends its own claim's lease, never another's.
+    pub(crate) touch_fenced: bool,
     /// A `complete` whose reply was lost is tried again while the claim is held.
     pub(crate) settle_retried: bool,
     /// An abandoned claim that was never applied leaves a marker that refuses it, landing late.
@@ -115,6 +119,7 @@ impl Protocol {
         key_lock: true,
         complete_fenced: true,
         release_fenced: true,
+        touch_fenced: true,
         settle_retried: true,
         abandon_marker: true,
         late_claim_bound: true,
@@ -593,6 +598,11 @@ impl Model for OneKey {
                     }
                     Record::Absent if self.protocol.abandon_marker => {
                         state.records[n] = Record::Marker { owner: attempt };
+                    }
+                    // Its claim never landed, and another holds the key: an unfenced touch
+                    // ends that holder's lease while it runs.
+                    Record::Held { owner, .. } if !self.protocol.touch_fenced => {
+                        state.records[n] = Record::Held { owner, live: false };
                     }
                     _ => {}
                 }
