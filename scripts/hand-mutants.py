@@ -36,7 +36,12 @@ DEDUP_MEMORY = ["--test", "dedup", "--", "memory"]
 # Not mutated, being equivalent: dropping `state = 'P'` from the abandoned claims' listing,
 # since a completed row and a marker have a NULL `lease_until`.
 FLEET = ["--test", "conformance", "--", "the_fleet_registry", "pass_the_kit", "passes_the_kit"]
+REGION_MOVES = ["--test", "suite", "--", "regions_moves"]
 MUTANTS = [
+    ("a RegionalStore's move claims a moving key at its old home alone", "src/store/regional/moving.rs",
+     "(next.home_of(key) != self.home_of(key)).then_some(*deploy)", "None::<Deploy>.filter(|_| next.home_of(key) != self.home_of(key))", REGION_MOVES),
+    ("a RegionalStore tells its fleet nothing of its region list", "src/store/regional/mod.rs",
+     "        Some((self.id(), next))\n", "        drop(next);\n        None\n", REGION_MOVES),
     ("announce.lua shortens an entry another instance announced for longer", "lua/announce.lua",
      "if not kept or tonumber(kept) < untl then", "if true then", FLEET),
     ("PostgreSQL's announce keeps the shorter time of an entry", "src/store/postgres/fleet.rs",

@@ -29,6 +29,9 @@ use crate::fingerprint::Fingerprint;
 pub struct RecordKey {
     full: Arc<str>,
     hash_start: usize,
+    /// The same text, in the placement its store moves to (a `RegionalStore` moving between
+    /// region lists routes it by the list moved to): the second claim of a move.
+    placed_next: bool,
 }
 
 impl RecordKey {
@@ -76,7 +79,7 @@ impl RecordKey {
         }
         full.push_str(std::str::from_utf8(&hex).unwrap_or_default());
         full.push('}');
-        Self { full: full.into(), hash_start }
+        Self { full: full.into(), hash_start, placed_next: false }
     }
 
     /// A key as a store holds it (`{prefix}:{<64 hex>}`), read back; `None` for any other
@@ -88,7 +91,23 @@ impl RecordKey {
             && full.as_bytes()[hash_start..full.len() - 1]
                 .iter()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
-        well_formed.then(|| Self { full: full.into(), hash_start })
+        well_formed.then(|| Self { full: full.into(), hash_start, placed_next: false })
+    }
+
+    /// The same record key in the placement its store moves to, while it moves (the key's
+    /// home under the region list a `RegionalStore` moves to): its text unchanged.
+    pub(crate) fn in_next_placement(&self) -> Self {
+        Self { placed_next: true, ..self.clone() }
+    }
+
+    /// Whether it names the record in the placement its store moves to.
+    pub(crate) fn is_placed_next(&self) -> bool {
+        self.placed_next
+    }
+
+    /// The same record key in its store's own placement.
+    pub(crate) fn in_own_placement(&self) -> Self {
+        Self { placed_next: false, ..self.clone() }
     }
 
     /// The whole key as written to the store.

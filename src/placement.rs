@@ -50,6 +50,13 @@ impl NamingId {
     }
 }
 
+impl NamingId {
+    /// The region list it is placed over (after `@`), if any.
+    fn regions(&self) -> Option<&str> {
+        self.0.split_once('@').map(|(_, regions)| regions)
+    }
+}
+
 /// Where an instance stands: a naming alone, or a deploy of a move between two.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Phase {
@@ -65,6 +72,33 @@ impl Phase {
             (Some(to), Some(deploy)) => Self::Moving { from, to: NamingId::of(to), deploy },
             _ => Self::Alone(from),
         }
+    }
+
+    /// Where a door stands: its naming's phase, over its store's placement (`store`, a
+    /// `RegionalStore`'s region list, and during a move of its own the list moved to and the
+    /// deploy). Each id is the naming's, and `@` the region list's: a change of either is a
+    /// move. A door whose naming and store move at once cannot stand anywhere: why.
+    pub(crate) fn of_door(
+        hashing: &Hashing,
+        store: Option<(String, Option<(String, Deploy)>)>,
+    ) -> Result<Self, String> {
+        let Some((here, moving)) = store else { return Ok(Self::of(hashing)) };
+        let at = |id: &NamingId, regions: &str| NamingId(format!("{}@{regions}", id.0));
+        Ok(match (Self::of(hashing), moving) {
+            (Self::Alone(names), None) => Self::Alone(at(&names, &here)),
+            (Self::Moving { from, to, deploy }, None) => {
+                Self::Moving { from: at(&from, &here), to: at(&to, &here), deploy }
+            }
+            (Self::Alone(names), Some((there, deploy))) => {
+                Self::Moving { from: at(&names, &here), to: at(&names, &there), deploy }
+            }
+            (Self::Moving { .. }, Some(_)) => {
+                return Err("this instance moves its naming (`Hashing::moving_to`) and its \
+                            regions (`RegionalStore::moving_to`) at once: finish one move, \
+                            all three deploys, before the other"
+                    .to_owned());
+            }
+        })
     }
 
     /// The namings whose records it reads (claims, replays).
@@ -237,7 +271,19 @@ fn why(mine: &Phase, other: &Phase, running: bool) -> String {
          window, keep-alive ceiling and a lease after the last of them stopped)"
             .to_owned()
     };
+    fn regions(phase: &Phase) -> Vec<Option<&str>> {
+        match phase {
+            Phase::Alone(id) => vec![id.regions()],
+            Phase::Moving { from, to, .. } => vec![from.regions(), to.regions()],
+        }
+    }
     let step = match (mine, other) {
+        _ if regions(mine) != regions(other) => {
+            "a change of region list (a region added, removed or renamed, another rule) is a \
+             move of three rolling deploys: `RegionalStore::moving_to(.., Deploy::First)`, \
+             then `Deploy::Second`, then the new list alone, once the first's records expired; \
+             one deploy at a time, and every instance of a deploy given the same list"
+        }
         (Phase::Alone(_), Phase::Alone(_)) => {
             "a change of naming is a move of three rolling deploys: \
              `Hashing::moving_to(.., Deploy::First)`, then `Deploy::Second`, then the new \

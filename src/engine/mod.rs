@@ -51,7 +51,7 @@ use self::unsettled::{UnsettledClaim, spawn};
 use crate::{
     at_rest::AtRest,
     fingerprint::Fingerprint,
-    hashing::Named,
+    hashing::{Deploy, Named, Next},
     key::RecordKey,
     settings::DEFAULT_MAX_WAITERS,
     store::{Claim, Lease, OwnerToken, Store, StoreError, later},
@@ -185,13 +185,28 @@ impl<St: Clone> Engine<St> {
     }
 }
 
-impl<St> Engine<St> {
+impl<St: Store> Engine<St> {
     /// A request's names in the store, from its plain record key and fingerprint: what a
-    /// front door claims, logs and gives its operation's context.
+    /// front door claims, logs and gives its operation's context. During a move of the
+    /// store's own (a `RegionalStore` between region lists) that changes the key's home, its
+    /// names in the placement moved to come second, as a move between namings' do; the fleet
+    /// refuses a door whose naming and store move at once.
     pub(crate) fn name(&self, key: RecordKey, fingerprint: Fingerprint) -> Named {
-        self.settings.hashing.name(key, fingerprint)
+        let mut named = self.settings.hashing.name(key, fingerprint);
+        if named.next.is_none()
+            && let Some(deploy) = self.store.moves(&named.key)
+        {
+            named.next = Some(Next {
+                key: named.key.in_next_placement(),
+                fingerprint: named.fingerprint.clone(),
+                completed_first: deploy == Deploy::Second,
+            });
+        }
+        named
     }
+}
 
+impl<St> Engine<St> {
     pub(crate) fn store(&self) -> &St {
         &self.store
     }

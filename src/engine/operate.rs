@@ -14,6 +14,15 @@ use crate::{
 };
 
 impl<St: Admin> Engine<St> {
+    /// The record keys of a plain one: under the names the door claims first, and under the
+    /// names (or in the placement, its store's) a move goes to.
+    fn record_keys(&self, plain: &RecordKey) -> (RecordKey, Option<RecordKey>) {
+        let (ours, alongside) = self.settings.hashing.record_keys(plain);
+        let placed = || self.store().moves(&ours).map(|_| ours.in_next_placement());
+        let alongside = alongside.or_else(placed);
+        (ours, alongside)
+    }
+
     /// What the store holds under `key`, and the outcome as the door wrote it (decrypted, its
     /// envelope read) when it is completed. The outcome is read to tell its age, even when the
     /// caller does not ask for it; `reader` turns it into what the door answers, and is
@@ -27,7 +36,7 @@ impl<St: Admin> Engine<St> {
         with_outcome: bool,
         reader: impl FnOnce(Parsed) -> Result<T, StoreError>,
     ) -> Result<Option<KeyReport<T>>, StoreError> {
-        let (ours, alongside) = self.settings.hashing.record_keys(plain);
+        let (ours, alongside) = self.record_keys(plain);
         let mut found = self.store().inspect(&ours, true).await?.map(|record| (ours, record));
         if let (None, Some(other)) = (&found, alongside) {
             found = self.store().inspect(&other, true).await?.map(|record| (other, record));
@@ -71,12 +80,14 @@ impl<St: Admin> Engine<St> {
         // Refused when an instance reads names this operator does not: the record under them
         // would still answer the key.
         let registry = placement::registry(plain.prefix());
+        let phase = Phase::of_door(&self.settings.hashing, self.store().placement())
+            .map_err(StoreError::Misplaced)?;
         if let Some(listed) = self.store().announce(&registry, &[]).await?
-            && let Some(why) = placement::uncovered(&Phase::of(&self.settings.hashing), &listed)
+            && let Some(why) = placement::uncovered(&phase, &listed)
         {
             return Err(StoreError::Misplaced(why));
         }
-        let (ours, alongside) = self.settings.hashing.record_keys(plain);
+        let (ours, alongside) = self.record_keys(plain);
         let forgotten = self.store().forget(&ours, force).await?;
         let Some(other) = alongside.filter(|_| forgotten != Forgotten::Running) else {
             return Ok(forgotten);

@@ -286,6 +286,14 @@ impl<St: Store> Store for CachingStore<St> {
         self.inner.commits_in_transactions()
     }
 
+    fn placement(&self) -> Option<(String, Option<(String, crate::hashing::Deploy)>)> {
+        self.inner.placement()
+    }
+
+    fn moves(&self, key: &RecordKey) -> Option<crate::hashing::Deploy> {
+        self.inner.moves(key)
+    }
+
     async fn announce(
         &self,
         registry: &RecordKey,

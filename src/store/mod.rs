@@ -47,14 +47,14 @@ pub use self::postgres::{LapsedClaims, PostgresStore, TableNameError};
 pub use self::redis::RedisStore;
 #[cfg(feature = "cluster")]
 pub use self::redis::{ClusterConfigError, ClusterManager, ClusterPool};
-pub use self::regional::{HashedHome, HomeRegion, RegionalStore};
+pub use self::regional::{HashedHome, HomeRegion, RegionalStore, RegionsMoveError};
 pub use self::subscription::{OnLastLeave, Subscription, Waiters};
 #[cfg(feature = "postgres")]
 pub(crate) use self::transaction::Running;
 pub(crate) use self::transaction::{Commit, CommitSlot, EncodedOutcome};
 pub use self::transaction::{Committable, EncodeError, TransactionError};
-use crate::fingerprint::Fingerprint;
 pub use crate::key::RecordKey;
+use crate::{fingerprint::Fingerprint, hashing::Deploy};
 /// The deadpool-redis this crate builds on, for [`RedisStore::new`]'s pool.
 #[cfg(feature = "redis")]
 pub use deadpool_redis;
@@ -171,6 +171,25 @@ pub trait Store: Clone + Send + Sync + 'static {
     #[doc(hidden)]
     fn commits_in_transactions(&self) -> bool {
         false
+    }
+
+    /// Where the store keeps its records, for the fleet's registry ([`crate::hashing`]): an
+    /// id of its placement (a `RegionalStore`'s region list and rule) and, during a move
+    /// between two, the id moved to and this build's deploy. `None` (the default) for a store
+    /// with one place; a store that wraps another answers as the other does.
+    #[doc(hidden)]
+    fn placement(&self) -> Option<(String, Option<(String, Deploy)>)> {
+        None
+    }
+
+    /// During a move between two placements of its own, this build's deploy when `key`'s
+    /// placement changes (its home region does): the engine then claims it in both, as during
+    /// a move between namings. `None` by default; a store that wraps another answers as the
+    /// other does.
+    #[doc(hidden)]
+    fn moves(&self, key: &RecordKey) -> Option<Deploy> {
+        let _ = key;
+        None
     }
 
     /// Records under `registry` that an instance holds each of `entries`, each until its own

@@ -1,6 +1,8 @@
 //! The protocol of one key, as a model a checker explores exhaustively: a client's attempts,
-//! each handled by one of two instances, against the key's records in a store (one name; two
-//! while a service moves between namings, `Hashing::alongside`), with every fault interleaved
+//! each handled by one of two instances, against the key's records in a store (one placement;
+//! two while a service moves between placements: its namings, `Hashing::moving_to`, or its
+//! region lists, `RegionalStore::moving_to`, whose transition is the same code; and the
+//! names alongside it replaced, as a negative control), with every fault interleaved
 //! everywhere (a claim's reply lost or late, an instance crashed or paused at any step, a
 //! lease that lapses, a commit's or a complete's reply lost).
 //!

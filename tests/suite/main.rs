@@ -51,6 +51,7 @@ mod redis_connections;
 mod redis_tls;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod regions;
+mod regions_moves;
 mod request_path;
 #[cfg(feature = "sentinel")]
 mod sentinel;

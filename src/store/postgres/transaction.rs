@@ -72,6 +72,13 @@ where
             }
         }));
     }
+    if context.other_key().is_some_and(crate::key::RecordKey::is_placed_next) {
+        return Err(TransactionError::Misuse(
+            "a transaction while a RegionalStore moves between region lists: the key's two homes \
+             are two databases, which one commit cannot write; commit with the `complete` the \
+             door makes, or finish the move first",
+        ));
+    }
     completion.commit.start(!beside).map_err(TransactionError::Misuse)?;
     // Dropped anywhere before the commit is sent (an error, a panic, the caller cancelled):
     // rolled back, and sqlx rolls the transaction back.

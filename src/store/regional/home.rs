@@ -50,8 +50,8 @@ where
 /// (the region whose SHA-256 of its name and the key's hash is highest). Keys spread evenly;
 /// the answer depends on the key and the set of names alone, not their order, so every
 /// instance agrees on it. Adding or removing a region moves only the keys it takes or held
-/// (about one in the number of regions): do it between retention windows, or a retry of a
-/// moved key may find its record in the old home no more.
+/// (about one in the number of regions): move them with
+/// [`RegionalStore::moving_to`](super::RegionalStore::moving_to).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HashedHome;
 

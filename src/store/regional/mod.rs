@@ -1,8 +1,10 @@
 //! [`RegionalStore`]: one store per region, and every record decided by its key's home region.
 
+mod admin;
 mod fallback;
 mod fleet;
 mod home;
+mod moving;
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -10,11 +12,9 @@ use bytes::Bytes;
 
 use self::fallback::Fallback;
 pub use self::home::{HashedHome, HomeRegion};
-use super::{
-    AbandonedClaim, Admin, Claim, Fenced, Forgotten, Inspection, Lease, OwnerToken, Store,
-    StoreError, Subscription,
-};
-use crate::{fingerprint::Fingerprint, key::RecordKey};
+pub use self::moving::RegionsMoveError;
+use super::{Claim, Fenced, Lease, OwnerToken, Store, StoreError, Subscription};
+use crate::{fingerprint::Fingerprint, hashing::Deploy, key::RecordKey};
 
 /// A store over one store per region, which sends every call for a record key to the key's
 /// home region: one authority decides each key, so a retry that a global load balancer sends
@@ -50,6 +50,9 @@ pub struct RegionalStore<St, H = HashedHome> {
     names: Arc<[String]>,
     home: Arc<H>,
     fallback: Option<Arc<Fallback>>,
+    /// During a move between region lists ([`moving_to`](Self::moving_to)): the list moved
+    /// to, and this build's deploy.
+    next: Option<(Arc<RegionalStore<St, H>>, Deploy)>,
 }
 
 impl<St> RegionalStore<St> {
@@ -69,16 +72,22 @@ impl<St> RegionalStore<St> {
         for (index, name) in names.iter().enumerate() {
             assert!(!names[..index].contains(name), "two regions are named {name:?}");
         }
-        Self { regions, names, home: Arc::new(HashedHome), fallback: None }
+        Self { regions, names, home: Arc::new(HashedHome), fallback: None, next: None }
     }
 }
 
 impl<St, H> RegionalStore<St, H> {
     /// Sets the rule that picks a key's home. Defaults to [`HashedHome`].
+    ///
+    /// # Panics
+    ///
+    /// On a move between region lists ([`moving_to`](Self::moving_to)): set each list's rule
+    /// before the move is made of them.
     #[must_use]
     pub fn home<H2: HomeRegion>(self, rule: H2) -> RegionalStore<St, H2> {
+        assert!(self.next.is_none(), "set a RegionalStore's rule before `moving_to`");
         let (regions, names, fallback) = (self.regions, self.names, self.fallback);
-        RegionalStore { regions, names, home: Arc::new(rule), fallback }
+        RegionalStore { regions, names, home: Arc::new(rule), fallback, next: None }
     }
 
     /// **Opt in, knowing what it gives up**: when a key's home cannot be reached (its store
@@ -212,6 +221,7 @@ impl<St, H> Clone for RegionalStore<St, H> {
             names: Arc::clone(&self.names),
             home: Arc::clone(&self.home),
             fallback: self.fallback.clone(),
+            next: self.next.clone(),
         }
     }
 }
@@ -223,6 +233,7 @@ impl<St: fmt::Debug, H> fmt::Debug for RegionalStore<St, H> {
             .field("regions", &self.regions)
             .field("home", &std::any::type_name::<H>())
             .field("fallback", &self.fallback.as_ref().map(|f| &self.regions[f.region].0))
+            .field("moving_to", &self.next)
             .finish()
     }
 }
@@ -235,6 +246,9 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
+        if let Some(next) = self.moved(key) {
+            return next.claim_in(&key.in_own_placement(), fingerprint, owner, lease, false).await;
+        }
         self.claim_in(key, fingerprint, owner, lease, false).await
     }
 
@@ -245,10 +259,17 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Claim, StoreError> {
+        if let Some(next) = self.moved(key) {
+            return next.claim_in(&key.in_own_placement(), fingerprint, owner, lease, true).await;
+        }
         self.claim_in(key, fingerprint, owner, lease, true).await
     }
 
     async fn subscribe(&self, key: &RecordKey) -> Subscription {
+        if let Some(next) = self.moved(key) {
+            let key = &key.in_own_placement();
+            return next.authority(key).subscribe(key).await;
+        }
         self.authority(key).subscribe(key).await
     }
 
@@ -260,6 +281,13 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         response: Bytes,
         retention: Duration,
     ) -> Result<Fenced, StoreError> {
+        if let Some(next) = self.moved(key) {
+            let key = &key.in_own_placement();
+            return next
+                .authority(key)
+                .complete(key, owner, fingerprint, response, retention)
+                .await;
+        }
         let store = self.holding(key, owner);
         let answer = store.complete(key, owner, fingerprint, response, retention).await;
         self.settled(key, owner, &answer);
@@ -267,6 +295,10 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
     }
 
     async fn release(&self, key: &RecordKey, owner: &OwnerToken) -> Result<Fenced, StoreError> {
+        if let Some(next) = self.moved(key) {
+            let key = &key.in_own_placement();
+            return next.authority(key).release(key, owner).await;
+        }
         let answer = self.holding(key, owner).release(key, owner).await;
         self.settled(key, owner, &answer);
         answer
@@ -279,6 +311,10 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         fingerprint: &Fingerprint,
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
+        if let Some(next) = self.moved(key) {
+            let key = &key.in_own_placement();
+            return next.authority(key).abandon(key, owner, fingerprint, lease).await;
+        }
         let answer = self.holding(key, owner).abandon(key, owner, fingerprint, lease).await;
         self.settled(key, owner, &answer);
         answer
@@ -286,17 +322,33 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
 
     fn commits_in_transactions(&self) -> bool {
         self.regions.iter().any(|(_, store)| store.commits_in_transactions())
+            || self.next.as_ref().is_some_and(|(next, _)| next.commits_in_transactions())
     }
 
-    /// In every region's store, each recording its region's name: a store that records another
-    /// region's name (two URLs swapped, one store under two names) is refused,
-    /// [`StoreError::Misplaced`]: its keys would have two homes.
+    fn placement(&self) -> Option<(String, Option<(String, Deploy)>)> {
+        let next = self.next.as_ref().map(|(next, deploy)| (next.id(), *deploy));
+        Some((self.id(), next))
+    }
+
+    fn moves(&self, key: &RecordKey) -> Option<Deploy> {
+        self.moves_home(key)
+    }
+
+    /// In every region's store (of both lists, during a move), each recording its region's
+    /// name: a store that records another region's name (two URLs swapped, one store under
+    /// two names) is refused, [`StoreError::Misplaced`]: its keys would have two homes.
     async fn announce(
         &self,
         registry: &RecordKey,
         entries: &[(String, Duration)],
     ) -> Result<Option<Vec<String>>, StoreError> {
-        fleet::announce(&self.regions, registry, entries).await
+        let Some((next, _)) = &self.next else {
+            return fleet::announce(&self.regions, registry, entries).await;
+        };
+        let mut regions = self.regions.to_vec();
+        let added = next.regions.iter().filter(|(name, _)| !self.names.contains(name));
+        regions.extend(added.cloned());
+        fleet::announce(&regions, registry, entries).await
     }
 
     async fn touch(
@@ -305,6 +357,10 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         owner: &OwnerToken,
         lease: Lease,
     ) -> Result<Fenced, StoreError> {
+        if let Some(next) = self.moved(key) {
+            let key = &key.in_own_placement();
+            return next.authority(key).touch(key, owner, lease).await;
+        }
         let answer = self.holding(key, owner).touch(key, owner, lease).await;
         if let (Some(fallback), Ok(Fenced::Applied)) = (&self.fallback, &answer)
             && fallback.holds(key, owner)
@@ -312,52 +368,6 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
             fallback.remember(key, owner, lease);
         }
         answer
-    }
-}
-
-impl<St: Admin, H: HomeRegion> Admin for RegionalStore<St, H> {
-    async fn inspect(
-        &self,
-        key: &RecordKey,
-        with_outcome: bool,
-    ) -> Result<Option<Inspection>, StoreError> {
-        let found = self.authority(key).inspect(key, with_outcome).await?;
-        match (&self.fallback, found) {
-            // A claim taken at the fallback while the home was cut off is there.
-            (Some(fallback), None) if fallback.region != self.index_of(key) => {
-                self.regions[fallback.region].1.inspect(key, with_outcome).await
-            }
-            (_, found) => Ok(found),
-        }
-    }
-
-    async fn forget(&self, key: &RecordKey, force: bool) -> Result<Forgotten, StoreError> {
-        let forgotten = self.authority(key).forget(key, force).await?;
-        match (&self.fallback, forgotten) {
-            (Some(fallback), Forgotten::Absent) if fallback.region != self.index_of(key) => {
-                self.regions[fallback.region].1.forget(key, force).await
-            }
-            (_, forgotten) => Ok(forgotten),
-        }
-    }
-
-    /// Every region's abandoned claims, oldest lapse first, at most `limit` in all. A region
-    /// that cannot answer fails the listing: a partial list would read as "nothing abandoned
-    /// there". During an outage, list the regions that answer one by one
-    /// ([`region`](RegionalStore::region)`(name)`'s own `abandoned`).
-    async fn abandoned(
-        &self,
-        lapsed_for: Duration,
-        limit: u32,
-    ) -> Result<Vec<AbandonedClaim>, StoreError> {
-        let listings = self.regions.iter().map(|(_, store)| store.abandoned(lapsed_for, limit));
-        let mut claims = Vec::new();
-        for listing in futures_util::future::join_all(listings).await {
-            claims.extend(listing?);
-        }
-        claims.sort_by_key(|claim| std::cmp::Reverse(claim.lapsed_for));
-        claims.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-        Ok(claims)
     }
 }
 

@@ -1,7 +1,7 @@
 //! The routing of `RegionalStore`: which region each key's calls go to.
 
 use super::*;
-use crate::store::MemoryStore;
+use crate::store::{Admin, MemoryStore};
 
 fn three() -> RegionalStore<MemoryStore> {
     RegionalStore::new([
