@@ -271,10 +271,11 @@ fn why(mine: &Phase, other: &Phase, running: bool) -> String {
          window, keep-alive ceiling and a lease after the last of them stopped)"
             .to_owned()
     };
-    fn regions(phase: &Phase) -> Vec<Option<&str>> {
+    // The region lists each is placed over: a change of list, not of naming, when they differ.
+    fn regions(phase: &Phase) -> std::collections::BTreeSet<Option<&str>> {
         match phase {
-            Phase::Alone(id) => vec![id.regions()],
-            Phase::Moving { from, to, .. } => vec![from.regions(), to.regions()],
+            Phase::Alone(id) => [id.regions()].into(),
+            Phase::Moving { from, to, .. } => [from.regions(), to.regions()].into(),
         }
     }
     let step = match (mine, other) {

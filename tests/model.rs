@@ -90,6 +90,23 @@ fn a_release_without_the_owner_fence_runs_twice() {
     counterexample("release unfenced", unfenced, "no second run beside a live holder");
 }
 
+/// The abandon's marker: with one fault (a claim given up on while on the wire), the claim
+/// that lands after its abandon is refused, and holds nothing; without the marker it holds
+/// the key, and every attempt is answered 202 until its lease lapses.
+#[test]
+fn a_claim_landing_after_its_abandon_holds_nothing_with_the_marker_and_the_key_without() {
+    for transactional in [false, true] {
+        let protocol = Protocol { transactional, ..Protocol::TODAY };
+        check(&format!("one fault, transactional {transactional}"), protocol, 1)
+            .assert_properties();
+    }
+    let unmarked = Protocol { abandon_marker: false, ..Protocol::TODAY };
+    let checker = check("no abandon marker", unmarked, 1);
+    let property = "a claim given up on while the key was free never holds it";
+    let path = checker.discovery(property).expect("a counterexample without the marker");
+    println!("no abandon marker: {property:?} broken by {:?}", path.into_actions());
+}
+
 /// The renewal's fence (`touch`, fenced by the owner token): the abandon of a claim whose
 /// reply was never seen ends its lease by a touch; unfenced, an abandon that comes after
 /// another attempt claimed the key ends that holder's lease while it runs, and a retry takes

@@ -225,6 +225,8 @@ fn a_move_to_the_same_regions_or_from_a_move_is_refused() {
     assert_eq!(same.unwrap_err(), RegionsMoveError::SameRegions);
     let nested = regions.moving(Deploy::First).moving_to(regions.added(), Deploy::Second);
     assert_eq!(nested.unwrap_err(), RegionsMoveError::Nested);
+    let falls_back = regions.old().fall_back_to("eu").moving_to(regions.added(), Deploy::First);
+    assert_eq!(falls_back.unwrap_err(), RegionsMoveError::Fallback);
     assert!(
         RegionsMoveError::Nested.to_string().contains("one move at a time")
             || RegionsMoveError::Nested.to_string().contains("finish one move")
@@ -233,12 +235,15 @@ fn a_move_to_the_same_regions_or_from_a_move_is_refused() {
 
 /// A `PostgresStore::transaction` during a move of regions: a key whose home moves has two
 /// homes, two databases, which one commit cannot write; the transaction is refused before it
-/// writes anything, saying why, and a key whose home stays commits as ever.
+/// writes anything, saying why, on either deploy of the move, and a key whose home stays
+/// commits as ever. `DurableOutcomes::transaction`, which writes beside the store, commits
+/// every key.
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_of_a_key_changing_home_is_refused_before_it_writes() {
     use axum_idempotency::{
         Idempotent,
+        durable::DurableOutcomes,
         store::{PostgresStore, sqlx},
     };
     use common::{Harness, postgres::PostgresHarness};
@@ -249,41 +254,69 @@ async fn a_transaction_of_a_key_changing_home_is_refused_before_it_writes() {
         .execute(&pool)
         .await
         .unwrap();
-    let old = RegionalStore::new([("eu", eu.store())]);
-    let new = RegionalStore::new([("eu", eu.store()), ("us", us.store())]);
-    let door = Idempotent::new(old.moving_to(new, Deploy::First).unwrap());
-    let ledger: PostgresStore = eu.store();
-    let (mut refused, mut committed) = (0, 0);
-    for i in 0..20 {
-        let (ledger, code) = (ledger.clone(), format!("evt{i}"));
-        let paid = door
-            .run("payments", &code.clone(), b"{}", move |context| async move {
-                ledger
-                    .transaction(&context, |tx| {
-                        Box::pin(async move {
-                            sqlx::query("INSERT INTO payments (code) VALUES ($1)")
-                                .bind(code)
-                                .execute(&mut *tx)
-                                .await?;
-                            Ok::<_, sqlx::Error>(axum::Json(1_u32))
+    let outcomes = DurableOutcomes::new(pool.clone());
+    outcomes.migrate().await.unwrap();
+    let count = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM payments").fetch_one(&pool).await.unwrap()
+    };
+    for (round, deploy) in [Deploy::First, Deploy::Second].into_iter().enumerate() {
+        let old = RegionalStore::new([("eu", eu.store())]);
+        let new = RegionalStore::new([("eu", eu.store()), ("us", us.store())]);
+        let store = old.moving_to(new, deploy).unwrap();
+        let (door, ledger): (_, PostgresStore) = (Idempotent::new(store.clone()), eu.store());
+        let (mut refused, mut committed) = (0, 0);
+        let before = count().await;
+        for i in 0..20 {
+            let (ledger, code) = (ledger.clone(), format!("evt{round}-{i}"));
+            let paid = door
+                .run("payments", &code.clone(), b"{}", move |context| async move {
+                    let insert = "INSERT INTO payments (code) VALUES ($1)";
+                    ledger
+                        .transaction(&context, |tx| {
+                            Box::pin(async move {
+                                sqlx::query(insert).bind(code).execute(&mut *tx).await?;
+                                Ok::<_, sqlx::Error>(axum::Json(1_u32))
+                            })
                         })
-                    })
-                    .await
-                    .map(|axum::Json(paid)| paid)
-            })
-            .await;
-        match paid {
-            Ok(_) => committed += 1,
-            Err(error) => {
-                assert!(error.to_string().contains("moves between region lists"), "{error}");
-                refused += 1;
+                        .await
+                        .map(|axum::Json(paid)| paid)
+                })
+                .await;
+            match paid {
+                Ok(_) => committed += 1,
+                Err(error) => {
+                    assert!(error.to_string().contains("moves between region lists"), "{error}");
+                    refused += 1;
+                }
             }
         }
+        assert!(
+            refused > 0 && committed > 0,
+            "{deploy:?}: refused {refused}, committed {committed}"
+        );
+        assert_eq!(count().await - before, committed, "{deploy:?}: a refused transaction wrote");
+
+        // Beside the store: every key commits, on either deploy.
+        let door = Idempotent::new(store).recover(outcomes.clone());
+        for i in 0..20 {
+            let (outcomes, code) = (outcomes.clone(), format!("beside{round}-{i}"));
+            let paid = door
+                .run("payments", &code.clone(), b"{}", move |context| async move {
+                    let insert = "INSERT INTO payments (code) VALUES ($1)";
+                    outcomes
+                        .transaction(&context, |tx| {
+                            Box::pin(async move {
+                                sqlx::query(insert).bind(code).execute(&mut *tx).await?;
+                                Ok::<_, sqlx::Error>(axum::Json(1_u32))
+                            })
+                        })
+                        .await
+                        .map(|axum::Json(paid)| paid)
+                })
+                .await;
+            assert!(paid.is_ok(), "{deploy:?} {i}: {paid:?}");
+        }
     }
-    let rows: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM payments").fetch_one(&pool).await.unwrap();
-    assert!(refused > 0 && committed > 0, "refused {refused}, committed {committed}");
-    assert_eq!(rows, committed, "a refused transaction wrote nothing");
 }
 
 /// A store in the middle of a move keeps the store contract for every key its doors give it.

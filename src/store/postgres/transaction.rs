@@ -72,7 +72,9 @@ where
             }
         }));
     }
-    if context.other_key().is_some_and(crate::key::RecordKey::is_placed_next) {
+    // Written in the one commit only when the record is (not in a table beside the store).
+    let placed_next = context.names().any(|(key, _)| key.is_placed_next());
+    if placed_next && matches!(where_kept, Kept::InRecord(_)) {
         return Err(TransactionError::Misuse(
             "a transaction while a RegionalStore moves between region lists: the key's two homes \
              are two databases, which one commit cannot write; commit with the `complete` the \

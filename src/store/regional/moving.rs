@@ -17,6 +17,10 @@ pub enum RegionsMoveError {
     SameRegions,
     /// One of the two is a move already: one move at a time.
     Nested,
+    /// The regions moved from fall back to a region ([`RegionalStore::fall_back_to`]): a key
+    /// claimed there, under its own text, may be its new home's record. Remove the fallback
+    /// for the move.
+    Fallback,
 }
 
 impl fmt::Display for RegionsMoveError {
@@ -24,6 +28,9 @@ impl fmt::Display for RegionsMoveError {
         f.write_str(match self {
             Self::SameRegions => "a move to the regions moved from (the same names and rule)",
             Self::Nested => "a move from or to a move: finish one move, all three deploys, first",
+            Self::Fallback => {
+                "a move from regions with a fallback region: remove the fallback for the move"
+            }
         })
     }
 }
@@ -31,8 +38,8 @@ impl fmt::Display for RegionsMoveError {
 impl Error for RegionsMoveError {}
 
 impl<St, H: HomeRegion> RegionalStore<St, H> {
-    /// A build of a move from these regions to `to`'s (a region added, removed or renamed,
-    /// or another home rule), in three rolling deploys, each beside its neighbours only:
+    /// A build of a move from these regions to `to`'s (a region added, removed or renamed),
+    /// in three rolling deploys, each beside its neighbours only:
     ///
     /// 1. `RegionalStore::new(old).moving_to(RegionalStore::new(new), Deploy::First)?`
     /// 2. the same with `Deploy::Second`;
@@ -47,21 +54,31 @@ impl<St, H: HomeRegion> RegionalStore<St, H> {
     /// in every region's store: an instance whose list disagrees with a running one (a list
     /// rolled out to some instances first, a deploy skipped) is refused
     /// ([`StoreError::Misplaced`](crate::store::StoreError::Misplaced)), and nothing runs. A
-    /// move of regions and a move of namings at once are refused too. The fallback region
-    /// ([`fall_back_to`](Self::fall_back_to)) serves the old list's homes only; a
-    /// `PostgresStore::transaction` during the move is refused (a key's two homes are two
-    /// databases); the operator's `abandoned` lists the old list's regions.
+    /// move of regions and a move of namings at once are refused too.
+    ///
+    /// A region's name names its store: a region kept in both lists keeps its store (a store
+    /// given to a kept name in `to` is not checked against the old one's, and records left in
+    /// the old would be stranded at deploy 3). The two lists share the rule's type, and the
+    /// fleet tells lists apart by their names and that type (not a rule's own settings). No
+    /// fallback region during the move ([`fall_back_to`](Self::fall_back_to) on `to` is
+    /// dropped). A `PostgresStore::transaction` for a key whose home changes is refused (its
+    /// two homes are two databases; `DurableOutcomes::transaction` is not, writing beside
+    /// the store); the operator's `abandoned` lists the old list's regions.
     ///
     /// # Errors
     ///
     /// [`RegionsMoveError::SameRegions`] when `to` has the same names and rule;
-    /// [`RegionsMoveError::Nested`] when either is a move already.
+    /// [`RegionsMoveError::Nested`] when either is a move already;
+    /// [`RegionsMoveError::Fallback`] when these regions fall back to one.
     pub fn moving_to(mut self, mut to: Self, deploy: Deploy) -> Result<Self, RegionsMoveError> {
         if self.next.is_some() || to.next.is_some() {
             return Err(RegionsMoveError::Nested);
         }
         if self.id() == to.id() {
             return Err(RegionsMoveError::SameRegions);
+        }
+        if self.fallback.is_some() {
+            return Err(RegionsMoveError::Fallback);
         }
         to.fallback = None;
         self.next = Some((Arc::new(to), deploy));
