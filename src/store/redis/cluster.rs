@@ -3,7 +3,7 @@
 //!
 //! deadpool-redis's own cluster configuration exposes no retry or timeout settings, and with
 //! redis-rs's defaults a script against a slot whose master is down went unanswered for over
-//! 90 s. [`RedisStore::cluster_from_urls`](crate::RedisStore::cluster_from_urls) sets them; [`ClusterManager`] takes any
+//! 90 s. [`RedisStore::cluster_from_urls`](super::RedisStore::cluster_from_urls) sets them; [`ClusterManager`] takes any
 //! [`ClusterClient`] you build yourself.
 
 use std::{fmt, time::Duration};
@@ -17,7 +17,7 @@ use deadpool_redis::redis::{
 
 use crate::store::StoreError;
 
-/// A pool of Redis Cluster connections for [`RedisStore::cluster`](crate::RedisStore::cluster).
+/// A pool of Redis Cluster connections for [`RedisStore::cluster`](super::RedisStore::cluster).
 pub type ClusterPool = managed::Pool<ClusterManager>;
 
 /// Makes Redis Cluster connections from a redis-rs
@@ -67,7 +67,7 @@ impl managed::Manager for ClusterManager {
     }
 }
 
-/// Why [`RedisStore::cluster_from_urls`](crate::RedisStore::cluster_from_urls) could not build a store.
+/// Why [`RedisStore::cluster_from_urls`](super::RedisStore::cluster_from_urls) could not build a store.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum ClusterConfigError {
@@ -115,7 +115,7 @@ pub(super) fn pool_from_urls(urls: &[String]) -> Result<ClusterPool, ClusterConf
         .build()
         .map_err(ClusterConfigError::Redis)?;
     ClusterPool::builder(ClusterManager::new(client))
-        .max_size(crate::RedisStore::POOL_SIZE)
+        .max_size(super::RedisStore::POOL_SIZE)
         .wait_timeout(Some(Duration::from_secs(1)))
         .create_timeout(Some(Duration::from_secs(1)))
         .recycle_timeout(Some(Duration::from_secs(1)))
