@@ -40,6 +40,10 @@ REGION_MOVES = ["--test", "suite", "--", "regions_moves"]
 MUTANTS = [
     ("a RegionalStore's move claims a moving key at its old home alone", "src/store/regional/moving.rs",
      "(next.home_of(key) != self.home_of(key)).then_some(*deploy)", "None::<Deploy>.filter(|_| next.home_of(key) != self.home_of(key))", REGION_MOVES),
+    ("a transaction of a key changing home is not refused", "src/store/postgres/transaction.rs",
+     "if placed_next && matches!(where_kept, Kept::InRecord(_)) {", "if false && placed_next && matches!(where_kept, Kept::InRecord(_)) {", REGION_MOVES),
+    ("a transaction beside the store of a key changing home is refused", "src/store/postgres/transaction.rs",
+     "if placed_next && matches!(where_kept, Kept::InRecord(_)) {", "if placed_next {", REGION_MOVES),
     ("a RegionalStore tells its fleet nothing of its region list", "src/store/regional/mod.rs",
      "        Some((self.id(), next))\n", "        drop(next);\n        None\n", REGION_MOVES),
     ("announce.lua shortens an entry another instance announced for longer", "lua/announce.lua",
