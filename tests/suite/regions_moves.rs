@@ -328,3 +328,25 @@ async fn a_moving_regional_store_passes_the_kit() {
         axum_idempotency::conformance::check_admin(&regions.moving(deploy)).await;
     }
 }
+
+/// A region kept in both lists whose store differs in the list moved to (its URL changed in
+/// the same deploy): refused, and nothing runs; its records in the old store would be
+/// stranded at deploy 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_region_given_another_store_is_refused() {
+    let calls = Calls::default();
+    let [eu, us, ap, other] = std::array::from_fn(|_| MemoryStore::new());
+    let old = RegionalStore::new([("eu", eu.clone()), ("us", us.clone())]);
+    let new = RegionalStore::new([("eu", eu.clone()), ("us", other), ("ap", ap.clone())]);
+    let moved = instance(old.moving_to(new, Deploy::First).unwrap(), &calls);
+    send(&moved, keyed("POST", "/payments", "k", "{}"))
+        .await
+        .assert_problem(503, "fleet-disagrees");
+    // The same stores under the same names: served.
+    let old = RegionalStore::new([("eu", eu.clone()), ("us", us.clone())]);
+    let new = RegionalStore::new([("eu", eu), ("us", us), ("ap", ap)]);
+    let moved = instance(old.moving_to(new, Deploy::First).unwrap(), &calls);
+    let ran = send(&moved, keyed("POST", "/payments", "k", "{}")).await;
+    assert_eq!(ran.status.as_u16(), 201, "{ran:?}");
+    assert_eq!(calls.get(), 1);
+}

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use crate::{
     key::RecordKey,
-    store::{Store, StoreError},
+    store::{OwnerToken, Store, StoreError},
 };
 
 /// In every region's store (each keeps the records of the keys whose home it is): every
@@ -41,7 +41,8 @@ pub(super) async fn announce<St: Store>(
                          live), whose keys would have two homes"
                     )));
                 }
-                entries.retain(|entry| !entry.starts_with("region:"));
+                entries
+                    .retain(|entry| !entry.starts_with("region:") && !entry.starts_with("probe:"));
                 listed.get_or_insert_with(Vec::new).extend(entries);
             }
             Ok(None) => {}
@@ -59,4 +60,21 @@ pub(super) async fn announce<St: Store>(
         listed.dedup();
         listed
     }))
+}
+
+/// Whether `a` and `b` are one store: an entry of its own announced through `a` (for a second)
+/// is listed through `b`. Two stores that keep no registry cannot be told apart, and count as
+/// one.
+pub(super) async fn one_store<St: Store>(
+    a: &St,
+    b: &St,
+    registry: &RecordKey,
+) -> Result<bool, StoreError> {
+    let token = OwnerToken::random();
+    let probe: String = token.as_bytes().iter().map(|byte| format!("{byte:02x}")).collect();
+    let probe = format!("probe:{probe}");
+    if a.announce(registry, &[(probe.clone(), Duration::from_secs(1))]).await?.is_none() {
+        return Ok(true);
+    }
+    Ok(b.announce(registry, &[]).await?.is_none_or(|listed| listed.contains(&probe)))
 }

@@ -345,6 +345,17 @@ impl<St: Store, H: HomeRegion> Store for RegionalStore<St, H> {
         let Some((next, _)) = &self.next else {
             return fleet::announce(&self.regions, registry, entries).await;
         };
+        for (name, store) in next.regions.iter() {
+            if let Some(kept) = self.region(name)
+                && !fleet::one_store(kept, store, registry).await?
+            {
+                return Err(StoreError::Misplaced(format!(
+                    "region `{name}` names another store in the regions moved to than in the \
+                     regions moved from: a kept region keeps its store, or its records there \
+                     would be stranded (move them as a region of another name)"
+                )));
+            }
+        }
         let mut regions = self.regions.to_vec();
         let added = next.regions.iter().filter(|(name, _)| !self.names.contains(name));
         regions.extend(added.cloned());

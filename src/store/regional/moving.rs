@@ -56,9 +56,9 @@ impl<St, H: HomeRegion> RegionalStore<St, H> {
     /// ([`StoreError::Misplaced`](crate::store::StoreError::Misplaced)), and nothing runs. A
     /// move of regions and a move of namings at once are refused too.
     ///
-    /// A region's name names its store: a region kept in both lists keeps its store (a store
-    /// given to a kept name in `to` is not checked against the old one's, and records left in
-    /// the old would be stranded at deploy 3). The two lists share the rule's type, and the
+    /// A region's name names its store: a region kept in both lists keeps its store, and one
+    /// given another store in `to` is refused (its records in the old one would be stranded at
+    /// deploy 3; each announcement tells the two apart by an entry of its own). The two lists share the rule's type, and the
     /// fleet tells lists apart by their names and that type (not a rule's own settings). No
     /// fallback region during the move ([`fall_back_to`](Self::fall_back_to) on `to` is
     /// dropped). A `PostgresStore::transaction` for a key whose home changes is refused (its
