@@ -4,7 +4,7 @@
 //! region lists, `RegionalStore::moving_to`, whose transition is the same code; and the
 //! names alongside it replaced, as a negative control), with every fault interleaved
 //! everywhere (a claim's reply lost or late, an instance crashed or paused at any step, a
-//! lease that lapses, a commit's or a complete's reply lost).
+//! lease that lapses, a commit's reply lost, a complete's lost before or after it applied).
 //!
 //! The store's operations are atomic, each with its fences: `claim` (a fresh claim, a
 //! takeover of a lapsed lease, "in progress", a replay), `complete`, `release` and `touch` (a
@@ -242,6 +242,10 @@ pub(crate) struct State {
     pub(crate) ran_beside_a_live_holder: bool,
     /// A run began after a response was stored (under any name).
     pub(crate) ran_after_stored: bool,
+    /// The response each attempt's claim found stored (its owner), when it found one.
+    pub(crate) found_stored: [Option<u8>; ATTEMPTS],
+    /// Attempts whose claim's reply their caller never heard (given up on).
+    pub(crate) gave_up: [bool; ATTEMPTS],
     /// Attempts whose abandon found the key free (absent, or a marker).
     pub(crate) freed: [bool; ATTEMPTS],
     /// A claim given up on while the key was free landed after its abandon, and holds the key
@@ -251,7 +255,10 @@ pub(crate) struct State {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Action {
-    Send { attempt: u8, instance: u8 },
+    Send {
+        attempt: u8,
+        instance: u8,
+    },
     Land(u8),
     LandLate(u8),
     Receive(u8),
@@ -260,9 +267,17 @@ pub(crate) enum Action {
     Look(u8),
     Decide(u8),
     Begin(u8),
-    Commit { attempt: u8, reply_lost: bool },
+    Commit {
+        attempt: u8,
+        reply_lost: bool,
+    },
     Settle(u8),
-    Complete { attempt: u8, reply_lost: bool },
+    Complete {
+        attempt: u8,
+        reply_lost: bool,
+    },
+    /// A `complete` applied by the store, its reply lost: tried again while held.
+    CompleteAppliedLost(u8),
     Lapse(u8),
     Crash(u8),
     Pause(u8),
@@ -300,6 +315,13 @@ impl OneKey {
     fn held_names(state: &State, a: usize) -> Vec<u8> {
         let first = state.under[a];
         if state.both[a] { vec![first, 1 - first] } else { vec![first] }
+    }
+
+    /// Notes the response `attempt`'s claim of `name` finds stored there, if any.
+    fn sees_stored(state: &mut State, a: usize, name: u8) {
+        if let Record::Done { owner } = state.records[usize::from(name)] {
+            state.found_stored[a].get_or_insert(owner);
+        }
     }
 
     /// The store's claim of `name`, applied atomically for `attempt`.
@@ -453,6 +475,61 @@ impl OneKey {
     }
 }
 
+/// Whether a `complete`'s reply reached its caller: lost before the store applied it, or after.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    No,
+    Before,
+    After,
+}
+
+impl OneKey {
+    /// `attempt`'s next `complete` (the next of the names it holds, in its build's order).
+    fn complete(&self, state: &mut State, attempt: u8, lost: Lost) {
+        let a = usize::from(attempt);
+        let order = state.instance[a].map_or(&[][..], |i| self.protocol.build(i).completes());
+        let n = match (state.both[a], order.get(usize::from(state.completed[a]))) {
+            (true, Some(name)) => usize::from(*name),
+            _ => usize::from(state.under[a]),
+        };
+        let applies = match state.records[n] {
+            Record::Held { owner, .. } => owner == attempt || !self.protocol.complete_fenced,
+            // Its own complete, applied before (its reply lost): applied, as the stores
+            // answer; another's, only without the fence.
+            Record::Done { owner } => owner == attempt || !self.protocol.complete_fenced,
+            // The lease lapsed and the record went, nobody took over: the stores keep the
+            // response (the conformance kit holds them to it).
+            Record::Absent | Record::Marker { .. } => true,
+        };
+        if lost != Lost::No {
+            state.faults -= 1;
+            if lost == Lost::After && applies {
+                state.records[n] = Record::Done { owner: attempt };
+            }
+            // Its fate unknown: tried again while held, or given up.
+            if !self.protocol.settle_retried {
+                state.steps[a] = Step::Answered(Answer::Response(attempt));
+            }
+            return;
+        }
+        if applies {
+            state.records[n] = Record::Done { owner: attempt };
+        }
+        state.completed[a] += 1;
+        if state.both[a] && !applies {
+            // Fenced out of one placement (taken over there): the response is not the key's,
+            // and is written to no other; what it holds there is let go.
+            for name in order.iter().skip(usize::from(state.completed[a])) {
+                self.release(state, *name, attempt);
+            }
+            state.completed[a] = 2;
+        }
+        if !state.both[a] || usize::from(state.completed[a]) >= order.len() {
+            state.steps[a] = Step::Answered(Answer::Response(attempt));
+        }
+    }
+}
+
 impl Model for OneKey {
     type State = State;
     type Action = Action;
@@ -473,6 +550,8 @@ impl Model for OneKey {
             faults: self.faults,
             ran_beside_a_live_holder: false,
             ran_after_stored: false,
+            found_stored: [None; ATTEMPTS],
+            gave_up: [false; ATTEMPTS],
             freed: [false; ATTEMPTS],
             held_after_abandon: false,
         }]
@@ -528,6 +607,7 @@ impl Model for OneKey {
                     actions.push(Action::Complete { attempt, reply_lost: false });
                     if lossy {
                         actions.push(Action::Complete { attempt, reply_lost: true });
+                        actions.push(Action::CompleteAppliedLost(attempt));
                     }
                 }
                 Step::Answered(_) | Step::Crashed => {}
@@ -576,6 +656,7 @@ impl Model for OneKey {
                     _ => return None,
                 };
                 let name = state.under[a];
+                Self::sees_stored(&mut state, a, name);
                 let reply = self.claim(&mut state, name, attempt);
                 state.steps[a] = Step::Replied { claims, reply };
             }
@@ -597,6 +678,7 @@ impl Model for OneKey {
             Action::GiveUp(attempt) => {
                 let a = usize::from(attempt);
                 state.faults -= 1;
+                state.gave_up[a] = true;
                 // A claim still on the wire may land after its abandon.
                 state.late[a] = matches!(state.steps[a], Step::Claiming { .. });
                 state.steps[a] = Step::Abandoning;
@@ -624,6 +706,7 @@ impl Model for OneKey {
             Action::Look(attempt) => {
                 let a = usize::from(attempt);
                 let other = 1 - state.under[a];
+                Self::sees_stored(&mut state, a, other);
                 let reply = self.claim(&mut state, other, attempt);
                 state.steps[a] = Step::Looked(reply);
             }
@@ -703,46 +786,13 @@ impl Model for OneKey {
                 state.steps[usize::from(attempt)] = Step::Completing;
             }
             Action::Complete { attempt, reply_lost } => {
-                let a = usize::from(attempt);
-                let order =
-                    state.instance[a].map_or(&[][..], |i| self.protocol.build(i).completes());
-                let n = match (state.both[a], order.get(usize::from(state.completed[a]))) {
-                    (true, Some(name)) => usize::from(*name),
-                    _ => usize::from(state.under[a]),
-                };
-                let applies = match state.records[n] {
-                    Record::Held { owner, .. } => {
-                        owner == attempt || !self.protocol.complete_fenced
-                    }
-                    Record::Done { .. } => !self.protocol.complete_fenced,
-                    // The lease lapsed and the record went, nobody took over: the stores keep
-                    // the response (the conformance kit holds them to it).
-                    Record::Absent | Record::Marker { .. } => true,
-                };
-                if reply_lost {
-                    state.faults -= 1;
-                    // Lost before it was applied: tried again while held, or given up.
-                    if !self.protocol.settle_retried {
-                        state.steps[a] = Step::Answered(Answer::Response(attempt));
-                    }
-                    return Some(state);
-                }
-                if applies {
-                    state.records[n] = Record::Done { owner: attempt };
-                }
-                state.completed[a] += 1;
-                if state.both[a] && !applies {
-                    // Fenced out of one placement (taken over there): the response is not the
-                    // key's, and is written to no other; what it holds there is let go.
-                    for name in order.iter().skip(usize::from(state.completed[a])) {
-                        self.release(&mut state, *name, attempt);
-                    }
-                    state.completed[a] = 2;
-                }
-                if !state.both[a] || usize::from(state.completed[a]) >= order.len() {
-                    state.steps[a] = Step::Answered(Answer::Response(attempt));
-                }
+                self.complete(
+                    &mut state,
+                    attempt,
+                    if reply_lost { Lost::Before } else { Lost::No },
+                );
             }
+            Action::CompleteAppliedLost(attempt) => self.complete(&mut state, attempt, Lost::After),
             Action::Lapse(name) => {
                 let n = usize::from(name);
                 let Record::Held { owner, .. } = state.records[n] else { return None };
@@ -815,6 +865,59 @@ impl Model for OneKey {
             Property::eventually("every attempt is answered", |_, state: &State| {
                 state.steps.iter().all(|step| matches!(step, Step::Answered(_) | Step::Crashed))
             }),
+            // Once every attempt is done and the faults are spent, the key is answered: a claim
+            // made then (by a client retrying later) is won, taken over or replayed under every
+            // name, never "in progress" or refused for good.
+            Property::eventually(
+                "the key is answered once every attempt is done",
+                |model: &OneKey, state: &State| {
+                    let done = state
+                        .steps
+                        .iter()
+                        .all(|step| matches!(step, Step::Answered(_) | Step::Crashed));
+                    done && (0..NAMES as u8).all(|name| {
+                        let mut later = state.clone();
+                        !matches!(
+                            model.claim(&mut later, name, u8::MAX),
+                            Reply::InProgress | Reply::Refused
+                        )
+                    })
+                },
+            ),
+            // GUARANTEES.md, "retry after the response was stored": "replayed"; every attempt
+            // whose claim finds a response stored is answered that response (unless its caller
+            // gave up on the reply, or its instance failed it).
+            Property::always(
+                "every attempt that finds a response stored gets it",
+                |_, state: &State| {
+                    (0..ATTEMPTS).all(|a| match (state.found_stored[a], state.steps[a]) {
+                        (Some(owner), Step::Answered(answer)) => {
+                            answer == Answer::Response(owner)
+                                || state.gave_up[a]
+                                || state.excused[a]
+                        }
+                        _ => true,
+                    })
+                },
+            ),
+            // "No client is answered something other than what is, or will be, stored": once
+            // every attempt is done, each response a client was told (but one whose holder was
+            // excused) is the key's stored response.
+            Property::eventually(
+                "every response answered is stored in the end",
+                |_, state: &State| {
+                    let done = state
+                        .steps
+                        .iter()
+                        .all(|step| matches!(step, Step::Answered(_) | Step::Crashed));
+                    done && state.steps.iter().enumerate().all(|(a, step)| match step {
+                        Step::Answered(Answer::Response(r)) => {
+                            state.excused[a] || state.records.contains(&Record::Done { owner: *r })
+                        }
+                        _ => true,
+                    })
+                },
+            ),
         ];
         // GUARANTEES.md, "Redis paused past the command timeout": a claim abandoned before it
         // landed "is refused when it does (by the abandon's marker)". With one fault, one
