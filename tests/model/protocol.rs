@@ -493,10 +493,11 @@ impl OneKey {
             _ => usize::from(state.under[a]),
         };
         let applies = match state.records[n] {
-            Record::Held { owner, .. } => owner == attempt || !self.protocol.complete_fenced,
-            // Its own complete, applied before (its reply lost): applied, as the stores
-            // answer; another's, only without the fence.
-            Record::Done { owner } => owner == attempt || !self.protocol.complete_fenced,
+            // Its own claim; or its own complete, applied before (its reply lost): applied, as
+            // the stores answer. Another's, only without the fence.
+            Record::Held { owner, .. } | Record::Done { owner } => {
+                owner == attempt || !self.protocol.complete_fenced
+            }
             // The lease lapsed and the record went, nobody took over: the stores keep the
             // response (the conformance kit holds them to it).
             Record::Absent | Record::Marker { .. } => true,
