@@ -131,8 +131,16 @@ impl<St, Sc> GrpcIdempotencyLayer<St, Sc> {
     /// original when it fires would be answered `CANCELLED "Timeout expired"`, which no retry
     /// policy lists. With it, a duplicate waits within the shorter of the server's timeout and
     /// its own `grpc-timeout`, less a tenth (at least 50 ms), and is answered `ABORTED` with
-    /// `RetryInfo` first. The original itself is still cut at the server's timeout; its handler
-    /// runs on, once, and a later call replays its reply. Unset by default.
+    /// `RetryInfo` first. The original itself is still cut at the server's timeout; a handler
+    /// whose claim was won runs on to its end, once, and a later call replays its reply (a
+    /// timeout shorter than a claim's round trip cuts the call before anything runs).
+    ///
+    /// The deadline is counted from the call's arrival at this layer, and a tenth of it (at
+    /// least 50 ms) is kept for the last claim and the answer: make this layer the first given
+    /// to the server (`Server::builder().layer(idempotency)` before any other, the outermost),
+    /// since time a layer in front of it spends counts against the server's timeout unseen,
+    /// and keep the timeout well above the store's round trip. Unset by default; set on the
+    /// layer alone, duplicates stop waiting at that deadline all the same.
     ///
     /// ```
     /// use std::time::Duration;

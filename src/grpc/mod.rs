@@ -63,7 +63,9 @@
 //!   without telling it, and a duplicate still waiting when it fires is answered
 //!   `CANCELLED "Timeout expired"`, which no retry policy lists (the handler still runs once;
 //!   a later call replays). Told, the layer counts it as it counts the call's own deadline, and
-//!   the duplicate gets `ABORTED` with `RetryInfo` first. A client retry policy lists `ABORTED`
+//!   the duplicate gets `ABORTED` with `RetryInfo` first, as long as the layers in front of
+//!   this one, and the store's round trip, take less than the tenth it keeps: make it the
+//!   server's first layer. A client retry policy lists `ABORTED`
 //!   beside
 //!   `UNAVAILABLE`, or a waiting duplicate's answer ends the call:
 //!

@@ -51,6 +51,7 @@ mod redis_connections;
 mod redis_tls;
 #[cfg(all(feature = "conformance", feature = "redis"))]
 mod regions;
+#[cfg(all(feature = "conformance", feature = "redis"))]
 mod regions_moves;
 mod request_path;
 #[cfg(feature = "sentinel")]
