@@ -27,8 +27,8 @@ use crate::fingerprint::Fingerprint;
 /// Cloning is cheap: clones share the text.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RecordKey {
+    /// The text; its hash is its last 65 characters but the closing brace.
     full: Arc<str>,
-    hash_start: usize,
     /// The same text, in the placement its store moves to (a `RegionalStore` moving between
     /// region lists routes it by the list moved to): the second claim of a move.
     placed_next: bool,
@@ -70,7 +70,6 @@ impl RecordKey {
         let mut full = String::with_capacity(escaped.len() + 3 + 2 * digest.len());
         full.push_str(escaped);
         full.push_str(":{");
-        let hash_start = full.len();
         const HEX: &[u8; 16] = b"0123456789abcdef";
         let mut hex = [0u8; 64];
         for (pair, byte) in hex.chunks_exact_mut(2).zip(digest) {
@@ -79,7 +78,7 @@ impl RecordKey {
         }
         full.push_str(std::str::from_utf8(&hex).unwrap_or_default());
         full.push('}');
-        Self { full: full.into(), hash_start, placed_next: false }
+        Self { full: full.into(), placed_next: false }
     }
 
     /// A key as a store holds it (`{prefix}:{<64 hex>}`), read back; `None` for any other
@@ -91,7 +90,7 @@ impl RecordKey {
             && full.as_bytes()[hash_start..full.len() - 1]
                 .iter()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b));
-        well_formed.then(|| Self { full: full.into(), hash_start, placed_next: false })
+        well_formed.then(|| Self { full: full.into(), placed_next: false })
     }
 
     /// The same record key in the placement its store moves to, while it moves (the key's
@@ -110,6 +109,11 @@ impl RecordKey {
         Self { placed_next: false, ..self.clone() }
     }
 
+    /// Where the hash begins: 64 hex digits and the closing brace before the end.
+    fn hash_start(&self) -> usize {
+        self.full.len() - 65
+    }
+
     /// The whole key as written to the store.
     #[must_use]
     pub fn as_str(&self) -> &str {
@@ -118,13 +122,13 @@ impl RecordKey {
 
     /// The key's prefix, as written to the store (escaped).
     pub(crate) fn prefix(&self) -> &str {
-        &self.full[..self.hash_start - 2]
+        &self.full[..self.hash_start() - 2]
     }
 
     /// The hex hash alone: what logs show in place of the key.
     #[must_use]
     pub fn hash(&self) -> &str {
-        &self.full[self.hash_start..self.full.len() - 1]
+        &self.full[self.hash_start()..self.full.len() - 1]
     }
 }
 
