@@ -134,11 +134,11 @@ impl<St: Store + Clone + 'static> Engine<St> {
             drop(fleet.announcing.lock().await);
             return Ok(());
         };
-        let next = Instant::now() + placement::announce_every(self.settings.lease);
         let phase = match Phase::of_door(&self.settings.hashing, self.store.placement()) {
             Ok(phase) => phase,
             Err(why) => {
                 tracing::error!(%why, "idempotency: this instance cannot serve; its requests are refused");
+                let next = Instant::now() + placement::announce_every(self.settings.lease);
                 fleet.learned(Known::Disagrees { why: why.into(), next });
                 return Ok(());
             }

@@ -256,6 +256,27 @@ async fn a_transaction_of_a_key_changing_home_is_refused_before_it_writes() {
         .unwrap();
     let outcomes = DurableOutcomes::new(pool.clone());
     outcomes.migrate().await.unwrap();
+    // One payment through `door`, committed in `committer`'s transaction (a `PostgresStore`,
+    // or `DurableOutcomes`: two types, one shape).
+    macro_rules! pay {
+        ($door:expr, $committer:expr, $code:expr) => {{
+            let (committer, code) = ($committer.clone(), $code);
+            let insert = "INSERT INTO payments (code) VALUES ($1)";
+            $door
+                .run("payments", &code.clone(), b"{}", move |context| async move {
+                    committer
+                        .transaction(&context, |tx| {
+                            Box::pin(async move {
+                                sqlx::query(insert).bind(code).execute(&mut *tx).await?;
+                                Ok::<_, sqlx::Error>(axum::Json(1_u32))
+                            })
+                        })
+                        .await
+                        .map(|axum::Json(paid)| paid)
+                })
+                .await
+        }};
+    }
     let count = async || -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM payments").fetch_one(&pool).await.unwrap()
     };
@@ -267,21 +288,7 @@ async fn a_transaction_of_a_key_changing_home_is_refused_before_it_writes() {
         let (mut refused, mut committed) = (0, 0);
         let before = count().await;
         for i in 0..20 {
-            let (ledger, code) = (ledger.clone(), format!("evt{round}-{i}"));
-            let paid = door
-                .run("payments", &code.clone(), b"{}", move |context| async move {
-                    let insert = "INSERT INTO payments (code) VALUES ($1)";
-                    ledger
-                        .transaction(&context, |tx| {
-                            Box::pin(async move {
-                                sqlx::query(insert).bind(code).execute(&mut *tx).await?;
-                                Ok::<_, sqlx::Error>(axum::Json(1_u32))
-                            })
-                        })
-                        .await
-                        .map(|axum::Json(paid)| paid)
-                })
-                .await;
+            let paid = pay!(door, ledger, format!("evt{round}-{i}"));
             match paid {
                 Ok(_) => committed += 1,
                 Err(error) => {
@@ -299,21 +306,7 @@ async fn a_transaction_of_a_key_changing_home_is_refused_before_it_writes() {
         // Beside the store: every key commits, on either deploy.
         let door = Idempotent::new(store).recover(outcomes.clone());
         for i in 0..20 {
-            let (outcomes, code) = (outcomes.clone(), format!("beside{round}-{i}"));
-            let paid = door
-                .run("payments", &code.clone(), b"{}", move |context| async move {
-                    let insert = "INSERT INTO payments (code) VALUES ($1)";
-                    outcomes
-                        .transaction(&context, |tx| {
-                            Box::pin(async move {
-                                sqlx::query(insert).bind(code).execute(&mut *tx).await?;
-                                Ok::<_, sqlx::Error>(axum::Json(1_u32))
-                            })
-                        })
-                        .await
-                        .map(|axum::Json(paid)| paid)
-                })
-                .await;
+            let paid = pay!(door, outcomes, format!("beside{round}-{i}"));
             assert!(paid.is_ok(), "{deploy:?} {i}: {paid:?}");
         }
     }
